@@ -1,0 +1,140 @@
+"""Errors raised by the artifact store.
+
+Every message names what was wrong (file, field, run, id) and how to fix it, because these errors
+surface in Prefect's UI far away from the code that caused them. The classes also derive from the
+matching builtin (FileNotFoundError, FileExistsError, ValueError) so generic callers still work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ArtifactError(Exception):
+    """Base class of every error raised by `artifacts`."""
+
+
+def format_ids(ids: Iterable[int]) -> str:
+    """Compact listing of ids ("0-99, 120, 122-130"): a run can hold thousands of rollouts."""
+    ordered = sorted(set(ids))
+    if not ordered:
+        return "none"
+    spans: list[str] = []
+    start = prev = ordered[0]
+    for value in ordered[1:]:
+        if value == prev + 1:
+            prev = value
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = value
+    spans.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(spans)
+
+
+class ArtifactNotFound(ArtifactError, FileNotFoundError):
+    """No committed artifact (no manifest) at the requested run/split/rollout id."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        root: str | None = None,
+        run: str | None = None,
+        split: str | None = None,
+        rollout_id: int | None = None,
+        existing_ids: list[int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.root = root
+        self.run = run
+        self.split = split
+        self.rollout_id = rollout_id
+        self.existing_ids = existing_ids or []
+
+    def __str__(self) -> str:
+        # OSError's __str__ would prefix an errno; keep the plain message.
+        return str(self.args[0]) if self.args else ""
+
+    @classmethod
+    def for_rollout(
+        cls,
+        *,
+        root: str,
+        run: str,
+        split: str,
+        rollout_id: int,
+        existing_ids: list[int],
+        existing_runs: list[str] | None = None,
+    ) -> "ArtifactNotFound":
+        if existing_ids:
+            hint = f"committed {split} rollout ids of run {run!r}: {format_ids(existing_ids)}"
+        else:
+            runs = ", ".join(repr(r) for r in existing_runs or []) or "none"
+            hint = (
+                f"run {run!r} has no committed {split} rollouts under this root (runs there: {runs}); "
+                "check the run name, split and root, or run the rollout first"
+            )
+        return cls(
+            f"no {split} rollout artifact {rollout_id} for run {run!r} under root {root!r}: "
+            f"manifest.json is missing (an artifact exists only once its manifest is committed); {hint}",
+            root=root,
+            run=run,
+            split=split,
+            rollout_id=rollout_id,
+            existing_ids=existing_ids,
+        )
+
+
+class ArtifactCorrupt(ArtifactError):
+    """A payload file does not match the sha256/size its manifest recorded."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        expected_sha256: str,
+        actual_sha256: str | None,
+        expected_size: int,
+        actual_size: int | None,
+    ) -> None:
+        self.uri = uri
+        self.expected_sha256 = expected_sha256
+        self.actual_sha256 = actual_sha256
+        self.expected_size = expected_size
+        self.actual_size = actual_size
+        if actual_size is None:
+            found = "the file is missing"
+        else:
+            found = f"found sha256={actual_sha256} size={actual_size}"
+        super().__init__(
+            f"checksum mismatch for {uri}: manifest expects sha256={expected_sha256} "
+            f"size={expected_size}, {found}. The artifact is damaged (partial copy, disk error or "
+            "edited by hand); committed artifacts are never repaired in place: regenerate it "
+            "(rerun the rollout into a new run or id) or restore the folder from a backup copy."
+        )
+
+
+class ArtifactExists(ArtifactError, FileExistsError):
+    """A write targeted a rollout id whose manifest is already committed."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        super().__init__(
+            f"rollout artifact {uri} is already committed (manifest.json exists) and committed "
+            "artifacts are immutable: write the new data under a new rollout id, or start a new "
+            "version of the run under another run name (e.g. '<run>-v2'); to really replace it, "
+            "delete the folder yourself first."
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ArtifactSchemaError(ArtifactError, ValueError):
+    """Manifest or parquet content (or a sample being written) breaks the data contract."""
+
+    def __init__(self, message: str, *, field: str | None = None, uri: str | None = None) -> None:
+        self.field = field
+        self.uri = uri
+        where = f"{uri}: " if uri else ""
+        super().__init__(f"{where}{message}")

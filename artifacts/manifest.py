@@ -1,0 +1,203 @@
+"""The manifest: the small JSON document whose presence commits a rollout artifact.
+
+It records what was produced (run, split, rollout id, sample counts), by what (rollflow version and
+git sha, engine backend/model/weight version, config hash) and the sha256 + size of every payload
+file, so a load can prove it reads exactly what was written (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ArtifactSchemaError
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def utc_now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    sha256: str
+    size: int = Field(ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        # The name is joined onto the artifact folder on load: a separator or ".." would let a
+        # tampered manifest point the checksum check at some other file.
+        if not value or "/" in value or "\\" in value or value in (".", ".."):
+            raise ValueError(f"file name {value!r} must be a plain file name inside the artifact folder")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str) -> str:
+        if not _SHA256_RE.match(value):
+            raise ValueError(f"sha256 {value!r} is not 64 lowercase hex digits")
+        return value
+
+
+class ProducerInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "rollflow"
+    version: str
+    git_sha: str | None = None
+
+
+class EngineInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str
+    model: str
+    weight_version: int = Field(ge=0)
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    rollout_id: int = Field(ge=0)
+    split: Literal["train", "eval"]
+    n_samples: int = Field(ge=0)
+    n_samples_per_prompt: int = Field(ge=1)
+    created_at: str = Field(default_factory=utc_now_iso)
+    producer: ProducerInfo
+    engine: EngineInfo
+    config_hash: str = Field(min_length=1)
+    files: list[FileEntry]
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value not in SUPPORTED_SCHEMA_VERSIONS:
+            raise ValueError(_unsupported_version_message(value))
+        return value
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc_iso(cls, value: str) -> str:
+        try:
+            parsed = _dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"created_at {value!r} is not an ISO-8601 timestamp") from None
+        if parsed.utcoffset() != _dt.timedelta(0):
+            raise ValueError(f"created_at {value!r} must be in UTC (e.g. '2025-01-01T00:00:00+00:00')")
+        return value
+
+    @field_validator("files")
+    @classmethod
+    def _unique_names(cls, value: list[FileEntry]) -> list[FileEntry]:
+        names = [entry.name for entry in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"files lists {dupes} more than once")
+        return value
+
+    def file(self, name: str) -> FileEntry:
+        for entry in self.files:
+            if entry.name == name:
+                return entry
+        raise ArtifactSchemaError(
+            f"manifest of {self.split} rollout {self.rollout_id} (run {self.run!r}) lists no file "
+            f"{name!r}; it lists {[e.name for e in self.files]}",
+            field="files",
+        )
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(indent=2).encode("utf-8") + b"\n"
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, *, uri: str | None = None) -> "Manifest":
+        """Parse a manifest; every failure is an ArtifactSchemaError naming the field."""
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ArtifactSchemaError(
+                f"manifest is not valid JSON ({exc})", field="manifest", uri=uri
+            ) from None
+        if not isinstance(raw, dict):
+            raise ArtifactSchemaError("manifest must be a JSON object", field="manifest", uri=uri)
+        # Check the version first: a newer writer's manifest would otherwise be reported as a
+        # list of unknown fields, hiding the real cause (and fix: upgrade rollflow).
+        version = raw.get("schema_version", SCHEMA_VERSION)
+        if version not in SUPPORTED_SCHEMA_VERSIONS:
+            raise ArtifactSchemaError(_unsupported_version_message(version), field="schema_version", uri=uri)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise schema_error_from_validation(exc, uri=uri) from None
+
+
+def _unsupported_version_message(value: Any) -> str:
+    supported = ", ".join(str(v) for v in sorted(SUPPORTED_SCHEMA_VERSIONS))
+    return (
+        f"schema_version {value!r} is not supported by this rollflow (it reads {supported}); "
+        "upgrade rollflow to read artifacts written by a newer version"
+    )
+
+
+def schema_error_from_validation(exc: ValidationError, *, uri: str | None = None) -> ArtifactSchemaError:
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "manifest"
+    details = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'manifest'}: {err['msg']}" for err in exc.errors()
+    )
+    return ArtifactSchemaError(f"invalid manifest field {field!r}: {details}", field=field, uri=uri)
+
+
+def _git_sha(source_dir: Path) -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=source_dir,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = proc.stdout.split()
+    if proc.returncode != 0 or len(lines) != 2:
+        return None
+    toplevel, sha = lines
+    # An installed copy inside some other repository (a venv in a user's project) would otherwise
+    # report that repository's commit: only trust a checkout whose top level holds this package.
+    try:
+        if Path(toplevel).resolve() != source_dir.resolve().parent:
+            return None
+    except OSError:
+        return None
+    return sha if re.fullmatch(r"[0-9a-f]{40,64}", sha) else None
+
+
+def producer_info() -> ProducerInfo:
+    """Describe this rollflow build. Never raises: provenance is best effort."""
+    try:
+        version = importlib.metadata.version("rollflow")
+    except Exception:  # PackageNotFoundError, or broken metadata in odd installs
+        version = "0.0.0+unknown"
+    try:
+        sha = _git_sha(Path(__file__).resolve().parent)
+    except Exception:
+        sha = None
+    return ProducerInfo(version=version, git_sha=sha)

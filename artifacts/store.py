@@ -1,0 +1,540 @@
+"""The rollout artifact store: fsspec-backed, write-once, checksum-verified.
+
+Layout (DESIGN.md section 2)::
+
+    {root}/{run}/rollouts/{split}/{rollout_id:06d}/manifest.json
+                                                  /samples.parquet
+
+Commit protocol: the payload is written first and the manifest last; only a manifest makes an
+artifact exist, so a crash mid-write leaves an invisible, overwritable folder. Committed artifacts
+are immutable and every load verifies sha256 + size of every payload file before parsing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import uuid
+from collections.abc import Iterable
+from typing import IO, Any
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
+
+from .codec import samples_from_parquet_bytes, samples_to_parquet_bytes
+from .errors import ArtifactCorrupt, ArtifactExists, ArtifactNotFound, ArtifactSchemaError
+from .manifest import (
+    EngineInfo,
+    FileEntry,
+    Manifest,
+    ProducerInfo,
+    producer_info,
+    schema_error_from_validation,
+)
+from .sample import Sample
+
+MANIFEST_NAME = "manifest.json"
+SAMPLES_NAME = "samples.parquet"
+SPLITS = ("train", "eval")
+
+_RUN_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_MAX_RUN_LEN = 200
+
+
+# ----------------------------------------------------------------------------- names and URIs
+
+
+def validate_run(run: Any) -> str:
+    if not isinstance(run, str) or not run:
+        raise ValueError(f"run={run!r}: the run name must be a non-empty string")
+    if "/" in run or "\\" in run:
+        raise ValueError(f"run={run!r}: the run name must not contain '/' (it is one folder under the root)")
+    if ".." in run or run == ".":
+        raise ValueError(f"run={run!r}: the run name must not be '.' or contain '..'")
+    if not _RUN_RE.match(run) or len(run) > _MAX_RUN_LEN:
+        raise ValueError(
+            f"run={run!r}: use only letters, digits, '.', '_' and '-' (at most {_MAX_RUN_LEN} characters), "
+            "e.g. 'grpo-qwen2-0.5b_seed1'"
+        )
+    return run
+
+
+def validate_split(split: Any) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
+    return str(split)
+
+
+def validate_rollout_id(rollout_id: Any) -> int:
+    if isinstance(rollout_id, bool) or not isinstance(rollout_id, int) or rollout_id < 0:
+        raise ValueError(f"rollout_id={rollout_id!r}: expected an integer >= 0")
+    return rollout_id
+
+
+def normalize_root(root: str) -> str:
+    """Canonical spelling of a root, so refs made from equal roots compare equal.
+
+    Plain paths become absolute: an artifact URI is handed to other processes (Prefect tasks,
+    Ray workers) whose working directory may differ.
+    """
+    if not isinstance(root, str) or not root.strip():
+        raise ValueError(
+            f"root={root!r}: expected a non-empty path or fsspec URL (file://, s3://, memory://)"
+        )
+    if "://" in root:
+        protocol, rest = root.split("://", 1)
+        return f"{protocol}://{rest.rstrip('/')}"
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def join_uri(root: str, *parts: str) -> str:
+    base = root if root.endswith("/") else root + "/"
+    return base + "/".join(parts)
+
+
+def _protocol(root: str) -> str:
+    return root.split("://", 1)[0] if "://" in root else "file"
+
+
+def _rollout_parts(run: str, split: str, rollout_id: int) -> tuple[str, ...]:
+    return (run, "rollouts", split, f"{rollout_id:06d}")
+
+
+# ----------------------------------------------------------------------------- refs and artifacts
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactRef:
+    """Where one committed rollout lives; small and JSON-able, so Prefect results can hold it."""
+
+    root: str
+    run: str
+    split: str
+    rollout_id: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", normalize_root(self.root))
+        validate_run(self.run)
+        validate_split(self.split)
+        validate_rollout_id(self.rollout_id)
+
+    @property
+    def uri(self) -> str:
+        return join_uri(self.root, *_rollout_parts(self.run, self.split, self.rollout_id))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "run": self.run, "split": self.split, "rollout_id": self.rollout_id}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ArtifactRef":
+        expected = {"root", "run", "split", "rollout_id"}
+        missing, unknown = expected - set(data), set(data) - expected
+        if missing or unknown:
+            raise ValueError(
+                f"ArtifactRef.from_dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
+                f"expected exactly {sorted(expected)}"
+            )
+        return cls(root=data["root"], run=data["run"], split=data["split"], rollout_id=data["rollout_id"])
+
+    @classmethod
+    def from_uri(cls, uri: str) -> "ArtifactRef":
+        """Parse an artifact folder URI (or its manifest.json URI) back into a ref."""
+        text = uri.rstrip("/")
+        if text.endswith("/" + MANIFEST_NAME):
+            text = text[: -len(MANIFEST_NAME) - 1]
+        parts = text.split("/")
+        layout = "{root}/{run}/rollouts/{split}/{rollout_id:06d}"
+        if len(parts) < 5 or parts[-3] != "rollouts":
+            raise ValueError(f"uri={uri!r} is not a rollout artifact folder; expected {layout}")
+        run, _, split, id_text = parts[-4:]
+        if not (id_text.isascii() and id_text.isdigit()):
+            raise ValueError(
+                f"uri={uri!r}: last component {id_text!r} is not a rollout id; expected {layout}"
+            )
+        root = text[: len(text) - len("/".join(parts[-4:]))]
+        return cls(root=root, run=run, split=split, rollout_id=int(id_text))
+
+
+@dataclasses.dataclass
+class RolloutArtifact:
+    manifest: Manifest
+    samples: list[Sample]
+    # Set by RolloutStore.load; an artifact assembled in memory has no location yet.
+    root: str | None = None
+
+    @property
+    def ref(self) -> ArtifactRef:
+        if self.root is None:
+            raise ValueError(
+                "RolloutArtifact.ref: this artifact has no root (it was not loaded from a store); "
+                "write it with RolloutStore.write to get a ref"
+            )
+        return ArtifactRef(self.root, self.manifest.run, self.manifest.split, self.manifest.rollout_id)
+
+
+# ----------------------------------------------------------------------------- local-disk primitives
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _write_local_temp(path: str, data: bytes) -> str:
+    """Write `data` durably to a unique hidden sibling of `path` and return its name."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    return tmp
+
+
+def _write_local_atomic(path: str, data: bytes) -> None:
+    tmp = _write_local_temp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+
+
+def _create_local_exclusive(path: str, data: bytes) -> bool:
+    """Create `path` with `data` unless it exists; False if it did. Readers never see a partial file.
+
+    A hard link of a complete temp file is both atomic and no-clobber. Filesystems without hard
+    links fall back to O_EXCL, which is still exclusive but may expose a half-written file briefly.
+    """
+    tmp = _write_local_temp(path, data)
+    try:
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+    finally:
+        _unlink_quiet(tmp)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class RolloutStore:
+    """Rollout artifacts (and other run files) under one fsspec root.
+
+    Concurrency: on local disks the manifest is created exclusively, so of two writers of the same
+    id exactly one commits and the other gets ArtifactExists. The loser may already have replaced
+    samples.parquet; the committed manifest then fails its checksum on load (ArtifactCorrupt), so
+    the race is detected, never silently read. On object stores the manifest is an existence
+    check followed by a plain PUT (no atomic rename or create-if-absent through fsspec), so two
+    racing writers can both "commit"; closing that needs conditional PUT (If-None-Match) - issue 5.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.root = normalize_root(root)
+        self.storage_options = dict(storage_options or {})
+        self._fs, self._base = url_to_fs(self.root, **self.storage_options)
+        self._local = isinstance(self._fs, LocalFileSystem)
+        self._producer: ProducerInfo | None = None
+
+    def __repr__(self) -> str:
+        return f"RolloutStore({self.root!r})"
+
+    # -- paths
+
+    def _path(self, *parts: str) -> str:
+        return "/".join((self._base.rstrip("/"), *parts))
+
+    def _artifact_path(self, run: str, split: str, rollout_id: int) -> str:
+        return self._path(*_rollout_parts(run, split, rollout_id))
+
+    def artifact_uri(self, run: str, split: str, rollout_id: int) -> str:
+        return ArtifactRef(self.root, run, split, rollout_id).uri
+
+    def run_uri(self, run: str) -> str:
+        return join_uri(self.root, validate_run(run))
+
+    def path_uri(self, rel: str) -> str:
+        return join_uri(self.root, _validate_rel(rel))
+
+    # -- low-level IO
+
+    def _exists(self, path: str) -> bool:
+        # Object-store filesystems cache listings; a stale cache would hide a fresh commit.
+        self._fs.invalidate_cache(path)
+        return bool(self._fs.exists(path))
+
+    def _put(self, path: str, data: bytes) -> None:
+        if self._local:
+            _write_local_atomic(path, data)
+        else:
+            self._fs.pipe_file(path, data)
+
+    def _producer_info(self) -> ProducerInfo:
+        # Resolved once per store: it runs `git` and the answer cannot change within a process.
+        if self._producer is None:
+            self._producer = producer_info()
+        return self._producer
+
+    # -- rollout artifacts
+
+    def write(
+        self,
+        run: str,
+        split: str,
+        rollout_id: int,
+        samples: Iterable[Sample],
+        *,
+        n_samples_per_prompt: int,
+        engine: EngineInfo,
+        config_hash: str,
+        extra: dict[str, Any] | None = None,
+    ) -> ArtifactRef:
+        """Commit one rollout. Raises ArtifactExists if this id is already committed."""
+        ref = ArtifactRef(self.root, run, split, rollout_id)
+        samples = list(samples)
+        for position, sample in enumerate(samples):
+            if not isinstance(sample, Sample):
+                raise ArtifactSchemaError(
+                    f"samples[{position}] is a {type(sample).__name__}, expected artifacts.Sample "
+                    "(build one with Sample(...) or Sample.from_dict)",
+                    field="samples",
+                )
+            try:
+                sample.validate()
+            except ValueError as exc:
+                raise ArtifactSchemaError(f"samples[{position}]: {exc}", field="samples") from None
+
+        folder = self._artifact_path(run, split, rollout_id)
+        manifest_path = f"{folder}/{MANIFEST_NAME}"
+        # Fail before any byte is written: a committed artifact's folder must never be touched.
+        if self._exists(manifest_path):
+            raise ArtifactExists(ref.uri)
+
+        payload = samples_to_parquet_bytes(samples)
+        try:
+            manifest = Manifest(
+                run=run,
+                rollout_id=rollout_id,
+                split=split,  # type: ignore[arg-type]
+                n_samples=len(samples),
+                n_samples_per_prompt=n_samples_per_prompt,
+                producer=self._producer_info(),
+                engine=engine,
+                config_hash=config_hash,
+                files=[
+                    FileEntry(
+                        name=SAMPLES_NAME, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload)
+                    )
+                ],
+                extra=extra or {},
+            )
+            manifest_bytes = manifest.to_json_bytes()
+        except ValidationError as exc:
+            raise schema_error_from_validation(exc, uri=ref.uri) from None
+        except PydanticSerializationError as exc:
+            raise ArtifactSchemaError(
+                f"extra is not JSON-serializable ({exc}); use JSON types only", field="extra", uri=ref.uri
+            ) from None
+
+        # A leftover payload from a crashed write has no manifest, so overwriting it is safe.
+        self._put(f"{folder}/{SAMPLES_NAME}", payload)
+        self._commit_manifest(manifest_path, manifest_bytes, uri=ref.uri)
+        return ref
+
+    def _commit_manifest(self, path: str, data: bytes, *, uri: str) -> None:
+        """The commit point: after this returns the artifact exists."""
+        if self._local:
+            if not _create_local_exclusive(path, data):
+                raise ArtifactExists(uri)
+            return
+        if self._exists(path):
+            raise ArtifactExists(uri)
+        self._fs.pipe_file(path, data)
+
+    def manifest(self, run: str, split: str, rollout_id: int) -> Manifest:
+        ref = ArtifactRef(self.root, run, split, rollout_id)
+        path = f"{self._artifact_path(run, split, rollout_id)}/{MANIFEST_NAME}"
+        try:
+            data = self._fs.cat_file(path)
+        except FileNotFoundError:
+            existing_ids = self.list_ids(run, split)
+            raise ArtifactNotFound.for_rollout(
+                root=self.root,
+                run=run,
+                split=split,
+                rollout_id=rollout_id,
+                existing_ids=existing_ids,
+                # A typo in the run name is the usual cause when the run has nothing at all.
+                existing_runs=None if existing_ids else self.list_runs(),
+            ) from None
+        manifest_uri = join_uri(ref.uri, MANIFEST_NAME)
+        manifest = Manifest.from_json_bytes(data, uri=manifest_uri)
+        # The run name is not checked: copying a run folder under a new name is legitimate, while
+        # a split or id mismatch means a training step would consume the wrong rollout.
+        checks = (("split", manifest.split, split), ("rollout_id", manifest.rollout_id, rollout_id))
+        for field, found, wanted in checks:
+            if found != wanted:
+                raise ArtifactSchemaError(
+                    f"manifest says {field}={found!r} but it is stored at {field}={wanted!r}; the folder "
+                    "was moved or copied by hand: move it back or regenerate the rollout",
+                    field=field,
+                    uri=manifest_uri,
+                )
+        return manifest
+
+    def _read_verified(self, folder: str, entry: FileEntry, file_uri: str) -> bytes:
+        try:
+            data = self._fs.cat_file(f"{folder}/{entry.name}")
+        except FileNotFoundError:
+            raise ArtifactCorrupt(
+                file_uri,
+                expected_sha256=entry.sha256,
+                actual_sha256=None,
+                expected_size=entry.size,
+                actual_size=None,
+            ) from None
+        actual_sha = hashlib.sha256(data).hexdigest()
+        if len(data) != entry.size or actual_sha != entry.sha256:
+            raise ArtifactCorrupt(
+                file_uri,
+                expected_sha256=entry.sha256,
+                actual_sha256=actual_sha,
+                expected_size=entry.size,
+                actual_size=len(data),
+            )
+        return data
+
+    def load(self, run: str, split: str, rollout_id: int) -> RolloutArtifact:
+        """Read a committed rollout, verifying every payload checksum before parsing anything."""
+        manifest = self.manifest(run, split, rollout_id)
+        uri = self.artifact_uri(run, split, rollout_id)
+        folder = self._artifact_path(run, split, rollout_id)
+        entry = manifest.file(SAMPLES_NAME)
+        payloads = {e.name: self._read_verified(folder, e, join_uri(uri, e.name)) for e in manifest.files}
+        try:
+            samples = samples_from_parquet_bytes(payloads[entry.name])
+        except ArtifactSchemaError as exc:
+            raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, entry.name)) from None
+        if len(samples) != manifest.n_samples:
+            raise ArtifactSchemaError(
+                f"manifest says n_samples={manifest.n_samples} but {SAMPLES_NAME} holds {len(samples)} rows",
+                field="n_samples",
+                uri=uri,
+            )
+        return RolloutArtifact(manifest=manifest, samples=samples, root=self.root)
+
+    def load_uri(self, uri: str) -> RolloutArtifact:
+        """Load from an artifact folder URI (ArtifactRef.uri), possibly under another root."""
+        ref = ArtifactRef.from_uri(uri)
+        if ref.root == self.root:
+            return self.load(ref.run, ref.split, ref.rollout_id)
+        # Credentials only make sense for the same kind of filesystem.
+        options = self.storage_options if _protocol(ref.root) == _protocol(self.root) else None
+        return RolloutStore(ref.root, options).load(ref.run, ref.split, ref.rollout_id)
+
+    def exists(self, run: str, split: str, rollout_id: int) -> bool:
+        ArtifactRef(self.root, run, split, rollout_id)
+        return self._exists(f"{self._artifact_path(run, split, rollout_id)}/{MANIFEST_NAME}")
+
+    def list_ids(self, run: str, split: str) -> list[int]:
+        """Committed rollout ids, ascending. Folders without a manifest (crashed writes) are skipped."""
+        validate_run(run)
+        validate_split(split)
+        split_dir = self._path(run, "rollouts", split)
+        self._fs.invalidate_cache(split_dir)
+        try:
+            # One recursive listing (a single LIST on object stores) instead of one HEAD per id;
+            # `find` rather than `glob` because a root may contain glob metacharacters.
+            found = self._fs.find(split_dir, maxdepth=2)
+        except FileNotFoundError:
+            return []
+        ids = set()
+        for path in found:
+            parts = path.rstrip("/").split("/")
+            if len(parts) >= 2 and parts[-1] == MANIFEST_NAME and parts[-2].isascii() and parts[-2].isdigit():
+                ids.add(int(parts[-2]))
+        return sorted(ids)
+
+    def list_runs(self) -> list[str]:
+        """Run folders under the root (any run with files, committed rollouts or not)."""
+        base = self._base.rstrip("/") or "/"
+        self._fs.invalidate_cache(base)
+        try:
+            entries = self._fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        runs = []
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") == "directory" and _is_valid_run(name):
+                runs.append(name)
+        return sorted(runs)
+
+    # -- generic run files (checkpoints index, metrics, reports): paths relative to the root
+
+    def open(self, rel: str, mode: str = "rb") -> IO[Any]:
+        path = self._path(_validate_rel(rel))
+        if self._local and any(flag in mode for flag in "wax"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        return self._fs.open(path, mode)
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """Write (replace) a run file; atomic on local disks. Returns its URI."""
+        self._put(self._path(_validate_rel(rel)), data)
+        return self.path_uri(rel)
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            return self._fs.cat_file(self._path(_validate_rel(rel)))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no file {rel!r} under root {self.root!r} ({self.path_uri(rel)})"
+            ) from None
+
+    def exists_path(self, rel: str) -> bool:
+        return self._exists(self._path(_validate_rel(rel)))
+
+
+def _is_valid_run(name: str) -> bool:
+    try:
+        validate_run(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate_rel(rel: Any) -> str:
+    if not isinstance(rel, str) or not rel:
+        raise ValueError(f"path={rel!r}: expected a non-empty path relative to the store root")
+    parts = rel.split("/")
+    if rel.startswith("/") or "://" in rel or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(
+            f"path={rel!r}: expected a relative path like '<run>/metrics.json' (no leading '/', "
+            "no empty, '.' or '..' components, no URL scheme)"
+        )
+    return rel

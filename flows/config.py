@@ -1,0 +1,130 @@
+"""`RunConfig`: the single, validated parameter object of every flow (rendered as a form in the UI)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.rollout.settings import DataConfig, RolloutConfig
+from tasks.train.settings import AlgoConfig, OptimConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    path: str = Field("builtin:addition", description="'builtin:addition' or a local HF model directory")
+
+
+class StoreConfig(_Strict):
+    root: str = Field("runs", description="artifact root: a local path or any fsspec URL (file://, s3://)")
+
+
+class RayConfig(_Strict):
+    address: Optional[str] = Field(None, description="Ray cluster address; None starts a local Ray")
+    num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the local Ray (None = all)")
+
+
+class RunConfig(_Strict):
+    run: str = Field("demo", description="run name: the namespace of artifacts, checkpoints and actors")
+    iterations: int = Field(12, ge=1, description="RL iterations (one rollout each)")
+    checkpoint_every: int = Field(1, ge=1)
+    eval_every: int = Field(0, ge=0, description="greedy eval every k iterations (0 = off)")
+    resume: bool = Field(True, description="continue after the last committed checkpoint of this run")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: OptimConfig = OptimConfig()
+    store: StoreConfig = StoreConfig()
+    ray: RayConfig = RayConfig()
+
+    @field_validator("run")
+    @classmethod
+    def _run_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
+            raise ValueError(f"run={value!r}: use letters, digits, '.', '_' or '-' (it names folders and actors)")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        total = self.data.prompts_per_rollout * self.rollout.n_samples_per_prompt
+        if self.train.num_steps_per_rollout > total:
+            raise ValueError(
+                f"train.num_steps_per_rollout={self.train.num_steps_per_rollout} exceeds the samples per rollout "
+                f"(data.prompts_per_rollout * rollout.n_samples_per_prompt = {total})"
+            )
+        if self.algo.advantage_estimator == "rloo" and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError("algo.advantage_estimator='rloo' needs rollout.n_samples_per_prompt >= 2")
+        return self
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+    def train_hash(self) -> str:
+        """Hash of what changes training results (not the run name, iteration count or store)."""
+        part = {"model": self.model.model_dump(), "algo": self.algo.model_dump(), "train": self.train.model_dump(),
+                "temperature": self.rollout.temperature}
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (field names and fixes)."""
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `rollflow config` prints every field)"
+        lines.append(f"{where}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_value(raw: str) -> Any:
+    """CLI override values: JSON when it parses (numbers, bools, null), else the string."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> RunConfig:
+    """RunConfig from an optional JSON/YAML-less JSON file plus `key.sub=value` overrides."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data.update(json.loads(p.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid JSON: {exc}") from exc
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-4")
+        set_dotted(data, key.strip(), parse_value(raw))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None

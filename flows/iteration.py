@@ -1,0 +1,111 @@
+"""`rl_iteration`: generate -> reward -> persist -> train -> checkpoint -> sync, one flow run.
+
+Tasks are thin: they call the run's actors and exchange artifact references, never tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from artifacts.manifest import EngineInfo
+from artifacts.sample import Sample
+from artifacts.store import ArtifactRef, RolloutStore
+from flows import reporting
+from flows.config import RunConfig
+from flows.group import ENGINE, TRAINER, require
+from tasks.rollout.rewards import resolve_reward_fn, score_samples
+from tasks.sync.parity import compare
+
+
+@task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False) -> list[Sample]:
+    return require(cfg, ENGINE).call("rollout", rollout_id, split, greedy=greedy)
+
+
+@task(name="reward", cache_policy=NO_CACHE)
+def reward_task(cfg: RunConfig, samples: list[Sample]) -> list[Sample]:
+    return score_samples(samples, resolve_reward_fn(cfg.rollout.reward), reward_key=cfg.rollout.reward_key)
+
+
+@task(name="persist", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[1, 2, 4])
+def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: str = "train") -> dict:
+    store = RolloutStore(cfg.store.root)
+    if store.exists(cfg.run, split, rollout_id):
+        # A retry after a commit whose acknowledgement was lost: the committed artifact stands.
+        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
+    engine = require(cfg, ENGINE).call("describe")
+    info = EngineInfo(backend=engine["backend"], model=engine["model"], weight_version=int(engine["weight_version"]))
+    n = 1 if split == "eval" else cfg.rollout.n_samples_per_prompt
+    ref = store.write(cfg.run, split, rollout_id, samples, n_samples_per_prompt=n, engine=info,
+                      config_hash=cfg.config_hash())
+    return ref.to_dict()
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
+    return require(cfg, TRAINER).call("train_on_artifact", ref)
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
+    return require(cfg, TRAINER).call("save_checkpoint", iteration)
+
+
+@task(name="sync", cache_policy=NO_CACHE)
+def sync_task(cfg: RunConfig, weight_version: int) -> dict:
+    """Trainer weights -> engine (actor to actor), then every tensor's checksum compared."""
+    trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
+    version = engine.call("update_weights", trainer.submit("named_weights"), weight_version)
+    report = compare(trainer.call("weight_checksums"), engine.call("weight_checksums"))
+    if not report.ok:
+        raise RuntimeError(report.summary())
+    return report.to_dict() | {"weight_version": version}
+
+
+def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False) -> dict:
+    """The committed artifact of this id if there is one (resume never regenerates), else a new one."""
+    store = RolloutStore(cfg.store.root)
+    if store.exists(cfg.run, split, rollout_id):
+        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
+    reporting.stage("generate")
+    samples = generate_task(cfg, rollout_id, split, greedy)
+    reporting.stage("reward")
+    samples = reward_task(cfg, samples)
+    reporting.stage("persist")
+    return persist_task(cfg, rollout_id, samples, split)
+
+
+def eval_metrics(cfg: RunConfig, rollout_id: int) -> dict[str, float]:
+    ref = committed_or_generate(cfg, rollout_id, "eval", greedy=True)
+    samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
+    return {"eval/accuracy": sum(s.scalar_reward() for s in samples) / len(samples)}
+
+
+@flow(name="rl_iteration", log_prints=True)
+def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
+    """One RL iteration on rollout `rollout_id`; afterwards the engine holds weight version rollout_id + 1."""
+    started = time.perf_counter()
+    iteration = rollout_id + 1
+    row: dict = {"iteration": iteration, "rollout_id": rollout_id}
+    if cfg.eval_every and rollout_id % cfg.eval_every == 0:
+        reporting.stage("eval")
+        row.update(eval_metrics(cfg, rollout_id))
+    ref = committed_or_generate(cfg, rollout_id)
+    reporting.stage("train")
+    row.update(train_task(cfg, ref))
+    if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
+        reporting.stage("checkpoint")
+        checkpoint_task(cfg, iteration)
+    reporting.stage("sync")
+    parity = sync_task(cfg, iteration)
+    row["sync/weight_version"] = parity["weight_version"]
+    row["sync/parity_ok"] = float(parity["ok"])
+    row["perf/iteration_s"] = time.perf_counter() - started
+    row["rollout_uri"] = ArtifactRef.from_dict(ref).uri
+    rows = reporting.record_iteration(cfg, row)
+    reporting.publish_iteration(cfg, rows, row["rollout_uri"])
+    reporting.stage("done")
+    return row

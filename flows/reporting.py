@@ -1,0 +1,118 @@
+"""What a person sees: metrics JSONL, the reward-curve PNG, terminal lines, Prefect UI artifacts."""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import json
+import posixpath
+import re
+from typing import Callable
+
+import fsspec
+
+from flows.config import RunConfig
+
+# Set by the caller that draws the terminal progress bar; flows call it between their tasks.
+STAGE_HOOK: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("stage_hook", default=None)
+
+HEADLINE = ("rollout/raw_reward", "eval/accuracy", "rollout/kl", "train/pg_clipfrac", "train/ppo_kl",
+            "train/grad_norm", "perf/iteration_s")
+
+
+def stage(name: str) -> None:
+    hook = STAGE_HOOK.get()
+    if hook is not None:
+        hook(name)
+
+
+def run_file(cfg: RunConfig, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, base = fsspec.core.url_to_fs(cfg.store.root)
+    return fs, posixpath.join(base, cfg.run, name)
+
+
+def read_metrics(cfg: RunConfig) -> list[dict]:
+    fs, path = run_file(cfg, "metrics.jsonl")
+    if not fs.exists(path):
+        return []
+    return [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+
+
+def write_metrics(cfg: RunConfig, rows: list[dict]) -> None:
+    """Rewrite the whole file: on object stores there is no append, and rows are few."""
+    fs, path = run_file(cfg, "metrics.jsonl")
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+def record_iteration(cfg: RunConfig, row: dict) -> list[dict]:
+    rows = [r for r in read_metrics(cfg) if r["iteration"] != row["iteration"]] + [row]
+    rows.sort(key=lambda r: r["iteration"])
+    write_metrics(cfg, rows)
+    return rows
+
+
+def truncate_metrics(cfg: RunConfig, last_iteration: int) -> None:
+    """On resume, forget rows of iterations that will run again."""
+    rows = read_metrics(cfg)
+    kept = [r for r in rows if r["iteration"] <= last_iteration]
+    if len(kept) != len(rows):
+        write_metrics(cfg, kept)
+
+
+def metrics_line(row: dict) -> str:
+    parts = [f"iter {row['iteration']:>3}"]
+    for key in HEADLINE:
+        if key in row:
+            parts.append(f"{key.split('/')[-1]}={row[key]:.4g}")
+    return "  ".join(parts)
+
+
+def plot_rewards(cfg: RunConfig, rows: list[dict]) -> str | None:
+    """Reward (and greedy eval accuracy) per iteration as a PNG next to the metrics."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    xs = [r["iteration"] for r in rows]
+    ax.plot(xs, [r.get("rollout/raw_reward", float("nan")) for r in rows], marker="o", label="sample reward")
+    evals = [(r["iteration"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    if evals:
+        ax.plot(*zip(*evals), marker="s", label="greedy eval accuracy")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_title(f"rollflow run {cfg.run}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    fs, path = run_file(cfg, "reward_curve.png")
+    with fs.open(path, "wb") as f:
+        f.write(buf.getvalue())
+    return path
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def publish_iteration(cfg: RunConfig, rows: list[dict], rollout_uri: str) -> None:
+    """Metrics table (versioned by key) and a link to the rollout artifact in the Prefect UI."""
+    from prefect.artifacts import create_link_artifact, create_table_artifact
+
+    columns = ["iteration", *HEADLINE]
+    table = [{c: (round(r[c], 6) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows]
+    create_table_artifact(key=artifact_key(cfg.run, "metrics"), table=table,
+                          description=f"Per-iteration metrics of run `{cfg.run}`")
+    last = rows[-1]["iteration"]
+    create_link_artifact(key=artifact_key(cfg.run, "rollout"), link=rollout_uri,
+                         link_text=f"rollout artifact of iteration {last}",
+                         description=f"Rollout artifact of iteration {last} of run `{cfg.run}`")

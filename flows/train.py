@@ -1,0 +1,70 @@
+"""`rl_train`: N iterations with checkpoints, eval and resume; the engine and trainer live across them."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from artifacts.store import RolloutStore
+from flows import reporting
+from flows.config import RunConfig
+from flows.group import connect_ray, start_engine, start_trainer, stop_all
+from flows.iteration import eval_metrics, rl_iteration
+from tasks.train.checkpoint import latest_checkpoint
+
+
+class RunExistsError(RuntimeError):
+    pass
+
+
+def resume_point(cfg: RunConfig) -> int:
+    """Iterations already done: the last committed checkpoint (0 for a fresh run)."""
+    last = latest_checkpoint(cfg.store.root, cfg.run)
+    store = RolloutStore(cfg.store.root)
+    if not cfg.resume and (last is not None or store.list_ids(cfg.run, "train")):
+        raise RunExistsError(
+            f"run {cfg.run!r} already has artifacts under {cfg.store.root}: set resume=true to continue it, "
+            "or choose another run name"
+        )
+    return last or 0
+
+
+@flow(name="rl_train", log_prints=True)
+def rl_train(cfg: RunConfig) -> dict:
+    connect_ray(cfg)
+    start = resume_point(cfg)
+    reporting.truncate_metrics(cfg, start)
+    if start >= cfg.iterations:
+        print(f"run {cfg.run!r} already finished {start} iterations; nothing to do")
+        return summarize(cfg, reporting.read_metrics(cfg), start)
+    if start:
+        print(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start})")
+    start_trainer(cfg, start)
+    start_engine(cfg, start)
+    try:
+        for rollout_id in range(start, cfg.iterations):
+            row = rl_iteration(cfg, rollout_id)
+            print(reporting.metrics_line(row))
+        if cfg.eval_every:
+            reporting.stage("final eval")
+            final = eval_metrics(cfg, cfg.iterations)
+            rows = reporting.read_metrics(cfg)
+            rows[-1]["eval/final_accuracy"] = final["eval/accuracy"]
+            reporting.write_metrics(cfg, rows)
+    finally:
+        stop_all(cfg)
+    rows = reporting.read_metrics(cfg)
+    reporting.plot_rewards(cfg, rows)
+    return summarize(cfg, rows, start)
+
+
+def summarize(cfg: RunConfig, rows: list[dict], start: int) -> dict:
+    out: dict = {"run": cfg.run, "resumed_from": start, "iterations": len(rows)}
+    if rows:
+        out["first_reward"] = rows[0].get("rollout/raw_reward")
+        out["last_reward"] = rows[-1].get("rollout/raw_reward")
+        evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        if evals:
+            out["first_eval_accuracy"] = evals[0]
+        if "eval/final_accuracy" in rows[-1]:
+            out["final_eval_accuracy"] = rows[-1]["eval/final_accuracy"]
+    return out

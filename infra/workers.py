@@ -1,0 +1,87 @@
+"""The run's worker group: engine and trainer as long-lived, named Ray actors.
+
+Prefect tasks stay thin and stateless: they look the actors up by run name and call methods,
+passing artifact references, never tensors (weights go actor -> actor through the object store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+NAMESPACE = "rollflow"
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join `address`, or start a local Ray. Never silently joins a stale cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+    else:
+        ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
+                 log_to_driver=True)
+
+
+def actor_name(run: str, role: str) -> str:
+    return f"{run}:{role}"
+
+
+@dataclasses.dataclass
+class Handle:
+    """A Ray actor, called synchronously; `submit` returns an ObjectRef another actor can take."""
+
+    actor: Any
+
+    def call(self, method: str, *args, **kwargs):
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+
+    def submit(self, method: str, *args, **kwargs):
+        return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def alive(self) -> bool:
+        import ray
+
+        try:
+            return bool(ray.get(self.actor.ping.remote(), timeout=60))
+        except Exception:  # noqa: BLE001 - any failure means "not usable"
+            return False
+
+
+def get_actor(run: str, role: str) -> Handle | None:
+    import ray
+
+    try:
+        return Handle(ray.get_actor(actor_name(run, role), namespace=NAMESPACE))
+    except ValueError:
+        return None
+
+
+def start_actor(run: str, role: str, cls: type, *args, **kwargs) -> Handle:
+    """Create (or reuse) the named actor of `role` for `run`."""
+    import ray
+
+    remote_cls = ray.remote(cls).options(
+        name=actor_name(run, role), namespace=NAMESPACE, get_if_exists=True,
+        # Scheduling must not wait for CPUs the driver and the other actor also use; threads are
+        # fixed inside the worker instead.
+        num_cpus=0, max_concurrency=1,
+    )
+    handle = Handle(remote_cls.remote(*args, **kwargs))
+    handle.call("ping")  # surface constructor errors here, with their traceback
+    return handle
+
+
+def stop_actor(run: str, role: str) -> None:
+    import ray
+
+    handle = get_actor(run, role)
+    if handle is not None:
+        ray.kill(handle.actor, no_restart=True)

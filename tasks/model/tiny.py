@@ -1,0 +1,62 @@
+"""The embedded default model: a tiny Qwen2-shaped causal LM built from a config (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tasks.model.tokenizer import CharTokenizer
+
+# Digits plus the operator characters of the synthetic task; small on purpose (ids 0-2 are special).
+ADDITION_ALPHABET = "0123456789+="
+
+
+def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, heads: int = 4,
+                      max_positions: int = 64):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        # SDPA everywhere: the rollout and the trainer then share one attention kernel family.
+        attn_implementation="sdpa",
+    )
+
+
+def build_tiny_model(seed: int = 0, **config_overrides):
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = CharTokenizer(alphabet=ADDITION_ALPHABET, vocab_size=len(ADDITION_ALPHABET) + 3)
+    config = tiny_qwen2_config(tokenizer.vocab_size, **config_overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    return model, tokenizer
+
+
+def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load a causal LM from a local HF-format directory (no hub access)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per actor per load clutters the run's terminal
+    model_dir = Path(model_dir)
+    missing = [name for name in ("config.json",) if not (model_dir / name).exists()]
+    if not model_dir.is_dir() or missing:
+        raise FileNotFoundError(
+            f"model.path={str(model_dir)!r} is not a model directory (missing {missing or 'the directory'}); "
+            "point model.path at a folder with config.json + *.safetensors, or run `rollflow warmstart`"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+    )
+    return model.to(device)

@@ -1,0 +1,63 @@
+"""The `RolloutEngine` protocol: token ids in, token ids + log-probs out (as SGLang's /generate)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = full softmax (the distribution the trainer scores)
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    n: int = 1  # samples for this prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    response_ids: list[int]
+    log_probs: list[float]  # log-prob of every response token under the sampling distribution
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class RolloutEngine(Protocol):
+    weight_version: int
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
+        """One list of `n` outputs per request, in request order."""
+        ...
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], weight_version: int) -> None: ...
+
+    def named_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def describe(self) -> dict[str, str]: ...
+
+
+def next_weight_version(current: int, new: int) -> int:
+    """Weight versions move by exactly one per sync; anything else means a lost or doubled update."""
+    if new != current + 1:
+        raise ValueError(
+            f"weight_version {new} does not follow the engine's current version {current}: a sync was "
+            "skipped or repeated; restart the engine from the matching checkpoint"
+        )
+    return new

@@ -1,0 +1,42 @@
+"""Turn prompts into `Sample`s through any `RolloutEngine`."""
+
+from __future__ import annotations
+
+from artifacts.sample import Sample, Status
+from tasks.model.tokenizer import Tokenizer
+from tasks.rollout.addition import PromptItem
+from tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+
+FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+def build_requests(items: list[PromptItem], tokenizer: Tokenizer, n_samples_per_prompt: int) -> list[GenerationRequest]:
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    return [GenerationRequest(prompt_ids=bos + tokenizer.encode(it.prompt), n=n_samples_per_prompt) for it in items]
+
+
+def generate_samples(engine: RolloutEngine, tokenizer: Tokenizer, items: list[PromptItem], params: SamplingParams,
+                     n_samples_per_prompt: int) -> list[Sample]:
+    """Samples ordered by group (one group per prompt), `n_samples_per_prompt` each."""
+    requests = build_requests(items, tokenizer, n_samples_per_prompt)
+    outputs = engine.generate(requests, params)
+    samples: list[Sample] = []
+    for group_index, (item, req, outs) in enumerate(zip(items, requests, outputs)):
+        for out in outs:
+            status = FINISH_TO_STATUS.get(out.finish_reason, Status.FAILED)
+            samples.append(
+                Sample(
+                    group_index=group_index,
+                    index=len(samples),
+                    prompt=item.prompt,
+                    tokens=list(req.prompt_ids) + list(out.response_ids),
+                    response=tokenizer.decode(out.response_ids),
+                    response_length=len(out.response_ids),
+                    loss_mask=[1] * len(out.response_ids),
+                    rollout_log_probs=list(out.log_probs),
+                    label=item.label,
+                    status=status,
+                    weight_version=engine.weight_version,
+                )
+            )
+    return samples

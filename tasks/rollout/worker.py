@@ -1,0 +1,73 @@
+"""The rollout side's stateful worker: engine + tokenizer + prompt source.
+
+A plain class; `infra/` runs it as a Ray actor, GPU scripts and tests may call it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from artifacts.sample import Sample
+from tasks.model.source import resolve_model_path
+from tasks.model.tiny import load_model
+from tasks.model.tokenizer import load_tokenizer
+from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
+from tasks.rollout.generate import generate_samples
+from tasks.rollout.hf_engine import HFEngine
+from tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
+from tasks.sync.parity import checksums
+from tasks.train.torch_backend import DTYPES
+
+
+def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0):
+    if rollout.engine != "hf":
+        raise NotImplementedError(
+            f"rollout.engine={rollout.engine!r} is not available in this build; use rollout.engine='hf'"
+        )
+    path = resolve_model_path(model_spec)
+    model = load_model(path, dtype=DTYPES[rollout.dtype], device=rollout.device)
+    tokenizer = load_tokenizer(path)
+    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      model_name=model_spec, weight_version=weight_version, max_batch_size=rollout.max_batch_size,
+                      threads=rollout.threads)
+    return engine, tokenizer
+
+
+class RolloutWorker:
+    def __init__(self, model_spec: str, rollout: RolloutConfig, data: DataConfig, *,
+                 weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0):
+        self.rollout_cfg = rollout
+        self.data_cfg = data
+        self.engine, self.tokenizer = build_engine(model_spec, rollout)
+        if weights is not None:
+            # Start from a checkpoint's weights: the engine is at that checkpoint's version.
+            self.engine.weight_version = weight_version - 1
+            self.engine.update_weights(weights, weight_version)
+
+    def ping(self) -> bool:
+        return True
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def describe(self) -> dict[str, str]:
+        return self.engine.describe()
+
+    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> list[Sample]:
+        items = prompts_for(self.data_cfg, rollout_id, split)
+        n = 1 if greedy else self.rollout_cfg.n_samples_per_prompt
+        params = self.rollout_cfg.sampling(rollout_id, greedy=greedy)
+        return generate_samples(self.engine, self.tokenizer, items, params, n)
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
+        return self.engine.generate(requests, params)
+
+    def update_weights(self, named: dict[str, torch.Tensor], weight_version: int) -> int:
+        self.engine.update_weights(named, weight_version)
+        return self.engine.weight_version
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.named_weights()
+
+    def weight_checksums(self) -> dict[str, str]:
+        return checksums(self.engine.named_weights())

@@ -1,0 +1,219 @@
+"""Advantage estimators over a rollout batch (names as slime's ``--advantage-estimator``).
+
+Samples come in groups of ``group_size`` consecutive samples (all responses of one prompt). Every
+estimator returns per-token ``(advantages, returns)`` lists, one tensor per sample with the
+sample's response length. Masks choose which tokens enter statistics (group/batch mean and std);
+they never zero values, so a masked-out token carries the same affine-transformed value as its
+neighbours and losses mask it anyway.
+
+- ``grpo`` / ``gspo``: ``a = (r - mean_g) / (std_g + eps)`` (or ``r - mean_g`` without
+  std-normalization), broadcast to every token; ``returns = advantages``. gspo differs from grpo
+  in the loss (sequence-level ratio), not in the advantages.
+- ``rloo``: ``a_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_g)``, broadcast.
+- ``reinforce_plus_plus``: token rewards ``-kl_coef * kl_t`` plus ``r`` at the last masked token;
+  ``returns_t = sum_{k >= t} gamma^(k - t) * reward_k``; ``advantages = whiten(returns)``.
+- ``reinforce_plus_plus_baseline``: ``a_t = whiten((r - mean_g) - kl_coef * kl_t)``;
+  ``returns = advantages``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "gspo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+)
+
+_KL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def _check_groups(rewards: torch.Tensor, group_size: int) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})"
+        )
+
+
+def _float_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    # Integer rewards (0/1 verifiers) would make the mean/std integer-truncated.
+    return rewards if rewards.is_floating_point() else rewards.to(torch.get_default_dtype())
+
+
+def group_mean_std(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group mean and std of ``rewards`` [N], each of shape [N // group_size].
+
+    ``std`` is the unbiased (Bessel, ``/ (G - 1)``) standard deviation, as slime's grpo uses
+    ``Tensor.std()`` with its default ``unbiased=True``; a group of one has std 0 (not NaN).
+    """
+    _check_groups(rewards, group_size)
+    grouped = _float_rewards(rewards).reshape(-1, group_size)
+    mean = grouped.mean(dim=-1)
+    if group_size == 1:
+        return mean, torch.zeros_like(mean)
+    return mean, grouped.std(dim=-1, unbiased=True)
+
+
+def _centered(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r - mean_g`` per sample (exactly 0 for constant groups) and a per-sample constant flag."""
+    grouped = _float_rewards(rewards).reshape(-1, group_size)
+    mean, _ = group_mean_std(rewards, group_size)
+    centered = grouped - mean[:, None]
+    # A float mean of equal values can miss the value by an ulp (3 * 0.1 / 3 != 0.1); dividing that
+    # residue by an equally tiny std would turn "no signal" into a spurious +-1 advantage.
+    constant = (grouped == grouped[:, :1]).all(dim=-1, keepdim=True).expand_as(grouped)
+    centered = torch.where(constant, torch.zeros_like(centered), centered)
+    return centered.reshape(-1), constant.reshape(-1)
+
+
+def whiten(
+    values: list[torch.Tensor], masks: list[torch.Tensor], *, eps: float = 1e-8
+) -> list[torch.Tensor]:
+    """Batch whitening: ``(v - mean) / sqrt(var + eps)`` with mean/var over all masked tokens.
+
+    ``var`` is unbiased (``/ (n - 1)``), as slime's masked whitening applies the Bessel
+    correction. Every position, masked or not, gets the same affine transform. With fewer than
+    two masked tokens, or all masked values equal, there is no spread to measure, so values are
+    only centered (not scaled by ``1 / sqrt(eps)``, which would blow up unmasked positions).
+    """
+    if len(values) != len(masks):
+        raise ValueError(f"values ({len(values)}) and masks ({len(masks)}) differ in length")
+    if not values:
+        return []
+    for i, (v, m) in enumerate(zip(values, masks)):
+        if v.shape != m.shape:
+            raise ValueError(f"values[{i}] shape {tuple(v.shape)} != masks[{i}] shape {tuple(m.shape)}")
+    flat_v = torch.cat([v.reshape(-1) for v in values])
+    flat_m = torch.cat([m.reshape(-1) for m in masks]).to(flat_v.dtype)
+    count = flat_m.sum()
+    mean = (flat_v * flat_m).sum() / count.clamp(min=1)
+    sq = ((flat_v - mean).square() * flat_m).sum()
+    if count < 2 or sq == 0:
+        return [v - mean for v in values]
+    scale = torch.rsqrt(sq / (count - 1) + eps)
+    return [(v - mean) * scale for v in values]
+
+
+def _discounted_returns(token_rewards: list[torch.Tensor], gamma: float) -> list[torch.Tensor]:
+    """``R_t = reward_t + gamma * R_{t+1}`` per sample, ``R`` past the end is 0."""
+    if not token_rewards:
+        return []
+    lengths = [t.numel() for t in token_rewards]
+    # Right-padding with zeros is exact: padding only follows a sample's tokens and adds 0.
+    padded = torch.nn.utils.rnn.pad_sequence(token_rewards, batch_first=True)
+    if gamma == 1.0:
+        out = padded.flip(-1).cumsum(-1).flip(-1)
+    else:
+        # One step per position, vectorised over samples (gamma^-t rescaling would underflow).
+        out = torch.empty_like(padded)
+        running = padded.new_zeros(padded.shape[0])
+        for t in range(padded.shape[1] - 1, -1, -1):
+            running = padded[:, t] + gamma * running
+            out[:, t] = running
+    return [out[i, :length] for i, length in enumerate(lengths)]
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    response_masks: list[torch.Tensor],
+    group_size: int,
+    *,
+    normalize_std: bool = True,
+    kl: list[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-token ``(advantages, returns)`` for ``estimator`` (see the module docstring).
+
+    ``rewards`` [N] are scalar rewards; ``response_masks[i]`` is sample i's 0/1 loss mask of
+    length ``response_length_i``; ``kl[i]`` (same lengths) is the per-token KL used as a reward
+    penalty by the reinforce_plus_plus estimators only (``kl_coef``); its masked-out tokens are
+    not actions of the policy (e.g. tool output), so they get no penalty. ``normalize_std``
+    applies to grpo/gspo. ``eps`` is added to the group std (grpo/gspo) and to the batch variance
+    under the square root (whitening of reinforce_plus_plus*). ``gamma`` discounts
+    reinforce_plus_plus returns. A reward lands on the last masked token; a sample with an empty
+    mask carries no reward and, being fully masked, no loss.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    _check_groups(rewards, group_size)
+    n = rewards.numel()
+    if len(response_masks) != n:
+        raise ValueError(f"response_masks has {len(response_masks)} entries for {n} rewards")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if estimator not in _KL_ESTIMATORS:
+        # KL for these estimators belongs in the loss (kl_loss_coef); refusing beats ignoring.
+        if kl_coef != 0.0:
+            raise ValueError(
+                f"kl_coef is a reward penalty used only by {_KL_ESTIMATORS}; "
+                f"estimator {estimator!r} takes KL as a loss (kl_loss_coef) instead"
+            )
+        if gamma != 1.0:
+            raise ValueError(f"gamma is used only by reinforce_plus_plus, not {estimator!r}")
+    elif estimator == "reinforce_plus_plus_baseline" and gamma != 1.0:
+        raise ValueError("gamma is used only by reinforce_plus_plus, not reinforce_plus_plus_baseline")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    for i, m in enumerate(response_masks):
+        if m.dim() != 1:
+            raise ValueError(f"response_masks[{i}] must be 1-D [response_length], got {tuple(m.shape)}")
+    if kl is not None:
+        if len(kl) != n:
+            raise ValueError(f"kl has {len(kl)} entries for {n} rewards")
+        for i, (k, m) in enumerate(zip(kl, response_masks)):
+            if k.shape != m.shape:
+                raise ValueError(f"kl[{i}] shape {tuple(k.shape)} != response_masks[{i}] shape {tuple(m.shape)}")
+    elif kl_coef != 0.0:
+        raise ValueError(f"kl_coef={kl_coef} needs kl (per-token KL tensors), got kl=None")
+
+    r = _float_rewards(rewards)
+    dtype = r.dtype
+    masks = [m.to(dtype) for m in response_masks]
+
+    def penalty(i: int) -> torch.Tensor:
+        if kl is None:
+            return torch.zeros_like(masks[i])
+        return kl_coef * kl[i].to(dtype) * masks[i]
+
+    if estimator in ("grpo", "gspo", "rloo"):
+        if estimator == "rloo" and group_size == 1:
+            raise ValueError("rloo needs group_size >= 2 (the baseline is the other samples' mean)")
+        per_sample, constant = _centered(r, group_size)
+        if estimator == "rloo":
+            per_sample = per_sample * (group_size / (group_size - 1))
+        elif normalize_std:
+            _, std = group_mean_std(r, group_size)
+            std = std.repeat_interleave(group_size)
+            # Constant groups are already exactly 0; the guard keeps eps=0 from making 0/0.
+            per_sample = torch.where(constant, per_sample, per_sample / (std + eps))
+        advantages = [per_sample[i] * torch.ones_like(masks[i]) for i in range(n)]
+        return advantages, [a.clone() for a in advantages]
+
+    if estimator == "reinforce_plus_plus_baseline":
+        per_sample, _ = _centered(r, group_size)
+        raw = [per_sample[i] * torch.ones_like(masks[i]) - penalty(i) for i in range(n)]
+        advantages = whiten(raw, masks, eps=eps)
+        return advantages, [a.clone() for a in advantages]
+
+    # reinforce_plus_plus
+    token_rewards = []
+    for i in range(n):
+        tr = -penalty(i)
+        masked_idx = torch.nonzero(masks[i] > 0).flatten()
+        if masked_idx.numel() > 0:
+            last = int(masked_idx[-1])
+            tr[last] = tr[last] + r[i]
+        token_rewards.append(tr)
+    returns = _discounted_returns(token_rewards, gamma)
+    advantages = whiten(returns, masks, eps=eps)
+    return advantages, returns

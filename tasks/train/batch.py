@@ -1,0 +1,96 @@
+"""`TrainBatch`: the tensors one train call works on, built from `Sample`s.
+
+Layout: sequences right-padded to one width L; per-token tensors are "target aligned", shape
+[B, L-1], where column j scores tokens[:, j + 1]. Every log-prob (old, ref, new) comes from the same
+teacher-forced forward on this layout, which is what makes log_probs == ref_log_probs exact at step 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from artifacts.sample import Sample, Status
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    position_ids: torch.Tensor  # [B, L] long, cumsum(mask) - 1
+    response_mask: torch.Tensor  # [B, L-1] float: response tokens that count in the loss
+    rewards: torch.Tensor  # [B] float64, the scalar training reward
+    rollout_log_probs: torch.Tensor  # [B, L-1] float32, 0 outside response_mask
+    group_size: int
+    truncated: torch.Tensor  # [B] bool
+    log_probs: torch.Tensor | None = None  # old policy, [B, L-1]
+    ref_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)
+
+    def select(self, rows: slice) -> "TrainBatch":
+        """A row slice; every tensor field is sliced, scalars are kept."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            out[field.name] = value[rows] if isinstance(value, torch.Tensor) else value
+        return TrainBatch(**out)
+
+
+def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
+    if not samples:
+        raise ValueError("cannot train on an empty rollout: no samples")
+    if len(samples) % group_size:
+        raise ValueError(f"{len(samples)} samples is not a multiple of n_samples_per_prompt={group_size}")
+    width = max(len(s.tokens) for s in samples)
+    n = len(samples)
+    tokens = torch.zeros((n, width), dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    resp_mask = torch.zeros((n, width - 1), dtype=torch.float32)
+    rollout_lp = torch.zeros((n, width - 1), dtype=torch.float32)
+    rewards = torch.zeros(n, dtype=torch.float64)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for row, s in enumerate(samples):
+        s.validate()
+        length = len(s.tokens)
+        tokens[row, :length] = torch.tensor(s.tokens, dtype=torch.long)
+        attn[row, :length] = 1
+        start = s.prompt_length - 1  # column that predicts the first response token
+        if s.response_length:
+            cols = slice(start, start + s.response_length)
+            resp_mask[row, cols] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            rollout_lp[row, cols] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+        rewards[row] = s.scalar_reward()
+        truncated[row] = s.status == Status.TRUNCATED
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    return TrainBatch(
+        tokens=tokens,
+        attention_mask=attn,
+        position_ids=position_ids,
+        response_mask=resp_mask,
+        rewards=rewards,
+        rollout_log_probs=rollout_lp,
+        group_size=group_size,
+        truncated=truncated,
+    )
+
+
+def per_sample(values: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Dense [B, L-1] -> one 1-D tensor of the masked entries per row."""
+    return [values[row][mask[row] > 0] for row in range(values.shape[0])]
+
+
+def to_dense(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of `per_sample`."""
+    out = torch.zeros(mask.shape, dtype=rows[0].dtype if rows else torch.float32)
+    for row, values in enumerate(rows):
+        out[row][mask[row] > 0] = values.to(out.dtype)
+    return out

@@ -1,0 +1,77 @@
+"""Trainer checkpoints on any fsspec root, with the artifacts' commit protocol.
+
+`{root}/{run}/checkpoints/{iteration:06d}/{trainer.pt, meta.json}`: payload first, meta.json last
+(with the payload's sha256); only a meta.json makes a checkpoint exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+
+import fsspec
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _fs(root: str, storage_options: dict | None):
+    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    return fs, base
+
+
+def checkpoint_dir(base: str, run: str, iteration: int) -> str:
+    return posixpath.join(base, run, "checkpoints", f"{iteration:06d}")
+
+
+def save_checkpoint(root: str, run: str, iteration: int, payload: bytes, *, extra: dict | None = None,
+                    storage_options: dict | None = None) -> str:
+    fs, base = _fs(root, storage_options)
+    folder = checkpoint_dir(base, run, iteration)
+    fs.makedirs(folder, exist_ok=True)
+    with fs.open(posixpath.join(folder, "trainer.pt"), "wb") as f:
+        f.write(payload)
+    meta = {"iteration": iteration, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload),
+            **(extra or {})}
+    with fs.open(posixpath.join(folder, "meta.json"), "w") as f:
+        f.write(json.dumps(meta))
+    return folder
+
+
+def list_checkpoints(root: str, run: str, *, storage_options: dict | None = None) -> list[int]:
+    fs, base = _fs(root, storage_options)
+    parent = posixpath.join(base, run, "checkpoints")
+    if not fs.exists(parent):
+        return []
+    found = []
+    for entry in fs.ls(parent, detail=False):
+        name = posixpath.basename(entry.rstrip("/"))
+        if name.isdigit() and fs.exists(posixpath.join(entry, "meta.json")):
+            found.append(int(name))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str, run: str, *, storage_options: dict | None = None) -> int | None:
+    found = list_checkpoints(root, run, storage_options=storage_options)
+    return found[-1] if found else None
+
+
+def load_checkpoint(root: str, run: str, iteration: int, *, storage_options: dict | None = None) -> bytes:
+    fs, base = _fs(root, storage_options)
+    folder = checkpoint_dir(base, run, iteration)
+    meta_path = posixpath.join(folder, "meta.json")
+    if not fs.exists(meta_path):
+        have = list_checkpoints(root, run, storage_options=storage_options)
+        raise CheckpointError(f"no checkpoint {iteration} for run {run!r} under {root}; committed: {have or 'none'}")
+    meta = json.loads(fs.cat_file(meta_path))
+    payload = fs.cat_file(posixpath.join(folder, "trainer.pt"))
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != meta["sha256"] or len(payload) != meta["size"]:
+        raise CheckpointError(
+            f"checkpoint {posixpath.join(folder, 'trainer.pt')} fails its checksum (expected sha256 "
+            f"{meta['sha256']} / {meta['size']} bytes, got {digest} / {len(payload)}); restore it or resume "
+            "from an earlier checkpoint"
+        )
+    return payload

@@ -1,0 +1,72 @@
+"""The training objective of one micro-batch, shared by every backend.
+
+Reductions use the denominators of the whole mini-batch, so splitting a mini-batch into
+micro-batches leaves the gradient unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tasks.train.batch import TrainBatch
+from tasks.train.kl import approx_kl
+from tasks.train.losses import importance_correction, policy_loss
+from tasks.train.settings import AlgoConfig
+
+STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy_loss",
+              "train_rollout_logprob_abs_diff", "tis", "tis_clipfrac")
+
+
+@dataclasses.dataclass(frozen=True)
+class Denominators:
+    tokens: float  # masked response tokens in the mini-batch
+    rows: float  # samples in the mini-batch with at least one response token
+
+    @classmethod
+    def of(cls, mini: TrainBatch) -> "Denominators":
+        per_row = mini.response_mask.sum(dim=1)
+        return cls(tokens=max(float(per_row.sum()), 1.0), rows=max(float((per_row > 0).sum()), 1.0))
+
+
+def reduce(values: torch.Tensor, mask: torch.Tensor, denom: Denominators, per_sample: bool) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch mean (token- or sample-level)."""
+    if per_sample:
+        row_tokens = mask.sum(dim=1).clamp(min=1.0)
+        return ((values * mask).sum(dim=1) / row_tokens).sum() / denom.rows
+    return (values * mask).sum() / denom.tokens
+
+
+def micro_batch_objective(log_probs: torch.Tensor, entropy: torch.Tensor, micro: TrainBatch, algo: AlgoConfig,
+                          denom: Denominators) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss to backpropagate plus this micro-batch's share of every `train/*` statistic."""
+    mask = micro.response_mask
+    per_sample = algo.loss_reduction == "sample"
+    terms = policy_loss(log_probs, micro.log_probs, micro.advantages, eps_clip=algo.eps_clip,
+                        eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c)
+    pg_per_token = terms.loss
+    stats: dict[str, torch.Tensor] = {}
+    if algo.tis is not None:
+        weights, clipped = importance_correction(micro.log_probs, micro.rollout_log_probs, mask, mode=algo.tis,
+                                                 low=algo.tis_low, high=algo.tis_high)
+        pg_per_token = pg_per_token * weights
+        stats["tis"] = reduce(weights, mask, denom, False)
+        stats["tis_clipfrac"] = reduce(clipped.float(), mask, denom, False)
+    pg_loss = reduce(pg_per_token, mask, denom, per_sample)
+    entropy_loss = reduce(entropy, mask, denom, per_sample)
+    loss = pg_loss - algo.entropy_coef * entropy_loss
+    if algo.kl_loss_coef > 0:
+        kl = approx_kl(log_probs, micro.ref_log_probs, algo.kl_loss_type)
+        kl_loss = reduce(kl, mask, denom, per_sample)
+        loss = loss + algo.kl_loss_coef * kl_loss
+        stats["kl_loss"] = kl_loss
+    stats.update(
+        loss=loss,
+        pg_loss=pg_loss,
+        entropy_loss=entropy_loss,
+        pg_clipfrac=reduce(terms.clipped.float(), mask, denom, False),
+        ppo_kl=reduce(terms.ppo_kl, mask, denom, False),
+        train_rollout_logprob_abs_diff=reduce((log_probs - micro.rollout_log_probs).abs(), mask, denom, False),
+    )
+    return loss, {k: float(v.detach()) for k, v in stats.items()}

@@ -1,0 +1,70 @@
+"""Typed, validated settings of the train side (sections of flows' RunConfig)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AlgoConfig(_Strict):
+    """Advantage estimator, policy loss and KL, named as slime's flags."""
+
+    advantage_estimator: Estimator = "grpo"
+    normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std")
+    gamma: float = Field(1.0, ge=0, le=1)
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: Optional[float] = Field(None, gt=0, description="upper clip; defaults to eps_clip")
+    eps_clip_c: Optional[float] = Field(None, gt=1, description="dual-clip bound for negative advantages")
+    kl_coef: float = Field(0.0, ge=0, description="KL as a reward penalty")
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL as a loss term")
+    kl_loss_type: KLKind = "low_var_kl"
+    kl_penalty_type: KLKind = "k1"
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_reduction: Literal["token", "sample"] = "token"
+    tis: Optional[Literal["tis", "icepop"]] = Field(None, description="rollout/train mismatch correction")
+    tis_low: float = Field(0.5, ge=0)
+    tis_high: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_kl(self) -> "AlgoConfig":
+        if self.kl_coef > 0 and self.kl_loss_coef > 0:
+            raise ValueError(
+                "algo.kl_coef and algo.kl_loss_coef are both > 0: use KL as a reward penalty (kl_coef) "
+                "or as a loss (kl_loss_coef), not both; set one of them to 0"
+            )
+        if self.gamma != 1.0 and self.advantage_estimator != "reinforce_plus_plus":
+            raise ValueError(
+                f"algo.gamma={self.gamma} only applies to advantage_estimator='reinforce_plus_plus' "
+                f"(got {self.advantage_estimator!r}); leave gamma at 1.0"
+            )
+        if self.tis_low >= self.tis_high:
+            raise ValueError(f"algo.tis_low={self.tis_low} must be below algo.tis_high={self.tis_high}")
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl_coef > 0 or self.kl_loss_coef > 0
+
+
+class OptimConfig(_Strict):
+    backend: Literal["torch", "megatron"] = "torch"
+    lr: float = Field(2e-4, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    grad_clip: float = Field(1.0, gt=0)
+    num_steps_per_rollout: int = Field(8, ge=1, description="optimizer steps (mini-batches) per rollout")
+    micro_batch_size: int = Field(256, ge=1)
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    device: str = "cpu"
+    threads: int = Field(1, ge=1, description="torch threads of the trainer (fixed so numerics repeat)")
+    compute_ref_log_probs: bool = Field(True, description="also needed by the alignment checks")
+    seed: int = 1234

@@ -1,0 +1,114 @@
+"""The `torch` TrainBackend: a plain PyTorch model + AdamW, one process, CPU or one GPU."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections import defaultdict
+
+import torch
+
+from tasks.train.batch import TrainBatch
+from tasks.train.losses import entropy_from_logits
+from tasks.train.objective import Denominators, micro_batch_objective
+from tasks.train.settings import AlgoConfig, OptimConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def response_log_probs(model, batch: TrainBatch, temperature: float, with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced log-prob of every next token, target aligned [B, L-1], fp32."""
+    device = next(model.parameters()).device
+    logits = model(
+        input_ids=batch.tokens.to(device),
+        attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device),
+    ).logits[:, :-1].float()
+    logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return log_probs.cpu() if device.type != "cpu" else log_probs, (
+        entropy.cpu() if entropy is not None and device.type != "cpu" else entropy)
+
+
+def split_rows(batch: TrainBatch, size: int) -> list[TrainBatch]:
+    return [batch.select(slice(i, i + size)) for i in range(0, batch.size, size)]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model, optim: OptimConfig, *, temperature: float = 1.0, keep_ref: bool = True):
+        torch.set_num_threads(optim.threads)
+        torch.manual_seed(optim.seed)
+        self.optim_cfg = optim
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.model = model.to(device=optim.device, dtype=DTYPES[optim.dtype])
+        # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if keep_ref else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
+            betas=(optim.adam_beta1, optim.adam_beta2),
+        )
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:
+        model = self.model if which == "policy" else self.ref_model
+        if model is None:
+            raise RuntimeError("reference log-probs requested but the trainer was built without a reference model")
+        was_training = model.training
+        model.eval()
+        # Same micro-batch split as the training forward: numerics then match bit for bit.
+        parts = [response_log_probs(model, mb, self.temperature, False)[0]
+                 for mb in split_rows(batch, self.optim_cfg.micro_batch_size)]
+        model.train(was_training)
+        return torch.cat(parts, dim=0)
+
+    def train(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
+        """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats."""
+        steps = min(self.optim_cfg.num_steps_per_rollout, batch.size)
+        mini_size = -(-batch.size // steps)
+        # eval(): no dropout, so the training forward is the same function as the scoring forward.
+        self.model.eval()
+        totals: dict[str, float] = defaultdict(float)
+        first: dict[str, float] = {}
+        for step in range(steps):
+            mini = batch.select(slice(step * mini_size, (step + 1) * mini_size))
+            if mini.size == 0:
+                continue
+            denom = Denominators.of(mini)
+            self.optimizer.zero_grad(set_to_none=True)
+            acc: dict[str, float] = defaultdict(float)
+            for micro in split_rows(mini, self.optim_cfg.micro_batch_size):
+                log_probs, entropy = response_log_probs(self.model, micro, self.temperature, True)
+                loss, stats = micro_batch_objective(log_probs, entropy, micro, algo, denom)
+                loss.backward()
+                for key, value in stats.items():
+                    acc[key] += value
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+            acc["grad_norm"] = float(grad_norm)
+            self.optimizer.step()
+            if not first:
+                first = dict(acc)
+            for key, value in acc.items():
+                totals[key] += value / steps
+        out = {f"train/{k}": v for k, v in totals.items()}
+        out.update({f"train/step1_{k}": v for k, v in first.items() if k in ("ppo_kl", "pg_clipfrac", "grad_norm")})
+        return out
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "rng": torch.get_rng_state()}, buf)
+        return buf.getvalue()
+
+    def load_checkpoint_bytes(self, data: bytes) -> None:
+        # weights_only: a checkpoint is data, never code.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
