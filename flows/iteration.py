@@ -1,4 +1,4 @@
-"""`rl_iteration`: generate -> reward -> persist -> train -> checkpoint -> sync, one flow run.
+"""`rl_iteration`: generate -> reward -> persist -> train -> sync -> checkpoint, one flow run.
 
 Tasks are thin: they call the run's actors and exchange artifact references, never tensors.
 """
@@ -84,28 +84,31 @@ def eval_metrics(cfg: RunConfig, rollout_id: int) -> dict[str, float]:
     return {"eval/accuracy": sum(s.scalar_reward() for s in samples) / len(samples)}
 
 
-@flow(name="rl_iteration", log_prints=True)
+@flow(name="rl_iteration")
 def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     """One RL iteration on rollout `rollout_id`; afterwards the engine holds weight version rollout_id + 1."""
     started = time.perf_counter()
     iteration = rollout_id + 1
     row: dict = {"iteration": iteration, "rollout_id": rollout_id}
+    reporting.stage("start", iteration)
     if cfg.eval_every and rollout_id % cfg.eval_every == 0:
         reporting.stage("eval")
         row.update(eval_metrics(cfg, rollout_id))
     ref = committed_or_generate(cfg, rollout_id)
     reporting.stage("train")
     row.update(train_task(cfg, ref))
-    if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
-        reporting.stage("checkpoint")
-        checkpoint_task(cfg, iteration)
     reporting.stage("sync")
     parity = sync_task(cfg, iteration)
     row["sync/weight_version"] = parity["weight_version"]
     row["sync/parity_ok"] = float(parity["ok"])
     row["perf/iteration_s"] = time.perf_counter() - started
     row["rollout_uri"] = ArtifactRef.from_dict(ref).uri
+    # Metrics before the checkpoint: the checkpoint commits the iteration, and a resume drops rows
+    # of iterations after the last checkpoint.
     rows = reporting.record_iteration(cfg, row)
+    if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
+        reporting.stage("checkpoint")
+        checkpoint_task(cfg, iteration)
     reporting.publish_iteration(cfg, rows, row["rollout_uri"])
-    reporting.stage("done")
+    reporting.stage("done", iteration, reporting.metrics_line(row))
     return row

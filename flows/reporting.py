@@ -14,16 +14,17 @@ import fsspec
 from flows.config import RunConfig
 
 # Set by the caller that draws the terminal progress bar; flows call it between their tasks.
-STAGE_HOOK: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("stage_hook", default=None)
+STAGE_HOOK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("stage_hook", default=None)
 
 HEADLINE = ("rollout/raw_reward", "eval/accuracy", "rollout/kl", "train/pg_clipfrac", "train/ppo_kl",
             "train/grad_norm", "perf/iteration_s")
 
 
-def stage(name: str) -> None:
+def stage(name: str, iteration: int | None = None, line: str | None = None) -> None:
+    """Tell the terminal (if anyone draws it) which step runs now; `line` is printed once done."""
     hook = STAGE_HOOK.get()
     if hook is not None:
-        hook(name)
+        hook(name, iteration, line)
 
 
 def run_file(cfg: RunConfig, name: str) -> tuple[fsspec.AbstractFileSystem, str]:

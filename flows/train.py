@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from artifacts.store import RolloutStore
 from flows import reporting
@@ -28,22 +28,23 @@ def resume_point(cfg: RunConfig) -> int:
     return last or 0
 
 
-@flow(name="rl_train", log_prints=True)
+@flow(name="rl_train")
 def rl_train(cfg: RunConfig) -> dict:
     connect_ray(cfg)
     start = resume_point(cfg)
     reporting.truncate_metrics(cfg, start)
     if start >= cfg.iterations:
-        print(f"run {cfg.run!r} already finished {start} iterations; nothing to do")
+        get_run_logger().warning(f"run {cfg.run!r} already finished {start} iterations; nothing to do")
         return summarize(cfg, reporting.read_metrics(cfg), start)
     if start:
-        print(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start})")
-    start_trainer(cfg, start)
-    start_engine(cfg, start)
+        get_run_logger().warning(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start})")
+    # Holding the handles keeps the actors alive (Ray ends a named, non-detached actor when its
+    # creator's handles are gone); they end with this flow run.
+    workers = [start_trainer(cfg, start), start_engine(cfg, start)]
     try:
         for rollout_id in range(start, cfg.iterations):
             row = rl_iteration(cfg, rollout_id)
-            print(reporting.metrics_line(row))
+            get_run_logger().info(reporting.metrics_line(row))
         if cfg.eval_every:
             reporting.stage("final eval")
             final = eval_metrics(cfg, cfg.iterations)
@@ -52,6 +53,7 @@ def rl_train(cfg: RunConfig) -> dict:
             reporting.write_metrics(cfg, rows)
     finally:
         stop_all(cfg)
+        workers.clear()
     rows = reporting.read_metrics(cfg)
     reporting.plot_rewards(cfg, rows)
     return summarize(cfg, rows, start)

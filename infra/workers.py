@@ -64,12 +64,12 @@ def get_actor(run: str, role: str) -> Handle | None:
         return None
 
 
-def start_actor(run: str, role: str, cls: type, *args, **kwargs) -> Handle:
+def start_actor(run_name: str, role: str, cls: type, *args, **kwargs) -> Handle:
     """Create (or reuse) the named actor of `role` for `run`."""
     import ray
 
     remote_cls = ray.remote(cls).options(
-        name=actor_name(run, role), namespace=NAMESPACE, get_if_exists=True,
+        name=actor_name(run_name, role), namespace=NAMESPACE, get_if_exists=True,
         # Scheduling must not wait for CPUs the driver and the other actor also use; threads are
         # fixed inside the worker instead.
         num_cpus=0, max_concurrency=1,

@@ -1,0 +1,35 @@
+# One command sets up and runs the demo (`make demo`), one runs the tests (`make test`).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# 2.13.0 is a CPU build pip finds locally on the reference CPU boxes; an unpinned torch pulls CUDA.
+TORCH_SPEC ?= torch==2.13.0
+export PREFECT_SERVER_ANALYTICS_ENABLED = false
+export DO_NOT_TRACK = 1
+export RAY_AUTH_MODE = disabled
+export RAY_USAGE_STATS_ENABLED = 0
+
+.PHONY: setup demo test test-fast gpu-check bench clean-runs server-stop
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/rollflow demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+server-stop:
+	$(VENV)/bin/rollflow server stop
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,150 @@
+"""`rollflow ...`: parses arguments, builds a RunConfig, calls a flow or a tool. Nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="RL post-training as Prefect flows, with slime's debug toolkit built in.")
+server_app = typer.Typer(no_args_is_help=True, help="The local Prefect server (and S3 endpoint) on loopback.")
+app.add_typer(server_app, name="server")
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="JSON file with RunConfig fields")
+SetOpt = typer.Option(None, "--set", "-s", help="override a field: --set train.lr=1e-4 (repeatable)")
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def quiet_prefect_console() -> None:
+    """Keep Prefect's per-task INFO lines out of the terminal (they still reach the UI)."""
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def ensure_prefect_api(port: int = 4200) -> str:
+    """Use PREFECT_API_URL if set; else start (or reuse) a local server so runs show in the UI."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    from infra.local_stack import start_prefect
+
+    console.print(f"starting a local Prefect server on 127.0.0.1:{port} (stop it with `rollflow server stop`)")
+    api = start_prefect(port)
+    os.environ["PREFECT_API_URL"] = api
+    return api
+
+
+def build_config(config: Optional[str], sets: Optional[List[str]], base: dict | None = None):
+    from flows.config import ConfigError, load_config
+
+    try:
+        return load_config(config, sets or [], base=base)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def run_training(cfg) -> dict:
+    quiet_prefect_console()
+    api = ensure_prefect_api()
+    from flows.progress import iteration_progress
+    from flows.train import rl_train
+
+    console.print(f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under {cfg.store.root}/{cfg.run}; "
+                  f"Prefect UI at {api.removesuffix('/api')}")
+    with iteration_progress(console):
+        summary = rl_train(cfg)
+    return summary
+
+
+def print_summary(cfg, summary: dict) -> None:
+    from flows.reporting import run_file
+
+    console.print_json(json.dumps(summary))
+    if summary.get("first_reward") is not None:
+        console.print(f"mean reward: first iteration {summary['first_reward']:.3f} -> "
+                      f"last iteration {summary['last_reward']:.3f}")
+    for name in ("metrics.jsonl", "reward_curve.png"):
+        console.print(f"{name}: {run_file(cfg, name)[1]}")
+
+
+@app.command()
+def demo(iterations: int = typer.Option(12, min=1), run: Optional[str] = typer.Option(None, help="run name"),
+         root: str = typer.Option("runs", help="artifact root"), sets: Optional[List[str]] = SetOpt) -> None:
+    """GRPO on the built-in addition task with the tiny warm-started model (CPU, a few minutes)."""
+    threads = max(1, min(4, os.cpu_count() or 1))
+    base = {
+        "run": run or time.strftime("demo-%Y%m%d-%H%M%S"),
+        "iterations": iterations,
+        "eval_every": 4,
+        "store": {"root": root},
+        "rollout": {"threads": threads},
+        "train": {"threads": threads},
+    }
+    cfg = build_config(None, sets, base)
+    summary = run_training(cfg)
+    print_summary(cfg, summary)
+
+
+@app.command()
+def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+    """Run (or resume) an RL training run: `rl_train` with the given RunConfig."""
+    cfg = build_config(config, sets)
+    summary = run_training(cfg)
+    print_summary(cfg, summary)
+
+
+@app.command("config")
+def show_config(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+    """Print the validated RunConfig (every field with its value) as JSON."""
+    cfg = build_config(config, sets)
+    console.print_json(cfg.model_dump_json())
+
+
+@app.command()
+def warmstart(out: str = typer.Option("tasks/model/builtin/addition-sft", help="output model directory"),
+              target_accuracy: float = typer.Option(0.30), seed: int = typer.Option(0)) -> None:
+    """Rebuild the built-in tiny model: SFT on addition until held-out greedy accuracy >= target."""
+    from tasks.train.sft import warm_start
+
+    result = warm_start(out, target_accuracy=target_accuracy, seed=seed, eval_every=20, log=console.print)
+    console.print(f"saved {out}: {result.steps} steps, {result.seconds:.0f}s, accuracy {result.accuracy:.3f}")
+
+
+@server_app.command("start")
+def server_start(port: int = typer.Option(4200)) -> None:
+    """Start (or reuse) the local Prefect server; prints the API URL to export."""
+    from infra.local_stack import start_prefect
+
+    api = start_prefect(port)
+    console.print(f"export PREFECT_API_URL={api}   # UI: {api.removesuffix('/api')}")
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    from infra.local_stack import stop
+
+    console.print("stopped" if stop("prefect") else "no server started by rollflow is running")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted; committed artifacts and checkpoints are kept, run again to resume")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
