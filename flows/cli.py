@@ -101,8 +101,75 @@ def demo(iterations: int = typer.Option(12, min=1), run: Optional[str] = typer.O
 def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Run (or resume) an RL training run: `rl_train` with the given RunConfig."""
     cfg = build_config(config, sets)
+    if cfg.debug.rollout_only or cfg.debug.train_only:
+        fail("debug.rollout_only / debug.train_only: use `rollflow rollout` or `rollflow replay`")
     summary = run_training(cfg)
     print_summary(cfg, summary)
+
+
+def run_flow(cfg, flow_fn, **kwargs) -> dict:
+    quiet_prefect_console()
+    api = ensure_prefect_api()
+    from flows.progress import iteration_progress
+
+    for notice in cfg.notices:
+        err_console.print(f"[yellow]notice:[/] {notice}")
+    console.print(f"run [bold]{cfg.run}[/], artifacts under {cfg.store.root}/{cfg.run}; "
+                  f"Prefect UI at {api.removesuffix('/api')}")
+    with iteration_progress(console):
+        return flow_fn(cfg, **kwargs)
+
+
+def ids_option(spec: Optional[str]) -> Optional[list[int]]:
+    from flows.debug import parse_ids
+
+    try:
+        return parse_ids(spec)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def rollout(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
+            ids: Optional[str] = typer.Option(None, help="rollout ids: 3, 0,2,5 or 0-4 (default 0..iterations-1)"),
+            checkpoint: Optional[int] = typer.Option(None, help="engine weights from this run's checkpoint N"),
+            save_debug_rollout_data: Optional[str] = typer.Option(
+                None, help="also export slime .pt files: template with {rollout_id}")) -> None:
+    """Rollout only (slime --debug-rollout-only): engines generate and persist artifacts; no trainer."""
+    extra = ["debug.rollout_only=true"]
+    if save_debug_rollout_data:
+        extra.append(f"debug.save_debug_rollout_data={save_debug_rollout_data}")
+    cfg = build_config(config, [*(sets or []), *extra])
+    result = run_flow(cfg, _flow("rollout_only"), rollout_ids=ids_option(ids), checkpoint=checkpoint)
+    console.print_json(json.dumps(result))
+
+
+@app.command()
+def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
+           ids: Optional[str] = typer.Option(None, help="pinned rollout ids: 3, 0,2,5 or 0-4 (default: all)"),
+           source_run: Optional[str] = typer.Option(None, help="run whose artifacts to replay (default: --set run)"),
+           load_debug_rollout_data: Optional[str] = typer.Option(
+               None, "--load-debug-rollout-data", help="replay slime .pt dumps: template with {rollout_id}"),
+           subsample: Optional[float] = typer.Option(None, help="keep this fraction of prompt groups"),
+           dump_details: Optional[str] = typer.Option(None, help="write per-token train dumps under this folder"),
+           no_cache: bool = typer.Option(False, "--no-cache", help="train even if an identical replay is cached")
+           ) -> None:
+    """Replay training (slime --debug-train-only): train on pinned rollouts; no engine is started."""
+    extra = ["debug.train_only=true"]
+    for key, value in (("load_debug_rollout_data", load_debug_rollout_data),
+                       ("load_debug_rollout_data_subsample", subsample), ("dump_details", dump_details)):
+        if value is not None:
+            extra.append(f"debug.{key}={value}")
+    cfg = build_config(config, [*(sets or []), *extra])
+    result = run_flow(cfg, _flow("replay_train"), rollout_ids=ids_option(ids), source_run=source_run,
+                      use_cache=not no_cache)
+    console.print_json(json.dumps(result))
+
+
+def _flow(name: str):
+    import flows.debug as debug
+
+    return getattr(debug, name)
 
 
 @app.command("config")

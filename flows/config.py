@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from tasks.rollout.settings import DataConfig, RolloutConfig
 from tasks.train.settings import AlgoConfig, OptimConfig
@@ -31,6 +31,30 @@ class RayConfig(_Strict):
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of the local Ray (None = all)")
 
 
+class DebugConfig(_Strict):
+    """slime's debug flags, same names; here they select which parts of the worker group exist."""
+
+    rollout_only: bool = Field(False, description="engines only: generate and persist, no trainer")
+    train_only: bool = Field(False, description="trainer only: replay persisted rollouts, no engine")
+    save_debug_rollout_data: Optional[str] = Field(
+        None, description="also export slime .pt per rollout: a path template with {rollout_id}")
+    load_debug_rollout_data: Optional[str] = Field(
+        None, description="replay slime .pt dumps: a path template with {rollout_id} (implies train_only)")
+    load_debug_rollout_data_subsample: Optional[float] = Field(
+        None, gt=0, le=1, description="keep this fraction of prompt groups (first and last halves)")
+    dump_details: Optional[str] = Field(
+        None, description="folder for rollout artifacts + per-token train dumps (log-probs, advantages)")
+
+    @field_validator("save_debug_rollout_data", "load_debug_rollout_data")
+    @classmethod
+    def _template(cls, value: Optional[str], info) -> Optional[str]:
+        if value is not None and "{rollout_id}" not in value:
+            raise ValueError(
+                f"template {value!r} has no {{rollout_id}} placeholder; e.g. /data/dump/data_{{rollout_id}}.pt"
+            )
+        return value
+
+
 class RunConfig(_Strict):
     run: str = Field("demo", description="run name: the namespace of artifacts, checkpoints and actors")
     iterations: int = Field(12, ge=1, description="RL iterations (one rollout each)")
@@ -44,6 +68,11 @@ class RunConfig(_Strict):
     train: OptimConfig = OptimConfig()
     store: StoreConfig = StoreConfig()
     ray: RayConfig = RayConfig()
+    placement: Literal["colocate", "disaggregated"] = Field(
+        "disaggregated", description="colocate: trainer and engines share GPUs; disaggregated: separate GPUs")
+    offload: bool = Field(False, description="colocate only: engines release memory while the trainer runs")
+    debug: DebugConfig = DebugConfig()
+    _notices: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("run")
     @classmethod
@@ -51,6 +80,41 @@ class RunConfig(_Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
             raise ValueError(f"run={value!r}: use letters, digits, '.', '_' or '-' (it names folders and actors)")
         return value
+
+    @model_validator(mode="after")
+    def _debug_modes(self) -> "RunConfig":
+        debug = self.debug
+        if debug.load_debug_rollout_data and not debug.train_only:
+            if debug.rollout_only:
+                raise ValueError(
+                    "debug.load_debug_rollout_data replays saved rollouts (train only), which contradicts "
+                    "debug.rollout_only=true; drop one of them"
+                )
+            debug.__dict__["train_only"] = True
+            self._notices.append("debug.load_debug_rollout_data set: debug.train_only turned on (no engine)")
+        if debug.rollout_only and debug.train_only:
+            raise ValueError(
+                "debug.rollout_only and debug.train_only are both true: rollout-only runs no trainer and "
+                "train-only runs no engine; set one of them"
+            )
+        if debug.load_debug_rollout_data_subsample is not None and not debug.train_only:
+            raise ValueError(
+                "debug.load_debug_rollout_data_subsample only applies when replaying saved rollouts "
+                "(debug.load_debug_rollout_data or debug.train_only)"
+            )
+        if debug.rollout_only and (self.placement == "colocate" or self.offload):
+            # Nothing to share GPUs with or to offload for: the engine owns its GPUs.
+            self.__dict__["placement"] = "disaggregated"
+            self.__dict__["offload"] = False
+            self._notices.append("debug.rollout_only: placement set to 'disaggregated' and offload turned off")
+        if self.offload and self.placement != "colocate":
+            raise ValueError("offload=true needs placement='colocate' (engines release memory for a colocated trainer)")
+        return self
+
+    @property
+    def notices(self) -> list[str]:
+        """Adjustments validation made (printed by the CLI so nothing changes silently)."""
+        return list(self._notices)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
@@ -81,11 +145,11 @@ class ConfigError(ValueError):
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; `rollflow config` prints every field)"
-        lines.append(f"{where}: {msg}")
+        lines.append(f"{where}: {msg}" if where else msg)
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

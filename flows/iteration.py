@@ -15,6 +15,7 @@ from artifacts.sample import Sample
 from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
+from flows.exports import dump_uri, side_exports
 from flows.group import ENGINE, TRAINER, require
 from tasks.rollout.rewards import resolve_reward_fn, score_samples
 from tasks.sync.parity import compare
@@ -46,7 +47,7 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
 
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
-    return require(cfg, TRAINER).call("train_on_artifact", ref)
+    return require(cfg, TRAINER).call("train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -95,6 +96,7 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
         reporting.stage("eval")
         row.update(eval_metrics(cfg, rollout_id))
     ref = committed_or_generate(cfg, rollout_id)
+    side_exports(cfg, ref)
     reporting.stage("train")
     row.update(train_task(cfg, ref))
     reporting.stage("sync")

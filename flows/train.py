@@ -30,6 +30,11 @@ def resume_point(cfg: RunConfig) -> int:
 
 @flow(name="rl_train")
 def rl_train(cfg: RunConfig) -> dict:
+    if cfg.debug.rollout_only or cfg.debug.train_only:
+        raise ValueError(
+            "rl_train runs the full loop; debug.rollout_only / debug.train_only select the rollout_only and "
+            "replay_train flows (`rollflow rollout` / `rollflow replay`)"
+        )
     connect_ray(cfg)
     start = resume_point(cfg)
     reporting.truncate_metrics(cfg, start)

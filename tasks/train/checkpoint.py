@@ -75,3 +75,30 @@ def load_checkpoint(root: str, run: str, iteration: int, *, storage_options: dic
             "from an earlier checkpoint"
         )
     return payload
+
+
+def save_state(uri: str, payload: bytes, *, storage_options: dict | None = None) -> str:
+    """A trainer state at an arbitrary URI, with a `.sha256` sidecar written last."""
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with fs.open(path, "wb") as f:
+        f.write(payload)
+    with fs.open(path + ".sha256", "w") as f:
+        f.write(hashlib.sha256(payload).hexdigest())
+    return uri
+
+
+def state_exists(uri: str, *, storage_options: dict | None = None) -> bool:
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    return fs.exists(path + ".sha256")
+
+
+def load_state(uri: str, *, storage_options: dict | None = None) -> bytes:
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if not fs.exists(path + ".sha256"):
+        raise CheckpointError(f"no committed trainer state at {uri}")
+    payload = fs.cat_file(path)
+    expected = fs.cat_file(path + ".sha256").decode().strip()
+    if hashlib.sha256(payload).hexdigest() != expected:
+        raise CheckpointError(f"trainer state {uri} fails its checksum; delete it to recompute")
+    return payload

@@ -12,7 +12,9 @@ from artifacts.store import ArtifactRef, RolloutStore
 from tasks.model.source import resolve_model_path
 from tasks.model.tiny import load_model
 from tasks.sync.parity import checksums
-from tasks.train.checkpoint import load_checkpoint, save_checkpoint
+from tasks.train.checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
+from tasks.train.dump import train_dump_bytes
+from tasks.train.replay import infer_group_size, subsample_groups
 from tasks.train.settings import AlgoConfig, OptimConfig
 from tasks.train.step import TrainResult, train_on_samples
 from tasks.train.torch_backend import TorchBackend
@@ -39,6 +41,8 @@ class TrainWorker:
         self.store = RolloutStore(store_root, storage_options)
         self.backend = build_backend(model_spec, optim, temperature=temperature)
         self.last_result: TrainResult | None = None
+        # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
+        self._initial_state = self.backend.checkpoint_bytes()
         if resume_iteration is not None:
             self.backend.load_checkpoint_bytes(
                 load_checkpoint(store_root, run, resume_iteration, storage_options=storage_options))
@@ -46,13 +50,41 @@ class TrainWorker:
     def ping(self) -> bool:
         return True
 
-    def train_on_artifact(self, ref: dict) -> dict[str, float]:
+    def train_on_artifact(self, ref: dict, *, subsample: float | None = None,
+                          dump_uri: str | None = None) -> dict[str, float]:
         artifact = self.store.load_uri(ArtifactRef.from_dict(ref).uri)
-        result = train_on_samples(self.backend, artifact.samples, self.algo,
-                                  group_size=artifact.manifest.n_samples_per_prompt,
+        samples = artifact.samples
+        group_size = artifact.manifest.n_samples_per_prompt
+        if group_size <= 1 and len(samples) > 1:
+            group_size = infer_group_size(samples)
+        if subsample is not None:
+            samples = subsample_groups(samples, subsample, group_size)
+        result = train_on_samples(self.backend, samples, self.algo, group_size=group_size,
                                   compute_ref=self.optim.compute_ref_log_probs)
         self.last_result = result
-        return result.metrics
+        if dump_uri is not None:
+            self._write(dump_uri, train_dump_bytes(result.batch, artifact.manifest.rollout_id))
+        return result.metrics | {"train/n_samples": float(len(samples))}
+
+    def replay_step(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
+                    subsample: float | None = None, dump_uri: str | None = None) -> dict[str, float]:
+        """Train on one pinned artifact from a given state, and save the resulting state."""
+        start = load_state(start_state_uri, storage_options=self.storage_options) if start_state_uri \
+            else self._initial_state
+        self.backend.load_checkpoint_bytes(start)
+        metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri)
+        save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
+        return metrics
+
+    def _write(self, uri: str, data: bytes) -> None:
+        import posixpath
+
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri, **(self.storage_options or {}))
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        with fs.open(path, "wb") as f:
+            f.write(data)
 
     def save_checkpoint(self, iteration: int) -> str:
         return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
