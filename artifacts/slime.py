@@ -39,7 +39,6 @@ import string
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 from fsspec.core import url_to_fs
 
 from .errors import ArtifactError, ArtifactNotFound, ArtifactSchemaError
@@ -171,7 +170,7 @@ def discover_template_ids(template: str, storage_options: dict[str, Any] | None 
 
 def _plain(value: Any) -> Any:
     """Tensors -> lists/numbers, tuples -> lists; everything else as is (recursively)."""
-    if isinstance(value, torch.Tensor):
+    if type(value).__module__.startswith("torch") and hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -203,6 +202,8 @@ def load_plain_pt(path_or_url: str, storage_options: dict[str, Any] | None = Non
         data = fs.cat_file(path)
     except FileNotFoundError:
         raise ArtifactNotFound(f"no slime .pt file at {path_or_url!r}") from None
+    import torch  # lazily: `rollflow show` of parquet artifacts should not pay torch's import
+
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -396,6 +397,8 @@ def export_slime_pt(
     """
     _check_split(split)
     target = expand_template(path_or_url, rollout_id, split) if has_rollout_id(path_or_url) else path_or_url
+    import torch
+
     payload = {"rollout_id": int(rollout_id), "samples": [sample_to_slime_dict(s) for s in samples]}
     buffer = io.BytesIO()
     torch.save(payload, buffer)

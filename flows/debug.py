@@ -53,23 +53,22 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
         log.warning(notice)
     connect_ray(cfg)
     ids = rollout_ids if rollout_ids is not None else list(range(cfg.iterations))
-    engine = start_engine(cfg, checkpoint)  # the handle keeps the actor alive for this run
+    engine = start_engine(cfg, checkpoint)
     out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.call("weight_version")}
     try:
         for rollout_id in ids:
             reporting.stage("start", rollout_id)
-            ref = committed_or_generate(cfg, rollout_id)
+            ref = committed_or_generate(cfg, rollout_id, weight_version=checkpoint or 0)
             side_exports(cfg, ref)
             row: dict = {"uri": ArtifactRef.from_dict(ref).uri}
             samples = RolloutStore(cfg.store.root).load_uri(row["uri"]).samples
             row["raw_reward"] = sum(s.scalar_reward() for s in samples) / len(samples)
             if cfg.eval_every and rollout_id % cfg.eval_every == 0:
-                row.update(eval_metrics(cfg, rollout_id))
+                row.update(eval_metrics(cfg, rollout_id, weight_version=checkpoint or 0))
             out["rollouts"][rollout_id] = row
             reporting.stage("done", rollout_id, f"rollout {rollout_id}: reward {row['raw_reward']:.4f}  {row['uri']}")
     finally:
         stop_all(cfg)
-        del engine
     return out
 
 
@@ -143,7 +142,7 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     source_run = source_run or cfg.run
     refs = pinned_refs(cfg, rollout_ids, source_run)
     store = RolloutStore(cfg.store.root)
-    trainer = start_trainer(cfg, None)
+    start_trainer(cfg, None)
     rows: list[dict] = []
     start_state, start_key = None, "initial"
     try:
@@ -167,7 +166,6 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
             start_state, start_key = out_state, key
     finally:
         stop_all(cfg)
-        del trainer
     _publish_replay(cfg, rows)
     return {"run": cfg.run, "source_run": source_run, "steps": rows, "final_state": start_state}
 

@@ -12,15 +12,29 @@ def connect_ray(cfg: RunConfig) -> None:
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
 
 
-def start_engine(cfg: RunConfig, resume_iteration: int | None) -> Handle:
+def start_engine(cfg: RunConfig, resume_iteration: int | None, *, weights=None) -> Handle:
+    """The engine on the model's weights, a checkpoint's, or given ones (an ObjectRef is fine)."""
     from tasks.rollout.worker import RolloutWorker
 
-    weights = None
-    if resume_iteration:
-        # The engine restarts on the checkpoint's weights, read by a short-lived trainer-free path.
+    if weights is None and resume_iteration:
         weights = _checkpoint_weights(cfg, resume_iteration)
     return start_actor(cfg.run, ENGINE, RolloutWorker, cfg.model.path, cfg.rollout, cfg.data,
                        weights=weights, weight_version=resume_iteration or 0)
+
+
+def ensure_engine(cfg: RunConfig, weight_version: int) -> Handle:
+    """The live engine, or a restarted one at `weight_version` (how a task retry heals a dead actor).
+
+    Weights come from the live trainer when there is one (it holds exactly that version), else from
+    the run's checkpoint of that version, else from the model.
+    """
+    handle = get_actor(cfg.run, ENGINE)
+    if handle is not None and handle.alive():
+        return handle
+    trainer = get_actor(cfg.run, TRAINER)
+    if trainer is not None and trainer.alive():
+        return start_engine(cfg, weight_version, weights=trainer.submit("named_weights"))
+    return start_engine(cfg, weight_version or None)
 
 
 def start_trainer(cfg: RunConfig, resume_iteration: int | None) -> Handle:

@@ -16,14 +16,17 @@ from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
 from flows.exports import dump_uri, side_exports
-from flows.group import ENGINE, TRAINER, require
+from flows.group import ENGINE, TRAINER, ensure_engine, require
 from tasks.rollout.rewards import resolve_reward_fn, score_samples
 from tasks.sync.parity import compare
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
-def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False) -> list[Sample]:
-    return require(cfg, ENGINE).call("rollout", rollout_id, split, greedy=greedy)
+def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
+                  weight_version: int | None = None) -> list[Sample]:
+    """On a retry after the engine died, `ensure_engine` restarts it at the expected weights."""
+    version = rollout_id if weight_version is None else weight_version
+    return ensure_engine(cfg, version).call("rollout", rollout_id, split, greedy=greedy)
 
 
 @task(name="reward", cache_policy=NO_CACHE)
@@ -66,21 +69,22 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     return report.to_dict() | {"weight_version": version}
 
 
-def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False) -> dict:
+def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
+                          weight_version: int | None = None) -> dict:
     """The committed artifact of this id if there is one (resume never regenerates), else a new one."""
     store = RolloutStore(cfg.store.root)
     if store.exists(cfg.run, split, rollout_id):
         return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
     reporting.stage("generate")
-    samples = generate_task(cfg, rollout_id, split, greedy)
+    samples = generate_task(cfg, rollout_id, split, greedy, weight_version)
     reporting.stage("reward")
     samples = reward_task(cfg, samples)
     reporting.stage("persist")
     return persist_task(cfg, rollout_id, samples, split)
 
 
-def eval_metrics(cfg: RunConfig, rollout_id: int) -> dict[str, float]:
-    ref = committed_or_generate(cfg, rollout_id, "eval", greedy=True)
+def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = None) -> dict[str, float]:
+    ref = committed_or_generate(cfg, rollout_id, "eval", greedy=True, weight_version=weight_version)
     samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
     return {"eval/accuracy": sum(s.scalar_reward() for s in samples) / len(samples)}
 

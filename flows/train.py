@@ -43,9 +43,9 @@ def rl_train(cfg: RunConfig) -> dict:
         return summarize(cfg, reporting.read_metrics(cfg), start)
     if start:
         get_run_logger().warning(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start})")
-    # Holding the handles keeps the actors alive (Ray ends a named, non-detached actor when its
-    # creator's handles are gone); they end with this flow run.
-    workers = [start_trainer(cfg, start), start_engine(cfg, start)]
+    # Detached actors: they outlive any task that restarts them and are stopped at the end of the run.
+    start_trainer(cfg, start)
+    start_engine(cfg, start)
     try:
         for rollout_id in range(start, cfg.iterations):
             row = rl_iteration(cfg, rollout_id)
@@ -58,7 +58,6 @@ def rl_train(cfg: RunConfig) -> dict:
             reporting.write_metrics(cfg, rows)
     finally:
         stop_all(cfg)
-        workers.clear()
     rows = reporting.read_metrics(cfg)
     reporting.plot_rewards(cfg, rows)
     return summarize(cfg, rows, start)

@@ -65,11 +65,16 @@ def get_actor(run: str, role: str) -> Handle | None:
 
 
 def start_actor(run_name: str, role: str, cls: type, *args, **kwargs) -> Handle:
-    """Create (or reuse) the named actor of `role` for `run`."""
+    """Start the named actor of `role` for `run`, replacing a leftover one (a fresh start is a restart)."""
     import ray
 
+    stale = get_actor(run_name, role)
+    if stale is not None:
+        ray.kill(stale.actor, no_restart=True)
     remote_cls = ray.remote(cls).options(
-        name=actor_name(run_name, role), namespace=NAMESPACE, get_if_exists=True,
+        name=actor_name(run_name, role), namespace=NAMESPACE,
+        # Detached: the actor outlives the task that (re)started it; flows stop it explicitly.
+        lifetime="detached",
         # Scheduling must not wait for CPUs the driver and the other actor also use; threads are
         # fixed inside the worker instead.
         num_cpus=0, max_concurrency=1,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -54,6 +54,25 @@ class AlgoConfig(_Strict):
         return self.kl_coef > 0 or self.kl_loss_coef > 0
 
 
+class MegatronSettings(_Strict):
+    """Knobs of the `megatron` backend (tasks/train/megatron_backend.py); ignored by `torch`."""
+
+    layer_spec: Literal["auto", "te", "sdpa", "local"] = Field(
+        "auto", description="auto: te when transformer-engine imports, else sdpa (local spec + torch SDPA attention)")
+    sdpa_backends: tuple[Literal["flash", "cudnn", "efficient", "math"], ...] = Field(
+        (), description="pin torch SDPA kernels, in priority order (empty: torch picks)")
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = Field(
+        "auto", description="Megatron's AttnBackend for the te spec")
+    optimizer: Literal["auto", "megatron", "torch"] = Field(
+        "auto", description="megatron: Megatron DDP + get_megatron_optimizer (CUDA); torch: AdamW on fp32 master "
+                            "weights; auto: megatron on CUDA, torch on CPU")
+    fusions: bool = Field(False, description="Megatron's bias-activation / bias-dropout-add fusions (torch.compile)")
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    log_prob_chunk: int = Field(2048, ge=1, description="rows per chunk of the fused log-prob / entropy kernel")
+    transformer_config: dict[str, Any] = Field(
+        default_factory=dict, description="extra TransformerConfig fields, passed through")
+
+
 class OptimConfig(_Strict):
     backend: Literal["torch", "megatron"] = "torch"
     lr: float = Field(2e-4, ge=0)
@@ -68,3 +87,4 @@ class OptimConfig(_Strict):
     threads: int = Field(1, ge=1, description="torch threads of the trainer (fixed so numerics repeat)")
     compute_ref_log_probs: bool = Field(True, description="also needed by the alignment checks")
     seed: int = 1234
+    megatron: MegatronSettings = Field(default_factory=MegatronSettings)

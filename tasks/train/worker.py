@@ -21,10 +21,12 @@ from tasks.train.torch_backend import TorchBackend
 
 
 def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float):
+    if optim.backend == "megatron":
+        from tasks.train.megatron_backend import build_megatron_backend  # imports megatron-core lazily
+
+        return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature)
     if optim.backend != "torch":
-        raise NotImplementedError(
-            f"train.backend={optim.backend!r} is not available in this build; use train.backend='torch'"
-        )
+        raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
     model = load_model(resolve_model_path(model_spec))
     return TorchBackend(model, optim, temperature=temperature)
 

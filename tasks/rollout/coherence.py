@@ -1,0 +1,124 @@
+"""Check 1: are rollouts language, not gibberish?
+
+Figures: printable ratio of the responses, repetition fraction, share of responses in the task's
+answer format, and the reference model's mean negative log-likelihood of the responses
+(teacher-forced, computed by the trainer). A model whose checkpoint was not loaded writes
+high-NLL noise, or confidently repeats one token; both fail here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from artifacts.sample import Sample
+from tasks.checks import FAIL, PASS, AlignmentThresholds, CheckResult
+
+NAME = "coherence"
+
+CAUSES = [
+    "checkpoint not loaded: the engine (or trainer) runs random / initial weights; check model.path and the "
+    "load step's log",
+    "parameter names not mapped trainer -> engine (e.g. the layer ids of the second pipeline stage not offset "
+    "by the first stage's layer count), so some tensors kept stale values",
+    "engine buffers freed early: weights or KV cache released / offloaded (colocate memory release) before "
+    "generation finished, or not restored after",
+    "a pretrain (base) model driven with a chat template, or an instruct model without its template",
+    "tokenizer does not belong to the model (vocabulary / alphabet mismatch)",
+]
+
+
+def answer_format(data_cfg: Any) -> str | None:
+    """Regex a well-formed answer of the task matches (None when the task has no fixed format)."""
+    if getattr(data_cfg, "task", None) == "addition":
+        return rf"\d{{{int(data_cfg.digits) + 1}}}"
+    return None
+
+
+def repetition_fraction(tokens: list[int]) -> float:
+    """Share of repeated token bigrams in one response: 0 for all-distinct, -> 1 for 'aaaa...'."""
+    pairs = list(zip(tokens, tokens[1:]))
+    return 1.0 - len(set(pairs)) / len(pairs) if pairs else 0.0
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            ids.add(int(value))
+    return ids
+
+
+def printable_units(tokenizer: Any, sample: Sample) -> tuple[int, int]:
+    """(printable, total) units of one response: characters of the decoded text plus stray special
+    tokens inside it (a final stop token is not counted). U+FFFD (undecodable) is not printable."""
+    response = list(sample.response_tokens)
+    specials = _special_ids(tokenizer)
+    if response and sample.status.value == "completed" and response[-1] in specials:
+        response = response[:-1]
+    stray = sum(t in specials for t in response)
+    text = tokenizer.decode([t for t in response if t not in specials]) if response else ""
+    good = sum(ch != "\ufffd" and (ch.isprintable() or ch in "\n\t") for ch in text)
+    return good, len(text) + stray
+
+
+def response_stats(tokenizer: Any, samples: list[Sample], pattern: str | None) -> dict[str, Any]:
+    """Text-side figures of check 1; runs where the tokenizer lives (the rollout worker)."""
+    good = total = 0
+    for s in samples:
+        g, t = printable_units(tokenizer, s)
+        good, total = good + g, total + t
+    n = max(len(samples), 1)
+    stats: dict[str, Any] = {
+        "n_samples": len(samples),
+        "printable_ratio": good / total if total else 1.0,
+        "repetition_fraction": sum(repetition_fraction(list(s.response_tokens)) for s in samples) / n,
+        "mean_response_tokens": sum(s.response_length for s in samples) / n,
+        "truncated_ratio": sum(s.status.value == "truncated" for s in samples) / n,
+        "empty_ratio": sum(not s.response.strip() for s in samples) / n,
+    }
+    if pattern is not None:
+        rx = re.compile(pattern)
+        stats["answer_format"] = pattern
+        stats["format_fraction"] = sum(bool(rx.fullmatch(s.response.strip())) for s in samples) / n
+    stats["examples"] = [s.response for s in samples[:8]]
+    return stats
+
+
+def coherence_check(stats: dict[str, Any], ref_nll: float | None, thr: AlignmentThresholds,
+                    *, reward_mean: float | None = None) -> CheckResult:
+    figures: dict[str, Any] = {
+        "printable_ratio": stats["printable_ratio"],
+        "repetition_fraction": stats["repetition_fraction"],
+        "ref_nll": ref_nll,
+    }
+    if "format_fraction" in stats:
+        figures["format_fraction"] = stats["format_fraction"]
+    if reward_mean is not None:
+        figures["reward_mean"] = reward_mean
+    for key in ("n_samples", "mean_response_tokens", "truncated_ratio", "empty_ratio", "answer_format"):
+        if key in stats:
+            figures[key] = stats[key]
+    figures["examples"] = stats.get("examples", [])
+
+    problems = []
+    if stats["printable_ratio"] < thr.min_printable_ratio:
+        problems.append(f"printable_ratio {stats['printable_ratio']:.3f} < {thr.min_printable_ratio}")
+    if stats["repetition_fraction"] > thr.max_repetition_fraction:
+        problems.append(f"repetition_fraction {stats['repetition_fraction']:.3f} > {thr.max_repetition_fraction}")
+    if ref_nll is None:
+        problems.append("reference NLL unavailable (the trainer's step-1 scoring failed)")
+    elif not ref_nll <= thr.max_ref_nll:  # NaN fails too
+        problems.append(f"ref_nll {ref_nll:.3f} > {thr.max_ref_nll}")
+    if thr.min_format_fraction is not None and "format_fraction" in stats \
+            and stats["format_fraction"] < thr.min_format_fraction:
+        problems.append(f"format_fraction {stats['format_fraction']:.3f} < {thr.min_format_fraction} "
+                        f"(answers matching {stats.get('answer_format')})")
+    if problems:
+        return CheckResult(NAME, FAIL, figures, "rollouts look like gibberish: " + "; ".join(problems), list(CAUSES))
+    msg = (f"rollouts are language: printable {stats['printable_ratio']:.3f}, repetition "
+           f"{stats['repetition_fraction']:.3f}, reference NLL {ref_nll:.3f}/token")
+    if "format_fraction" in stats:
+        msg += f", {stats['format_fraction']:.1%} in answer format"
+    return CheckResult(NAME, PASS, figures, msg)
