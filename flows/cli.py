@@ -205,6 +205,15 @@ def server_stop() -> None:
     console.print("stopped" if stop("prefect") else "no server started by rollflow is running")
 
 
+def _register_subcommands() -> None:
+    from flows import cli_tools
+
+    cli_tools.register(app)
+
+
+_register_subcommands()
+
+
 def main() -> None:
     try:
         app()

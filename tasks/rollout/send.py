@@ -5,7 +5,9 @@ Token in, token out: each sample's prompt token ids (``tokens[:prompt_length]``)
 compared with the stored ones. With greedy decoding and the same weights an engine should
 reproduce its own artifact exactly; a mismatch points at changed weights, a different engine
 config, or nondeterminism. Log-probs are compared on the common token prefix of stored and new
-responses (where both scored the same tokens).
+responses (where both scored the same tokens). Engines report log-probs of their sampling
+distribution (temperature-scaled), so send with the temperature the artifact was generated with
+(greedy counts as temperature 1 in the hf engine) when the log-prob numbers matter.
 """
 
 from __future__ import annotations

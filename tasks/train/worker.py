@@ -61,12 +61,24 @@ class TrainWorker:
             group_size = infer_group_size(samples)
         if subsample is not None:
             samples = subsample_groups(samples, subsample, group_size)
+        # slime dumps without behaviour log-probs import with zeros: never correct with them.
+        missing = any(s.metadata.get("rollout_log_probs_missing") for s in samples)
+        if missing and self.algo.tis is not None:
+            raise ValueError(
+                f"algo.tis={self.algo.tis!r} needs the rollout engine's log-probs, but rollout "
+                f"{artifact.manifest.rollout_id} was imported without them; set algo.tis=null for this replay"
+            )
         result = train_on_samples(self.backend, samples, self.algo, group_size=group_size,
                                   compute_ref=self.optim.compute_ref_log_probs)
         self.last_result = result
         if dump_uri is not None:
             self._write(dump_uri, train_dump_bytes(result.batch, artifact.manifest.rollout_id))
-        return result.metrics | {"train/n_samples": float(len(samples))}
+        metrics = result.metrics | {"train/n_samples": float(len(samples))}
+        if missing:
+            for key in ("train/train_rollout_logprob_abs_diff", "rollout/rollout_log_probs"):
+                metrics.pop(key, None)
+            metrics["rollout/rollout_log_probs_missing"] = 1.0
+        return metrics
 
     def replay_step(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
                     subsample: float | None = None, dump_uri: str | None = None) -> dict[str, float]:

@@ -1,0 +1,200 @@
+"""`alignment_check`: the precision-alignment checks as a Prefect flow, and its nightly deployment.
+
+The flow starts its own engine and trainer actors (run `{run}-align`, fresh weights, one optimizer
+step per rollout), runs `tasks.alignment.run_alignment` on them (each phase a task), publishes a
+markdown and a table artifact, writes `{store.root}/{run}/alignment/{timestamp}.json` and ends
+Failed when any check fails.
+
+    rollflow align                     # once, prints the report; exit code 1 on a failed check
+    rollflow serve                     # nightly at 02:00 UTC (serves the deployment, blocks)
+    rollflow serve --register-only     # register the deployment + schedule, run nothing
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import posixpath
+import time
+from typing import Any, Callable, Optional
+from uuid import UUID
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows import reporting
+from flows.config import RunConfig
+from flows.group import ENGINE, TRAINER, connect_ray, start_engine, start_trainer, stop_all
+from infra.workers import Handle, get_actor
+from tasks.alignment import WorkerRunner, run_alignment
+from tasks.checks import AlignmentReport, AlignmentThresholds
+from tasks.faults import AlignmentFaults
+
+NIGHTLY = "nightly-alignment"
+NIGHTLY_CRON = "0 2 * * *"
+FLOW_NAME = "alignment_check"
+
+
+class AlignmentFailed(RuntimeError):
+    """At least one alignment check failed; `report` is the report dict, `path` its JSON file."""
+
+    def __init__(self, message: str, report: dict | None = None, path: str | None = None):
+        super().__init__(message)
+        self.report = report
+        self.path = path
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.report, self.path))
+
+
+class ActorRunner(WorkerRunner):
+    """Runs a plain function next to a Ray actor's state (`__ray_call__`), tensors stay in the actor."""
+
+    def __init__(self, handle: Handle):
+        self.handle = handle
+
+    def defer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.handle.actor.__ray_call__.remote(fn, *args, **kwargs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        return ray.get(self.defer(fn, *args, **kwargs))
+
+
+def alignment_config(cfg: RunConfig) -> RunConfig:
+    """The config the check runs under: its own actors (`{run}-align`), one optimizer step per rollout."""
+    data = cfg.model_dump()
+    data["run"] = f"{cfg.run[:94]}-align"
+    data["resume"] = False
+    data["train"]["num_steps_per_rollout"] = 1
+    return RunConfig.model_validate(data)
+
+
+def _stop_actors(cfg: RunConfig, timeout: float = 30.0) -> None:
+    """Kill the run's actors and wait until their names are free (a reused name would reuse state)."""
+    stop_all(cfg)
+    deadline = time.monotonic() + timeout
+    while any(get_actor(cfg.run, role) is not None for role in (ENGINE, TRAINER)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"actors of run {cfg.run!r} still registered {timeout:.0f}s after being stopped")
+        time.sleep(0.1)
+
+
+def _phase_as_task(name: str, fn: Callable[[], Any]) -> Any:
+    """Each phase of the checks is a Prefect task run (visible in the UI); no retries, no cache."""
+    reporting.stage(name)
+
+    def body() -> Any:
+        return fn()
+
+    return task(name=name, cache_policy=NO_CACHE, retries=0)(body)()
+
+
+def report_path(cfg: RunConfig, stamp: str) -> tuple[Any, str]:
+    fs, path = reporting.run_file(cfg, posixpath.join("alignment", f"{stamp}.json"))
+    return fs, path
+
+
+def write_report_json(cfg: RunConfig, report: AlignmentReport) -> str:
+    """`{store.root}/{run}/alignment/{timestamp}.json` (any fsspec root); returns the path."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    fs, path = report_path(cfg, stamp)
+    n = 1
+    while fs.exists(path):  # two runs within one second
+        n += 1
+        fs, path = report_path(cfg, f"{stamp}-{n}")
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        f.write(report.to_json())
+    return path
+
+
+def publish_report(cfg: RunConfig, report: AlignmentReport, json_path: str) -> None:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    create_markdown_artifact(
+        key=reporting.artifact_key(cfg.run, "alignment"),
+        markdown=report.to_markdown() + f"\nJSON report: `{json_path}`\n",
+        description=f"Precision alignment report of run `{cfg.run}`: {report.summary()}"[:500],
+    )
+    create_table_artifact(
+        key=reporting.artifact_key(cfg.run, "alignment-checks"),
+        table=report.table_rows(),
+        description=f"Alignment checks of run `{cfg.run}` ({report.status})",
+    )
+
+
+@flow(name=FLOW_NAME)
+def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
+                    thresholds: Optional[AlignmentThresholds] = None,
+                    faults: Optional[AlignmentFaults] = None) -> dict:
+    """Precision alignment of engine and trainer (slime's debug.md step 1 / step 2), on fresh actors.
+
+    Fails (after publishing the report) when any check fails. `memory_budget_mb` bounds the largest
+    worker peak (host RSS or CUDA); `faults` injects known failures, to see what they look like.
+    """
+    logger = get_run_logger()
+    acfg = alignment_config(cfg)
+    connect_ray(acfg)
+    _stop_actors(acfg)
+    # The handles are held for the flow's lifetime (a named, non-detached actor ends with them).
+    workers = [start_trainer(acfg, None), start_engine(acfg, None)]
+    try:
+        trainer, engine = workers
+        report = run_alignment(ActorRunner(engine), ActorRunner(trainer), acfg, thresholds=thresholds,
+                               memory_budget_mb=memory_budget_mb, faults=faults, call_phase=_phase_as_task)
+    finally:
+        _stop_actors(acfg)
+        workers.clear()
+    report.context["run"] = cfg.run
+    report.context["actors"] = acfg.run
+    path = write_report_json(cfg, report)
+    publish_report(cfg, report, path)
+    out = report.to_dict() | {"json_path": path}
+    if not report.ok:
+        logger.error(report.summary())
+        raise AlignmentFailed(f"{report.summary()} (report: {path})", out, path)
+    logger.info(report.summary())
+    return out
+
+
+# ---- the nightly deployment ---------------------------------------------------------------------------
+
+def nightly_parameters(cfg: RunConfig | None = None, memory_budget_mb: float | None = None,
+                       thresholds: AlignmentThresholds | None = None) -> dict[str, Any]:
+    cfg = cfg or RunConfig(run="nightly")
+    params: dict[str, Any] = {"cfg": cfg.model_dump(mode="json"), "memory_budget_mb": memory_budget_mb}
+    if thresholds is not None:
+        params["thresholds"] = thresholds.model_dump(mode="json")
+    return params
+
+
+def nightly_deployment(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
+                       memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None,
+                       timezone: str = "UTC"):
+    """The `nightly-alignment` deployment of `alignment_check` with a cron schedule (a RunnerDeployment)."""
+    from prefect.schedules import Cron
+
+    return alignment_check.to_deployment(
+        name=NIGHTLY,
+        schedules=[Cron(cron, timezone=timezone)],
+        parameters=nightly_parameters(cfg, memory_budget_mb, thresholds),
+        description="Nightly precision-alignment check (coherence, step-1 log-prob equality, train/rollout "
+                    "mismatch, one-step update, weight-sync parity, step-2 load and peak memory).",
+        tags=["rollflow", "alignment", "nightly"],
+    )
+
+
+def serve_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
+                  memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None) -> None:
+    """Register the nightly deployment and execute its scheduled runs in this process (blocks)."""
+    from prefect import serve
+
+    serve(nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds))
+
+
+def register_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
+                     memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None) -> UUID:
+    """Register (create or update) the nightly deployment and its schedule with the current API; returns
+    its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed)."""
+    return nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds).apply()

@@ -1,0 +1,90 @@
+"""`rollflow align` and `rollflow serve`: the alignment check once, or nightly.
+
+`flows/cli.py` calls `register(app)`; the commands import their helpers lazily (no import cycle).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+
+
+def _config_options():
+    return (typer.Option(None, "--config", "-c", help="JSON file with RunConfig fields"),
+            typer.Option(None, "--set", "-s", help="override a field: --set rollout.dtype=bfloat16 (repeatable)"))
+
+
+def run_align(cfg, memory_budget_mb: float | None = None, *, local: bool = False) -> dict:
+    """The report dict of one alignment run (through Prefect + Ray, or in this process with `local`)."""
+    from flows.alignment import AlignmentFailed, alignment_check, write_report_json
+
+    if local:
+        from tasks.alignment import run_alignment_local
+
+        report = run_alignment_local(cfg, memory_budget_mb=memory_budget_mb)
+        return report.to_dict() | {"json_path": write_report_json(cfg, report)}
+    state = alignment_check(cfg, memory_budget_mb=memory_budget_mb, return_state=True)
+    if state.is_completed():
+        return state.result()
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, AlignmentFailed) and exc.report is not None:
+        return exc.report
+    raise RuntimeError(f"the alignment flow ended {state.type.value}: {exc}")
+
+
+def register(app: typer.Typer) -> None:
+    config_opt, set_opt = _config_options()
+
+    @app.command("align")
+    def align(config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
+              memory_budget_mb: Optional[float] = typer.Option(
+                  None, "--memory-budget-mb", help="fail when a worker's peak memory (MB) exceeds this"),
+              as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of markdown"),
+              local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server, no Ray"),
+              ) -> None:
+        """Precision alignment checks on fresh workers; prints the report, exit code 1 if a check fails."""
+        from flows.cli import build_config, ensure_prefect_api, err_console, fail, quiet_prefect_console
+        from tasks.checks import AlignmentReport
+
+        cfg = build_config(config, sets)
+        if not local:
+            quiet_prefect_console()
+            api = ensure_prefect_api()
+            err_console.print(f"alignment check of run [bold]{cfg.run}[/] (actors {cfg.run}-align); Prefect UI at "
+                              f"{api.removesuffix('/api')}")
+        try:
+            out = run_align(cfg, memory_budget_mb, local=local)
+        except RuntimeError as exc:
+            fail(str(exc))
+        report = AlignmentReport.from_dict(out)
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))
+        else:
+            typer.echo(report.to_markdown())
+            typer.echo(f"JSON report: {out.get('json_path')}")
+        raise typer.Exit(1 if report.failed else 0)
+
+    @app.command("serve")
+    def serve(cron: str = typer.Option("0 2 * * *", help="cron schedule (UTC) of the nightly alignment run"),
+              register_only: bool = typer.Option(False, "--register-only",
+                                                 help="register the deployment and its schedule, then exit"),
+              config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
+              memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb")) -> None:
+        """Serve the `nightly-alignment` deployment (alignment_check on a cron schedule); blocks."""
+        from flows.cli import build_config, console, ensure_prefect_api, quiet_prefect_console
+
+        base = {"run": "nightly"} if not config and not any(s.startswith("run=") for s in sets or []) else None
+        cfg = build_config(config, sets, base)
+        quiet_prefect_console()
+        api = ensure_prefect_api()
+        from flows.alignment import FLOW_NAME, NIGHTLY, register_nightly, serve_nightly
+
+        if register_only:
+            dep_id = register_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)
+            console.print(f"registered {FLOW_NAME}/{NIGHTLY} ({dep_id}), cron {cron!r} UTC, run {cfg.run!r}; "
+                          f"runs execute while `rollflow serve` runs. UI: {api.removesuffix('/api')}")
+            return
+        console.print(f"serving {FLOW_NAME}/{NIGHTLY}, cron {cron!r} UTC, run {cfg.run!r} (Ctrl-C stops)")
+        serve_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)
