@@ -607,3 +607,32 @@ __all__ = [
     "rollout_metrics",
     "select_rollout",
 ]
+
+
+def train_dump_summary(loader: RolloutLoader) -> dict[str, Any] | None:
+    """Means of the `--dump-details` per-token train tensors of this rollout, if a dump exists.
+
+    Dumps live at `{root}/{run}/train_dumps/{rollout_id:06d}.parquet` next to the rollouts.
+    """
+    if loader.kind != "artifact" or loader.split != "train" or not loader.root or not loader.run:
+        return None
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    store = RolloutStore(loader.root, loader.storage_options)
+    rel = f"{loader.run}/train_dumps/{loader.rollout_id:06d}.parquet"
+    if not store.exists_path(rel):
+        return None
+    with store.open(rel, "rb") as f:
+        table = pq.read_table(f)
+    summary: dict[str, Any] = {"uri": store.path_uri(rel), "rows": table.num_rows}
+    for name in ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns"):
+        if name in table.column_names and table.column(name).null_count < table.num_rows:
+            flat = pc.list_flatten(table.column(name))
+            summary[f"mean_{name}"] = _num(float(pc.mean(flat).as_py())) if len(flat) else None
+    if {"log_probs", "ref_log_probs"} <= set(table.column_names):
+        lp = pc.list_flatten(table.column("log_probs"))
+        ref = pc.list_flatten(table.column("ref_log_probs"))
+        if len(lp) and len(lp) == len(ref):
+            summary["max_abs_log_probs_minus_ref"] = _num(float(pc.max(pc.abs(pc.subtract(lp, ref))).as_py()))
+    return summary

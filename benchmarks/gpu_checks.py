@@ -38,6 +38,7 @@ from tasks.train.torch_backend import TorchBackend  # noqa: E402
 BF16_MAX_TOL = 0.5  # bf16 forward of a 8-layer model, log-probs around -10: rounding-level differences
 BF16_MEAN_TOL = 0.03
 FP32_MAX_TOL = 2e-3
+DEVICE = "cuda"  # --device cpu: a smoke test of this script (sdpa spec, torch optimizer only)
 
 
 def llama_config(vocab: int = 32000, hidden: int = 1024, layers: int = 8, heads: int = 16, kv_heads: int = 4,
@@ -80,13 +81,14 @@ def fixed_samples(vocab: int, *, n: int = 16, group: int = 4, seed: int = 7) -> 
 
 
 def optim_config(backend: str, dtype: str, **megatron) -> OptimConfig:
-    return OptimConfig(backend=backend, dtype=dtype, device="cuda", micro_batch_size=4, num_steps_per_rollout=1,
+    return OptimConfig(backend=backend, dtype=dtype, device=DEVICE, micro_batch_size=4, num_steps_per_rollout=1,
                        lr=1e-4, grad_clip=1.0, threads=4, megatron=megatron)
 
 
 def free():
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def diff_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -104,7 +106,7 @@ def check_log_prob_parity(results: dict, specs: list[str]) -> None:
     base = hf_model(config)
     state = {k: v.detach().clone() for k, v in base.state_dict().items()}
     for dtype in ("float32", "bfloat16"):
-        hf = TorchBackend(hf_model(config).to("cuda"), optim_config("torch", dtype), keep_ref=False)
+        hf = TorchBackend(hf_model(config).to(DEVICE), optim_config("torch", dtype), keep_ref=False)
         hf.model.load_state_dict(state)
         ref = hf.compute_log_probs(batch)
         del hf
@@ -164,7 +166,7 @@ def check_train_step(results: dict, optimizers: list[str], spec: str) -> None:
             out["sync_parity"] = report.to_dict()
             out["sync_missing"], out["sync_unexpected"] = list(missing), list(unexpected)
             # Engine-side log-probs from the synced weights vs the trainer's (bf16 tolerance).
-            eng = TorchBackend(engine.to("cuda"), optim_config("torch", "bfloat16"), keep_ref=False)
+            eng = TorchBackend(engine.to(DEVICE), optim_config("torch", "bfloat16"), keep_ref=False)
             batch = batch_from_samples(samples, group_size=4)
             out["synced_engine_vs_trainer"] = diff_stats(eng.compute_log_probs(batch), be.compute_log_probs(batch),
                                                          batch.response_mask)
@@ -195,7 +197,7 @@ def torch_backend_reference(results: dict) -> None:
     """The torch backend on the same rollout, for side-by-side step-1 figures."""
     config = llama_config(layers=4)
     samples = fixed_samples(config.vocab_size, n=16)
-    model = hf_model(config, seed=1).to("cuda")
+    model = hf_model(config, seed=1).to(DEVICE)
     be = TorchBackend(model, optim_config("torch", "bfloat16"))
     res = train_on_samples(be, samples, AlgoConfig(), group_size=4)
     results["train_step/torch_backend_reference"] = {k: res.metrics[k] for k in (
@@ -210,10 +212,10 @@ def environment() -> dict:
 
     import transformers
 
-    props = torch.cuda.get_device_properties(0)
+    name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "megatron_core": megatron_version(), "transformer_engine": have_transformer_engine(),
-            "device": props.name, "python": sys.version.split()[0],
+            "device": name, "python": sys.version.split()[0],
             "date": time.strftime("%Y-%m-%d"), "host_note": os.environ.get("GPU_CHECK_NOTE", "")}
 
 
@@ -222,8 +224,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--specs", default="sdpa,local")
     parser.add_argument("--optimizers", default="megatron,torch")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="small models (a smoke test of this script)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if args.small:
+        global llama_config
+        full = llama_config
+        llama_config = lambda layers=2, **kw: full(vocab=500, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)  # noqa: E731
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("gpu_checks: no CUDA device; nothing to check")
         return 2
     results: dict = {"environment": environment()}

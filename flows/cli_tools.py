@@ -101,6 +101,7 @@ def show(
         render_metrics,
         render_table,
         rollout_metrics,
+        train_dump_summary,
     )
 
     found = _discover(uri)
@@ -124,12 +125,16 @@ def show(
             "offset": offset,
             "limit": limit,
             "samples": page_records(shown, limit, offset),
+            "train_dump": train_dump_summary(item.loader),
         })
         return
     console = _console()
     console.print(f"rollouts at {uri}: {describe_ids(found)}")
     console.print(f"showing {item.split} rollout {item.rollout_id} ({item.loader.uri})")
     console.print(render_metrics(metrics, title=f"metrics ({len(samples)} samples, before filters)"))
+    dump = train_dump_summary(item.loader)
+    if dump is not None:
+        console.print(render_metrics(dump, title="train dump (--dump-details, per-token means)"))
     filters = [f"{k}={v}" for k, v in (("status", status), ("reward>=", reward_min), ("reward<=", reward_max))
                if v is not None]
     first, last = min(offset + 1, len(shown)), min(offset + limit, len(shown))

@@ -18,7 +18,7 @@ from artifacts.manifest import EngineInfo
 from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
-from flows.exports import dump_uri, side_exports
+from flows.exports import copy_to_dump, dump_uri, side_exports
 from flows.group import TRAINER, connect_ray, require, start_engine, start_trainer, stop_all
 from flows.iteration import committed_or_generate, eval_metrics
 from tasks.train.checkpoint import state_exists
@@ -149,6 +149,7 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
         for ref in refs:
             art = ArtifactRef.from_dict(ref)
             reporting.stage("start", art.rollout_id)
+            copy_to_dump(cfg, ref)
             key_parts = [artifact_digest(store, art), start_key, cfg.train_hash(),
                          str(cfg.debug.load_debug_rollout_data_subsample)]
             key = "replay-" + hashlib.sha256("|".join(key_parts).encode()).hexdigest()[:32]

@@ -7,26 +7,38 @@ from flows.config import RunConfig
 
 
 def dump_uri(cfg: RunConfig, rollout_id: int) -> str | None:
+    """Where the per-token train dump of a rollout goes (next to the copied rollouts, so `show` finds it)."""
     if not cfg.debug.dump_details:
         return None
     return f"{cfg.debug.dump_details.rstrip('/')}/{cfg.run}/train_dumps/{rollout_id:06d}.parquet"
 
 
-def side_exports(cfg: RunConfig, ref: dict) -> None:
-    """slime `.pt` export and the `--dump-details` copy of a committed rollout artifact."""
-    if not (cfg.debug.save_debug_rollout_data or cfg.debug.dump_details):
+def copy_to_dump(cfg: RunConfig, ref: dict) -> None:
+    """`--dump-details DIR`: DIR is a store root holding this run's rollouts and train dumps."""
+    if not cfg.debug.dump_details:
         return
     art_ref = ArtifactRef.from_dict(ref)
+    dump = RolloutStore(cfg.debug.dump_details)
+    if dump.exists(cfg.run, art_ref.split, art_ref.rollout_id):
+        return
     artifact = RolloutStore(cfg.store.root).load_uri(art_ref.uri)
-    if cfg.debug.save_debug_rollout_data:
-        from artifacts.slime import export_slime_pt, expand_template
+    m = artifact.manifest
+    dump.write(cfg.run, art_ref.split, art_ref.rollout_id, artifact.samples, n_samples_per_prompt=m.n_samples_per_prompt,
+               engine=m.engine, config_hash=m.config_hash, extra=m.extra)
 
-        target = expand_template(cfg.debug.save_debug_rollout_data, art_ref.rollout_id, art_ref.split)
-        export_slime_pt(artifact.samples, art_ref.rollout_id, target, split=art_ref.split)
-    if cfg.debug.dump_details:
-        dump = RolloutStore(cfg.debug.dump_details)
-        if not dump.exists(cfg.run, art_ref.split, art_ref.rollout_id):
-            m = artifact.manifest
-            dump.write(cfg.run, art_ref.split, art_ref.rollout_id, artifact.samples,
-                       n_samples_per_prompt=m.n_samples_per_prompt, engine=m.engine, config_hash=m.config_hash,
-                       extra=m.extra)
+
+def export_slime(cfg: RunConfig, ref: dict) -> None:
+    """`--save-debug-rollout-data T`: every committed rollout is also written in slime's `.pt` format."""
+    if not cfg.debug.save_debug_rollout_data:
+        return
+    from artifacts.slime import expand_template, export_slime_pt
+
+    art_ref = ArtifactRef.from_dict(ref)
+    artifact = RolloutStore(cfg.store.root).load_uri(art_ref.uri)
+    target = expand_template(cfg.debug.save_debug_rollout_data, art_ref.rollout_id, art_ref.split)
+    export_slime_pt(artifact.samples, art_ref.rollout_id, target, split=art_ref.split)
+
+
+def side_exports(cfg: RunConfig, ref: dict) -> None:
+    export_slime(cfg, ref)
+    copy_to_dump(cfg, ref)

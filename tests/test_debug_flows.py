@@ -115,3 +115,45 @@ def test_cli_rollout_then_replay(tmp_path, prefect_api):
     assert {"log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", "loss_mask"} <= set(
         dump.column_names)
     assert dump.num_rows == 16 * 4
+
+    # `show` reads the dump folder: the copied rollout and the per-token train dump.
+    shown = subprocess.run([sys.executable, "-m", "flows.cli", "show", str(tmp_path / "dump" / "cli"), "--id", "0",
+                            "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    doc = json.loads(shown.stdout)
+    assert doc["rollout_id"] == 0 and doc["train_dump"]["rows"] == 16 * 4
+    # Step 1 of the replay: old and reference log-probs are the same numbers.
+    assert doc["train_dump"]["max_abs_log_probs_minus_ref"] == 0.0
+
+
+def test_replay_slime_dump_with_extra_fields(tmp_path, prefect_api, ray_local, record_roles):
+    """A slime-format dump (string statuses, unknown fields) replays with no engine."""
+    import torch
+
+    from flows.debug import replay_train
+    from tasks.rollout.worker import RolloutWorker
+    from tasks.rollout.rewards import resolve_reward_fn, score_samples
+    from tasks.rollout.settings import DataConfig, RolloutConfig
+
+    worker = RolloutWorker("builtin:addition", RolloutConfig(n_samples_per_prompt=4), DataConfig(prompts_per_rollout=8))
+    for rid in (0, 1):
+        samples = score_samples(worker.rollout(rid), resolve_reward_fn("addition"))
+        dicts = []
+        for s in samples:
+            d = s.to_dict()
+            d["status"] = "Status." + d["status"].upper()  # as slime's enum str() writes it
+            d["weight_versions"] = [str(d.pop("weight_version"))]
+            d["spec_info"] = {"accept_len": 3}  # a field rollflow does not know
+            d.pop("reward_key")
+            dicts.append(d)
+        torch.save({"rollout_id": rid, "samples": dicts}, tmp_path / f"data_{rid}.pt")
+    template = str(tmp_path / "data_{rollout_id}.pt")
+    cfg = small_config(tmp_path / "store", run="slime-replay", debug={"load_debug_rollout_data": template})
+    assert cfg.debug.train_only
+    out = replay_train(cfg)
+    assert record_roles == ["trainer"]
+    assert [s["rollout_id"] for s in out["steps"]] == [0, 1]
+    assert out["steps"][0]["train/ppo_kl"] == 0.0
+    # Imported once as artifacts of the replay run; the unknown field survived in metadata.
+    art = RolloutStore(str(tmp_path / "store")).load("slime-replay", "train", 1)
+    assert art.samples[0].metadata["extra_fields"]["spec_info"] == {"accept_len": 3}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from artifacts.sample import Sample
+from artifacts.sample import Sample, Status
 from tasks.checks import FAIL, PASS, AlignmentThresholds, CheckResult
 
 NAME = "coherence"
@@ -55,7 +55,7 @@ def printable_units(tokenizer: Any, sample: Sample) -> tuple[int, int]:
     tokens inside it (a final stop token is not counted). U+FFFD (undecodable) is not printable."""
     response = list(sample.response_tokens)
     specials = _special_ids(tokenizer)
-    if response and sample.status.value == "completed" and response[-1] in specials:
+    if response and Status.parse(sample.status) == Status.COMPLETED and response[-1] in specials:
         response = response[:-1]
     stray = sum(t in specials for t in response)
     text = tokenizer.decode([t for t in response if t not in specials]) if response else ""
@@ -75,7 +75,7 @@ def response_stats(tokenizer: Any, samples: list[Sample], pattern: str | None) -
         "printable_ratio": good / total if total else 1.0,
         "repetition_fraction": sum(repetition_fraction(list(s.response_tokens)) for s in samples) / n,
         "mean_response_tokens": sum(s.response_length for s in samples) / n,
-        "truncated_ratio": sum(s.status.value == "truncated" for s in samples) / n,
+        "truncated_ratio": sum(Status.parse(s.status) == Status.TRUNCATED for s in samples) / n,
         "empty_ratio": sum(not s.response.strip() for s in samples) / n,
     }
     if pattern is not None:

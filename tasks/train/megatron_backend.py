@@ -298,7 +298,9 @@ def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype
         rotary_percent=1.0,
         **_rope(hf_config),
     )
-    model = model.to(device=device)
+    # Norm weights are created in fp32; cast everything, as Megatron's Float16Module does (rotary inv_freq is a
+    # plain attribute, not a buffer, so it stays fp32).
+    model = model.to(device=device, dtype=dtype)
     return model, layout, spec
 
 
