@@ -113,21 +113,31 @@ class ArtifactCorrupt(ArtifactError):
             "(rerun the rollout into a new run or id) or restore the folder from a backup copy."
         )
 
+    def __reduce__(self):
+        # Keyword-only fields: the default exception pickling would fail across Ray/Prefect processes.
+        return (_rebuild_kw, (type(self), (self.uri,), {
+            "expected_sha256": self.expected_sha256, "actual_sha256": self.actual_sha256,
+            "expected_size": self.expected_size, "actual_size": self.actual_size}))
+
 
 class ArtifactExists(ArtifactError, FileExistsError):
     """A write targeted a rollout id whose manifest is already committed."""
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, *, note: str | None = None) -> None:
         self.uri = uri
+        self.note = note
         super().__init__(
             f"rollout artifact {uri} is already committed (manifest.json exists) and committed "
             "artifacts are immutable: write the new data under a new rollout id, or start a new "
             "version of the run under another run name (e.g. '<run>-v2'); to really replace it, "
-            "delete the folder yourself first."
+            "delete the folder yourself first." + (f" {note}" if note else "")
         )
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        return (_rebuild_kw, (type(self), (self.uri,), {"note": self.note}))
 
 
 class ArtifactSchemaError(ArtifactError, ValueError):
@@ -136,5 +146,56 @@ class ArtifactSchemaError(ArtifactError, ValueError):
     def __init__(self, message: str, *, field: str | None = None, uri: str | None = None) -> None:
         self.field = field
         self.uri = uri
+        self._message = message
         where = f"{uri}: " if uri else ""
         super().__init__(f"{where}{message}")
+
+    def __reduce__(self):
+        return (_rebuild_kw, (type(self), (getattr(self, "_message", str(self)),),
+                              {"field": self.field, "uri": self.uri}))
+
+
+def _rebuild_kw(cls, args, kwargs):
+    return cls(*args, **kwargs)
+
+
+class StorageError(ArtifactError, OSError):
+    """The storage behind a root failed (endpoint, credentials, bucket), not the artifact's content.
+
+    `transient` says whether retrying may help (Prefect tasks retry on transient ones only). The
+    message names the endpoint, bucket and object and never contains credentials.
+    """
+
+    transient = False
+
+    def __init__(self, message: str, *, uri: str | None = None, endpoint: str | None = None,
+                 bucket: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.endpoint = endpoint
+        self.bucket = bucket
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        # Picklable with its keyword fields (errors cross Ray and Prefect process boundaries).
+        return (_rebuild_storage_error, (type(self), str(self), self.uri, self.endpoint, self.bucket))
+
+
+def _rebuild_storage_error(cls, message, uri, endpoint, bucket):
+    return cls(message, uri=uri, endpoint=endpoint, bucket=bucket)
+
+
+class StorageUnavailable(StorageError, ConnectionError):
+    """The endpoint did not answer (down, unreachable, timing out, overloaded): worth a retry."""
+
+    transient = True
+
+
+class StorageAuthError(StorageError, PermissionError):
+    """Credentials missing, wrong or without access to the bucket."""
+
+
+class StorageBucketNotFound(StorageError, FileNotFoundError):
+    """The root's bucket does not exist at the endpoint."""

@@ -14,19 +14,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterable
 from typing import IO, Any
 
-from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
 from .codec import samples_from_parquet_bytes, samples_to_parquet_bytes
-from .errors import ArtifactCorrupt, ArtifactExists, ArtifactNotFound, ArtifactSchemaError
+from .errors import (
+    ArtifactCorrupt,
+    ArtifactError,
+    ArtifactExists,
+    ArtifactNotFound,
+    ArtifactSchemaError,
+    StorageError,
+)
 from .manifest import (
     EngineInfo,
     FileEntry,
@@ -36,10 +44,13 @@ from .manifest import (
     schema_error_from_validation,
 )
 from .sample import Sample
+from .storage import endpoint_of, error_codes, is_s3, open_fs, storage_errors
 
 MANIFEST_NAME = "manifest.json"
 SAMPLES_NAME = "samples.parquet"
 SPLITS = ("train", "eval")
+
+_log = logging.getLogger(__name__)
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _MAX_RUN_LEN = 200
@@ -246,19 +257,34 @@ def _create_local_exclusive(path: str, data: bytes) -> bool:
 class RolloutStore:
     """Rollout artifacts (and other run files) under one fsspec root.
 
-    Concurrency: on local disks the manifest is created exclusively, so of two writers of the same
-    id exactly one commits and the other gets ArtifactExists. The loser may already have replaced
-    samples.parquet; the committed manifest then fails its checksum on load (ArtifactCorrupt), so
-    the race is detected, never silently read. On object stores the manifest is an existence
-    check followed by a plain PUT (no atomic rename or create-if-absent through fsspec), so two
-    racing writers can both "commit"; closing that needs conditional PUT (If-None-Match) - issue 5.
+    Storage options for the root come from the standard environment (artifacts/storage.py:
+    `AWS_ENDPOINT_URL`, credentials through botocore's own chain) merged under `storage_options`.
+    Storage failures surface as StorageError subclasses (StorageUnavailable is transient) whose
+    messages name the endpoint, bucket and object and never contain credentials.
+
+    Concurrency - of several writers of the same id exactly one commits; the others get
+    ArtifactExists:
+    - local disks: the manifest is created exclusively (hard link of a complete temp file);
+    - S3: the manifest PUT carries `If-None-Match: *`, so the endpoint refuses a second one. An
+      endpoint that rejects the header gets an existence check followed by a plain PUT (a
+      warning is logged once): two writers racing inside that window could both "commit".
+    The payload keeps its fixed name (samples.parquet), so a losing writer may replace it before
+    losing the manifest race. The winner re-checks its payload right after committing and writes
+    it again if it was replaced; a loser whose payload lands even later is told so in its
+    ArtifactExists message, and the committed manifest then fails its checksum on load
+    (ArtifactCorrupt): a race is always detected, never silently read.
     """
+
+    # Endpoints seen rejecting conditional PUTs (If-None-Match), so we warn and fall back once each.
+    _no_conditional_put: set[str] = set()
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         self.root = normalize_root(root)
+        # Only what the caller passed; environment-derived options are recomputed in every process.
         self.storage_options = dict(storage_options or {})
-        self._fs, self._base = url_to_fs(self.root, **self.storage_options)
+        self._fs, self._base = open_fs(self.root, self.storage_options)
         self._local = isinstance(self._fs, LocalFileSystem)
+        self._s3 = is_s3(self.root)
         self._producer: ProducerInfo | None = None
 
     def __repr__(self) -> str:
@@ -283,16 +309,45 @@ class RolloutStore:
 
     # -- low-level IO
 
+    def _uri_of(self, path: str) -> str:
+        """The URI of an fs path under this root (for messages)."""
+        if self._local:
+            return path
+        base = self._base.rstrip("/")
+        return join_uri(self.root, path[len(base) + 1 :]) if path.startswith(base + "/") else path
+
+    def _guard(self, path: str, action: str):
+        return storage_errors(self._uri_of(path), action, fs=self._fs, storage_options=self.storage_options)
+
     def _exists(self, path: str) -> bool:
         # Object-store filesystems cache listings; a stale cache would hide a fresh commit.
-        self._fs.invalidate_cache(path)
-        return bool(self._fs.exists(path))
+        with self._guard(path, "checking"):
+            self._fs.invalidate_cache(path)
+            return bool(self._fs.exists(path))
 
-    def _put(self, path: str, data: bytes) -> None:
+    def _cat(self, path: str, action: str = "reading") -> bytes:
+        with self._guard(path, action):
+            return self._fs.cat_file(path)
+
+    def _put(self, path: str, data: bytes) -> str | None:
+        """Write (replace) one file; returns the object's ETag where the store reports one."""
         if self._local:
             _write_local_atomic(path, data)
-        else:
-            self._fs.pipe_file(path, data)
+            return None
+        with self._guard(path, "writing"):
+            out = self._fs.pipe_file(path, data)
+        return _etag(out)
+
+    def check_access(self) -> None:
+        """Fail early, with one clear StorageError, if the root's endpoint, credentials or bucket are wrong.
+
+        One request (a bucket HEAD on S3); local and in-memory roots always pass.
+        """
+        if not self._s3:
+            return
+        bucket = self._base.split("/", 1)[0]
+        with self._guard(self._base, "opening the artifact root"):
+            self._fs.call_s3("head_bucket", Bucket=bucket)
 
     def _producer_info(self) -> ProducerInfo:
         # Resolved once per store: it runs `git` and the answer cannot change within a process.
@@ -331,11 +386,13 @@ class RolloutStore:
 
         folder = self._artifact_path(run, split, rollout_id)
         manifest_path = f"{folder}/{MANIFEST_NAME}"
+        # Encode first, so the existence check and the payload write follow each other closely
+        # (the window in which a concurrent writer could slip in between stays one round trip).
+        payload = samples_to_parquet_bytes(samples)
         # Fail before any byte is written: a committed artifact's folder must never be touched.
         if self._exists(manifest_path):
             raise ArtifactExists(ref.uri)
 
-        payload = samples_to_parquet_bytes(samples)
         try:
             manifest = Manifest(
                 run=run,
@@ -362,25 +419,108 @@ class RolloutStore:
             ) from None
 
         # A leftover payload from a crashed write has no manifest, so overwriting it is safe.
-        self._put(f"{folder}/{SAMPLES_NAME}", payload)
-        self._commit_manifest(manifest_path, manifest_bytes, uri=ref.uri)
+        payload_path = f"{folder}/{SAMPLES_NAME}"
+        etag = self._put(payload_path, payload)
+        try:
+            self._commit_manifest(manifest_path, manifest_bytes, uri=ref.uri)
+        except ArtifactExists as exc:
+            raise self._lost_race(exc, payload_path, payload, etag) from None
+        self._repair_payload_after_commit(payload_path, payload, etag)
         return ref
 
     def _commit_manifest(self, path: str, data: bytes, *, uri: str) -> None:
-        """The commit point: after this returns the artifact exists."""
+        """The commit point: after this returns the artifact exists. ArtifactExists if it already did."""
         if self._local:
             if not _create_local_exclusive(path, data):
                 raise ArtifactExists(uri)
             return
+        if self._s3 and self._put_if_absent(path, data, uri=uri):
+            return
+        # No create-if-absent on this filesystem: check, then put (racy between the two calls).
         if self._exists(path):
             raise ArtifactExists(uri)
-        self._fs.pipe_file(path, data)
+        self._put(path, data)
+
+    def _put_if_absent(self, path: str, data: bytes, *, uri: str) -> bool:
+        """S3 PutObject with `If-None-Match: *`. True once written; ArtifactExists if the key exists;
+        False if the endpoint does not support conditional writes (the caller falls back)."""
+        endpoint = endpoint_of(self._fs, self.root)
+        if endpoint in RolloutStore._no_conditional_put:
+            return False
+        bucket, key = path.split("/", 1)
+        for attempt in range(4):
+            try:
+                with self._guard(path, "committing"):
+                    try:
+                        self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                    finally:
+                        self._fs.invalidate_cache(path)
+                return True
+            except StorageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below, re-raised if unknown
+                codes = error_codes(exc)
+                if isinstance(exc, FileExistsError) or codes & {"PreconditionFailed", "412"}:
+                    raise ArtifactExists(uri) from None
+                if codes & {"ConditionalRequestConflict", "409"} and attempt < 3:
+                    # Another conditional write of this key is in flight: ask again shortly.
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                if _rejects_conditional_put(exc, codes):
+                    RolloutStore._no_conditional_put.add(endpoint)
+                    _log.warning(
+                        "the object store at %s rejects conditional writes (If-None-Match) (%s); falling "
+                        "back to check-then-put for manifests: two writers of the same rollout id racing "
+                        "within one request of each other could both commit", endpoint, type(exc).__name__)
+                    return False
+                raise
+        raise ArtifactExists(uri)
+
+    def _payload_tag(self, path: str) -> str | None:
+        """The stored payload's identity: ETag on object stores, sha256 on local disks."""
+        try:
+            if self._local:
+                with open(path, "rb") as fh:
+                    return hashlib.sha256(fh.read()).hexdigest()
+            with self._guard(path, "checking"):
+                self._fs.invalidate_cache(path)
+                return _etag(self._fs.info(path))
+        except FileNotFoundError:
+            return None
+
+    def _repair_payload_after_commit(self, path: str, payload: bytes, etag: str | None) -> None:
+        """After winning the commit, make sure the payload is still ours (a racing loser may have
+        replaced it between our payload write and our manifest); write it again if not."""
+        ours = hashlib.sha256(payload).hexdigest() if self._local else etag
+        if ours is None:
+            return  # no cheap identity on this filesystem (memory://): nothing to compare
+        current = self._payload_tag(path)
+        if current != ours:
+            _log.warning("payload %s was replaced by a concurrent writer of the same rollout id "
+                         "before this commit; writing the committed payload again", self._uri_of(path))
+            self._put(path, payload)
+
+    def _lost_race(self, exc: ArtifactExists, path: str, payload: bytes, etag: str | None) -> ArtifactExists:
+        """ArtifactExists for a writer that lost the commit after writing its payload."""
+        ours = hashlib.sha256(payload).hexdigest() if self._local else etag
+        try:
+            clobbered = ours is not None and self._payload_tag(path) == ours
+        except Exception:  # noqa: BLE001 - the refusal matters more than this diagnosis
+            clobbered = False
+        if not clobbered:
+            return exc
+        return ArtifactExists(exc.uri, note=(
+            "This writer lost a race with a concurrent writer of the same id and its payload replaced the "
+            "committed one afterwards: loading the artifact will fail its checksum (ArtifactCorrupt); "
+            "regenerate it. Give concurrent runs distinct run names."))
 
     def manifest(self, run: str, split: str, rollout_id: int) -> Manifest:
         ref = ArtifactRef(self.root, run, split, rollout_id)
         path = f"{self._artifact_path(run, split, rollout_id)}/{MANIFEST_NAME}"
         try:
-            data = self._fs.cat_file(path)
+            data = self._cat(path)
+        except ArtifactError:
+            raise
         except FileNotFoundError:
             existing_ids = self.list_ids(run, split)
             raise ArtifactNotFound.for_rollout(
@@ -409,7 +549,9 @@ class RolloutStore:
 
     def _read_verified(self, folder: str, entry: FileEntry, file_uri: str) -> bytes:
         try:
-            data = self._fs.cat_file(f"{folder}/{entry.name}")
+            data = self._cat(f"{folder}/{entry.name}")
+        except ArtifactError:
+            raise
         except FileNotFoundError:
             raise ArtifactCorrupt(
                 file_uri,
@@ -470,7 +612,10 @@ class RolloutStore:
         try:
             # One recursive listing (a single LIST on object stores) instead of one HEAD per id;
             # `find` rather than `glob` because a root may contain glob metacharacters.
-            found = self._fs.find(split_dir, maxdepth=2)
+            with self._guard(split_dir, "listing"):
+                found = self._fs.find(split_dir, maxdepth=2)
+        except StorageError:
+            raise
         except FileNotFoundError:
             return []
         ids = set()
@@ -485,7 +630,10 @@ class RolloutStore:
         base = self._base.rstrip("/") or "/"
         self._fs.invalidate_cache(base)
         try:
-            entries = self._fs.ls(base, detail=True)
+            with self._guard(base, "listing"):
+                entries = self._fs.ls(base, detail=True)
+        except StorageError:
+            raise
         except FileNotFoundError:
             return []
         runs = []
@@ -510,7 +658,9 @@ class RolloutStore:
 
     def read_bytes(self, rel: str) -> bytes:
         try:
-            return self._fs.cat_file(self._path(_validate_rel(rel)))
+            return self._cat(self._path(_validate_rel(rel)))
+        except ArtifactError:
+            raise
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"no file {rel!r} under root {self.root!r} ({self.path_uri(rel)})"
@@ -538,3 +688,21 @@ def _validate_rel(rel: Any) -> str:
             "no empty, '.' or '..' components, no URL scheme)"
         )
     return rel
+
+
+def _etag(info: Any) -> str | None:
+    """The ETag in an S3 PutObject / HeadObject / fsspec info answer, if any."""
+    if isinstance(info, dict):
+        value = info.get("ETag") or info.get("etag")
+        if value:
+            return str(value).strip('"')
+    return None
+
+
+def _rejects_conditional_put(exc: BaseException, codes: set[str]) -> bool:
+    """The endpoint (or an old botocore) does not support If-None-Match on PutObject."""
+    if type(exc).__name__ == "ParamValidationError" or "IfNoneMatch" in str(exc):
+        return True  # botocore too old to know the parameter
+    if codes & {"NotImplemented", "501", "InvalidArgument", "InvalidRequest", "BadRequest", "400"}:
+        return True
+    return isinstance(exc, NotImplementedError)

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from typing import List, Optional
 
 import typer
@@ -49,15 +51,17 @@ def register(app: typer.Typer) -> None:
         from tasks.checks import AlignmentReport
 
         cfg = build_config(config, sets)
-        if not local:
-            quiet_prefect_console()
-            api = ensure_prefect_api()
-            err_console.print(f"alignment check of run [bold]{cfg.run}[/] (actors {cfg.run}-align); Prefect UI at "
-                              f"{api.removesuffix('/api')}")
-        try:
-            out = run_align(cfg, memory_budget_mb, local=local)
-        except RuntimeError as exc:
-            fail(str(exc))
+        # Everything but the report goes to stderr, so `--json` output can be piped.
+        with contextlib.redirect_stdout(sys.stderr):
+            if not local:
+                quiet_prefect_console()
+                api = ensure_prefect_api()
+                err_console.print(f"alignment check of run [bold]{cfg.run}[/] (actors {cfg.run}-align); Prefect UI "
+                                  f"at {api.removesuffix('/api')}")
+            try:
+                out = run_align(cfg, memory_budget_mb, local=local)
+            except RuntimeError as exc:
+                fail(str(exc))
         report = AlignmentReport.from_dict(out)
         if as_json:
             typer.echo(json.dumps(out, indent=2))

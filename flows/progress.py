@@ -19,18 +19,19 @@ def iteration_progress(console: Console | None = None) -> Iterator[Progress]:
     progress = Progress(TextColumn("{task.description:<14}"), BarColumn(), TextColumn("{task.fields[stage]:<10}"),
                         TimeElapsedColumn(), console=console)
     bars: dict[object, int] = {}
-    current: list[int] = []  # the iteration whose bar is open
+    current: list[object] = []  # the key of the bar that stages without an iteration belong to
 
     def on_stage(name: str, iteration: int | None, line: str | None) -> None:
         if iteration is None and current:
-            iteration = current[-1]
-        if name == "start":
-            current[:] = [iteration]
-        elif name == "done":
+            key: object = current[-1]
+        else:
+            key = iteration if iteration is not None else name
+        if name == "done":
             current.clear()
-        key = iteration if iteration is not None else name
+        else:
+            current[:] = [key]
         if key not in bars:
-            label = f"iteration {iteration}" if iteration is not None else name
+            label = f"iteration {key}" if isinstance(key, int) else str(key)
             bars[key] = progress.add_task(label, total=len(STAGES) - 1, stage=name)
         done = STAGES.index(name) if name in STAGES else 0
         progress.update(bars[key], completed=done, stage=name)

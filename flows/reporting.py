@@ -80,12 +80,15 @@ def plot_rewards(cfg: RunConfig, rows: list[dict]) -> str | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    xs = [r["iteration"] for r in rows]
+    # x = the weight version that produced the numbers: rollout r is sampled with version r.
+    xs = [r["rollout_id"] for r in rows]
     ax.plot(xs, [r.get("rollout/raw_reward", float("nan")) for r in rows], marker="o", label="sample reward")
-    evals = [(r["iteration"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    evals = [(r["rollout_id"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    if "eval/final_accuracy" in rows[-1]:
+        evals.append((rows[-1]["iteration"], rows[-1]["eval/final_accuracy"]))
     if evals:
         ax.plot(*zip(*evals), marker="s", label="greedy eval accuracy")
-    ax.set_xlabel("iteration")
+    ax.set_xlabel("policy updates (weight version)")
     ax.set_ylabel("reward")
     ax.set_title(f"rollflow run {cfg.run}")
     ax.grid(alpha=0.3)
@@ -109,7 +112,7 @@ def publish_iteration(cfg: RunConfig, rows: list[dict], rollout_uri: str) -> Non
     """Metrics table (versioned by key) and a link to the rollout artifact in the Prefect UI."""
     from prefect.artifacts import create_link_artifact, create_table_artifact
 
-    columns = ["iteration", *HEADLINE]
+    columns = ["iteration", *HEADLINE, "rollout_uri"]
     table = [{c: (round(r[c], 6) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows]
     create_table_artifact(key=artifact_key(cfg.run, "metrics"), table=table,
                           description=f"Per-iteration metrics of run `{cfg.run}`")

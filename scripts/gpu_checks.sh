@@ -16,12 +16,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 python3 -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))"
 rc=0
-timeout "${GPU_CHECKS_TIMEOUT:-240}" python3 benchmarks/gpu_checks.py --out "$OUT" > "$OUT/gpu_checks.log" 2>&1 || rc=1
+timeout "${GPU_CHECKS_TIMEOUT:-200}" python3 benchmarks/gpu_checks.py --out "$OUT" > "$OUT/gpu_checks.log" 2>&1 || rc=1
 grep -E "^(PASS|FAIL|all_pass)" "$OUT/gpu_checks.log" || tail -20 "$OUT/gpu_checks.log"
-timeout "${PYTEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py \
+timeout "${PYTEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py \
   > "$OUT/pytest_gpu.log" 2>&1 || rc=1
 tail -3 "$OUT/pytest_gpu.log"
-timeout "${THROUGHPUT_TIMEOUT:-300}" python3 benchmarks/train_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} \
+timeout "${THROUGHPUT_TIMEOUT:-270}" python3 benchmarks/train_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} \
   > "$OUT/train_throughput.log" 2>&1 || rc=1
 sed -n '/== train throughput/,$p' "$OUT/train_throughput.log"; grep -E '"error"' "$OUT/train_throughput.log" | cut -c1-400
 exit $rc

@@ -233,6 +233,9 @@ def step2_check(*, expected_version: int, engine_version: int | None, sample_ver
     if thr.memory_budget_mb is not None and peaks and peak > thr.memory_budget_mb:
         problems.append(f"peak memory {peak:.0f} MB above the budget of {thr.memory_budget_mb:g} MB")
         causes += MEMORY_CAUSES
+    # Headline first: the memory figures, then the load figures.
+    head = ("peak_mb", "memory_budget_mb", "engine_weight_version", "sample_weight_versions")
+    figures = {**{k: figures[k] for k in head if k in figures}, **figures}
     if problems:
         return CheckResult(STEP2, FAIL, figures, "; ".join(problems), list(dict.fromkeys(causes)))
     budget = f" (budget {thr.memory_budget_mb:g} MB)" if thr.memory_budget_mb is not None else " (no budget set)"

@@ -140,7 +140,7 @@ class AlignmentReport:
         """One row per check (for a Prefect table artifact): status, headline figures, message."""
         rows = []
         for i, c in enumerate(self.checks, 1):
-            scalars = [(k, v) for k, v in c.figures.items() if _is_scalar(v)][:4]
+            scalars = [(k, v) for k, v in c.figures.items() if _is_scalar(v) or v is None][:4]
             rows.append({"#": i, "check": c.name, "status": c.status,
                          "figures": ", ".join(f"{k}={fmt(v)}" for k, v in scalars), "message": c.message})
         return rows

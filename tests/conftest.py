@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import uuid
 
 import pytest
 
@@ -22,8 +24,80 @@ def prefect_api():
         yield PREFECT_API_URL.value()
 
 
+# Dummy credentials for the loopback S3 endpoint. The secret is distinctive so tests can assert it
+# never shows up in messages, logs or artifacts.
+TEST_AWS_KEY_ID = "ROLLFLOWTESTKEYID0001"
+TEST_AWS_SECRET = "rollflow-test-SECRET-never-log-this-0123456789"
+TEST_BUCKET = "rollflow-test"
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Endpoint:
+    url: str
+    bucket: str
+
+    def root(self, name: str = "root") -> str:
+        """A fresh `s3://` root (a unique prefix in the test bucket)."""
+        return f"s3://{self.bucket}/{name}-{uuid.uuid4().hex[:10]}"
+
+
+def _create_bucket(endpoint: str, bucket: str) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    if not fs.exists(bucket):
+        fs.call_s3("create_bucket", Bucket=bucket)
+
+
 @pytest.fixture(scope="session")
-def ray_local():
+def s3_endpoint():
+    """A real S3 endpoint on loopback: CI's (ROLLFLOW_TEST_S3_ENDPOINT) or a moto server started here.
+
+    Sets the standard AWS variables (dummy credentials, AWS_ENDPOINT_URL) for the whole session,
+    so every process started afterwards (Ray workers, CLI subprocesses) talks to it.
+    """
+    pytest.importorskip("s3fs")
+    server = None
+    endpoint = os.environ.get("ROLLFLOW_TEST_S3_ENDPOINT")
+    if not endpoint:
+        moto_server = pytest.importorskip("moto.server")
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_EC2_METADATA_DISABLED",
+             "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")
+    saved = {name: os.environ.get(name) for name in names}
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        os.environ.pop(name, None)
+    os.environ.update({
+        "AWS_ACCESS_KEY_ID": TEST_AWS_KEY_ID, "AWS_SECRET_ACCESS_KEY": TEST_AWS_SECRET,
+        "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
+    })
+    try:
+        _create_bucket(endpoint, TEST_BUCKET)
+        yield S3Endpoint(url=endpoint, bucket=TEST_BUCKET)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if server is not None:
+            server.stop()
+
+
+@pytest.fixture(params=["file", "s3"])
+def any_root(request, tmp_path):
+    """An artifact root URL: file:// under tmp_path, or a fresh prefix on the loopback S3 endpoint."""
+    if request.param == "file":
+        return f"file://{tmp_path}/root"
+    return request.getfixturevalue("s3_endpoint").root()
+
+
+@pytest.fixture(scope="session")
+def ray_local(s3_endpoint):
+    # After s3_endpoint: Ray's workers inherit the environment at ray.init, AWS variables included.
     import ray
 
     from infra.workers import ensure_ray

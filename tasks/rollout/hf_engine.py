@@ -1,15 +1,62 @@
-"""The `hf` rollout engine: batched sampling with transformers' `generate` (CPU default, small GPUs)."""
+"""The `hf` rollout engine: batched sampling with transformers' `generate` (CPU default, small GPUs).
+
+On CUDA it uses transformers' static KV cache (`cache_implementation="static"`), for which
+transformers compiles the decode step itself (torch.compile + CUDA graphs): about 2.7x the
+dynamic cache's tokens/s on an H200 (benchmarks, suite `rollout`). A compiled step is specialised
+to its shapes, so prompt widths are padded up to a multiple of `length_bucket` and batches up to a
+power of two (extra rows are dropped): a rollout then recompiles for few distinct shapes only.
+"""
 
 from __future__ import annotations
+
+from typing import Literal, Union
 
 import torch
 
 from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 
 
+StaticCache = Union[bool, Literal["auto"]]
+
+
+class _StepLogProbs:
+    """A logits processor that keeps only the sampled token's log-prob of each step.
+
+    At step t it sees the token chosen at step t-1 (the last column of `input_ids`), so it holds one
+    step's log-softmax at a time instead of every step's full-vocabulary logits (`output_logits`
+    keeps batch x steps x vocab floats: 40 GB for 256 x 256 tokens of a 152k vocabulary).
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.done: list[torch.Tensor] = []
+        self.pending: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.done.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T] log-probs of `new_tokens` (generate may run steps it then undoes: those are cut)."""
+        steps = new_tokens.shape[1]
+        cols = self.done[:steps]
+        if len(cols) < steps and self.pending is not None:
+            cols.append(self.pending.gather(-1, new_tokens[:, len(cols) : len(cols) + 1]).squeeze(-1))
+        if len(cols) != steps:
+            raise RuntimeError(f"log-prob recorder saw {len(cols)} steps for {steps} generated tokens")
+        return torch.stack(cols, dim=1)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 class HFEngine:
     def __init__(self, model, *, pad_token_id: int, eos_token_id: int, model_name: str = "model",
-                 weight_version: int = 0, max_batch_size: int = 4096, threads: int | None = None):
+                 weight_version: int = 0, max_batch_size: int = 4096, threads: int | None = None,
+                 static_cache: StaticCache = "auto", length_bucket: int = 64):
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
@@ -18,6 +65,17 @@ class HFEngine:
         self.model_name = model_name
         self.weight_version = weight_version
         self.max_batch_size = max_batch_size
+        if static_cache not in (True, False, "auto"):
+            raise ValueError(f"rollout.static_cache={static_cache!r}: expected true, false or 'auto'")
+        self.static_cache = static_cache
+        self.length_bucket = max(1, int(length_bucket))
+
+    @property
+    def uses_static_cache(self) -> bool:
+        """`auto`: on for CUDA, where transformers compiles the static-cache decode step; off elsewhere."""
+        if self.static_cache == "auto":
+            return self.device.type == "cuda"
+        return bool(self.static_cache)
 
     @property
     def device(self) -> torch.device:
@@ -41,7 +99,14 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        n_real = len(prompts)
         width = max(len(p) for p in prompts)
+        static = self.uses_static_cache
+        if static:
+            # Few distinct shapes -> few compilations: widths to a bucket, batches to a power of two.
+            width = _round_up(width, self.length_bucket)
+            rows = min(1 << (n_real - 1).bit_length(), max(self.max_batch_size, n_real))
+            prompts = prompts + [prompts[-1]] * (rows - n_real)
         # Left padding: every prompt ends at the same column, so new tokens line up.
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -50,6 +115,15 @@ class HFEngine:
             mask[row, width - len(p) :] = 1
         stops = [self.eos_token_id, *params.stop_token_ids]
         greedy = params.temperature == 0
+        scale = 1.0 if greedy else params.temperature
+        # On CPU the log-probs come from `output_logits` (unchanged numerics); elsewhere from a
+        # recorder that keeps one step of full-vocabulary log-probs at a time, on the device.
+        recorder = None if self.device.type == "cpu" else _StepLogProbs(scale)
+        extra = {"cache_implementation": "static"} if static else {}
+        if recorder is not None:
+            from transformers import LogitsProcessorList
+
+            extra["logits_processor"] = LogitsProcessorList([recorder])
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -62,15 +136,20 @@ class HFEngine:
             eos_token_id=stops,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_logits=True,
+            output_logits=recorder is None,
+            **extra,
         )
-        new_tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits, before any processor
-        scale = 1.0 if greedy else params.temperature
-        log_probs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        if recorder is None:
+            new_tokens = out.sequences[:, width:].cpu()
+            logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits, before any processor
+            log_probs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        else:
+            new_dev = out.sequences[:, width:]
+            log_probs = recorder.finish(new_dev).cpu()
+            new_tokens = new_dev.cpu()
         results = []
         stop_set = set(stops)
-        for row in range(len(prompts)):
+        for row in range(n_real):
             toks = new_tokens[row].tolist()
             end = next((i + 1 for i, t in enumerate(toks) if t in stop_set), None)
             finish = "stop" if end is not None else "length"

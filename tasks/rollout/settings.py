@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,9 @@ class RolloutConfig(_Strict):
     device: str = "cpu"
     threads: int = Field(1, ge=1)
     max_batch_size: int = Field(4096, ge=1)
+    static_cache: Union[bool, Literal["auto"]] = Field(
+        "auto", description="hf engine: transformers' static KV cache with its compiled decode step; "
+                            "auto = on for CUDA, off on CPU")
     seed: int = 0
 
     def sampling(self, rollout_id: int, *, greedy: bool = False) -> SamplingParams:

@@ -29,7 +29,7 @@ def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int
     tokenizer = load_tokenizer(path)
     engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       model_name=model_spec, weight_version=weight_version, max_batch_size=rollout.max_batch_size,
-                      threads=rollout.threads)
+                      threads=rollout.threads, static_cache=rollout.static_cache)
     return engine, tokenizer
 
 

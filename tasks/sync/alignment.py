@@ -20,15 +20,16 @@ CAUSES = [
 
 def sync_check(report: ParityReport | None, *, weight_version: int | None = None, error: str | None = None,
                transit: str | None = None) -> CheckResult:
-    figures: dict[str, Any] = {"weight_version": weight_version}
+    figures: dict[str, Any] = {}
     if report is not None:
         figures.update({"n_tensors": report.n_tensors, "n_mismatched": len(report.mismatched),
+                        "first_mismatch": (report.mismatched or [None])[0], "weight_version": weight_version,
                         "n_missing_in_engine": len(report.missing_in_engine),
                         "n_unexpected_in_engine": len(report.unexpected_in_engine),
-                        "first_mismatch": (report.mismatched or [None])[0],
                         "first_problem": report.first_problem,
                         "mismatched": report.mismatched[:10], "missing_in_engine": report.missing_in_engine[:10],
                         "unexpected_in_engine": report.unexpected_in_engine[:10]})
+    figures.setdefault("weight_version", weight_version)
     if transit:
         figures["injected"] = transit
     if error is not None:

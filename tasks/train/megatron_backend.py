@@ -108,6 +108,8 @@ def init_parallel_state(device: torch.device, seed: int, *, tp_size: int = 1, pp
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -118,7 +120,6 @@ def init_parallel_state(device: torch.device, seed: int, *, tp_size: int = 1, pp
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                                  pipeline_model_parallel_size=pp_size)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
