@@ -96,8 +96,15 @@ def any_root(request, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ray_local(s3_endpoint):
-    # After s3_endpoint: Ray's workers inherit the environment at ray.init, AWS variables included.
+def ray_local(request):
+    # S3 first: Ray's workers inherit the environment at ray.init, AWS variables included.
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        request.getfixturevalue("s3_endpoint")
     import ray
 
     from infra.workers import ensure_ray

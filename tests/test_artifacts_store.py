@@ -74,12 +74,15 @@ def make_samples(n_prompts: int = 3, per_prompt: int = 2, seed: int = 0) -> list
     return samples
 
 
-@pytest.fixture(params=["path", "file_url", "memory"])
+@pytest.fixture(params=["path", "file_url", "memory", "s3"])
 def store(request, tmp_path):
     if request.param == "path":
         yield RolloutStore(str(tmp_path / "store"))
     elif request.param == "file_url":
         yield RolloutStore(f"file://{tmp_path}/store")
+    elif request.param == "s3":
+        # The loopback S3 endpoint, configured through the standard AWS environment variables only.
+        yield RolloutStore(request.getfixturevalue("s3_endpoint").root("store"))
     else:
         # The memory filesystem is process-global: a unique root isolates tests, cleanup frees it.
         memory_store = RolloutStore(f"memory://rollflow-test-{uuid.uuid4().hex}")
@@ -424,32 +427,12 @@ def test_manifest_rejects_unknown_fields_and_non_utc():
 # ----------------------------------------------------------------------------- S3 (moto server on loopback)
 
 
-@pytest.fixture(scope="module")
-def s3_options():
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"},
-    }
-    yield options
-    server.stop()
-
-
-def test_s3_round_trip_commit_protocol_and_checksums(s3_options, monkeypatch):
-    import s3fs
-
-    bucket = f"rollflow-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**s3_options).call_s3("create_bucket", Bucket=bucket)
-    s3_store = RolloutStore(f"s3://{bucket}/prefix/", s3_options)
-    assert s3_store.root == f"s3://{bucket}/prefix"
+def test_s3_round_trip_commit_protocol_and_checksums(s3_endpoint, monkeypatch):
+    s3_store = RolloutStore(s3_endpoint.root("prefix") + "/")
+    assert not s3_store.root.endswith("/") and s3_store.root.startswith(f"s3://{s3_endpoint.bucket}/prefix-")
 
     ref = write(s3_store, 0)
-    assert ref.uri == f"s3://{bucket}/prefix/run-a/rollouts/train/000000"
+    assert ref.uri == f"{s3_store.root}/run-a/rollouts/train/000000"
     assert s3_store.load_uri(ref.uri).samples == make_samples()
     with pytest.raises(ArtifactExists):
         write(s3_store, 0)
@@ -466,3 +449,11 @@ def test_s3_round_trip_commit_protocol_and_checksums(s3_options, monkeypatch):
     s3_store._fs.pipe_file(path, bytes(data))
     with pytest.raises(ArtifactCorrupt, match="checksum"):
         s3_store.load("run-a", "train", 0)
+
+
+def test_s3_explicit_storage_options_still_work(s3_endpoint):
+    """Options passed in code (as before issue 5) are merged over the environment's."""
+    s3_store = RolloutStore(s3_endpoint.root("explicit"),
+                            {"client_kwargs": {"endpoint_url": s3_endpoint.url}, "default_block_size": 2**20})
+    write(s3_store, 0)
+    assert s3_store.load("run-a", "train", 0).samples == make_samples()

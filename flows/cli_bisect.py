@@ -1,0 +1,91 @@
+"""`rollflow bisect`: illegal-memory-access triage (the `ima_bisect` flow, or the plain runner with --local).
+
+`flows/cli.py` calls `register(app)`; the command imports its helpers lazily (no import cycle).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def run_local(cfg, *, crash_when: Optional[str], timeout_s: float, coredump: bool, fault: Optional[str],
+              parallel: int, log=print) -> dict:
+    """The same triage in this process, no Prefect server: the store root must be a local folder."""
+    from flows.bisect import REPORT_NAME, _store_location
+    from tasks.rollout.ima import run_matrix
+
+    fs, run_path, local = _store_location(cfg)
+    if not local:
+        raise ValueError(f"--local writes core dumps next to the run: store.root={cfg.store.root!r} must be a local "
+                         "folder (or drop --local to run the flow, which uploads them)")
+    report = run_matrix(json.loads(cfg.model_dump_json()), backend=cfg.rollout.engine, run_dir=run_path,
+                        crash_when=crash_when, fault=fault, timeout_s=timeout_s, coredump=coredump,
+                        parallel=parallel, log=log)
+    report.context.update({"run": cfg.run, "store": cfg.store.root, "config_hash": cfg.config_hash()})
+    out_dir = Path(run_path) / "coredumps"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / REPORT_NAME).write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    markdown = report.to_markdown(title=f"IMA bisect of run `{cfg.run}`")
+    (out_dir / "ima_report.md").write_text(markdown)
+    return report.to_dict() | {"json_path": str(out_dir / REPORT_NAME), "markdown": markdown}
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bisect")
+    def bisect(config: Optional[str] = typer.Option(None, "--config", "-c", help="JSON file with RunConfig fields"),
+               sets: Optional[List[str]] = typer.Option(
+                   None, "--set", "-s", help="override a field: --set rollout.device=cuda (repeatable)"),
+               crash_when: Optional[str] = typer.Option(
+                   None, "--crash-when", help="debug switch: fault the decode step in cells matching e.g. "
+                                              "'cuda_graph=on,speculative=on'"),
+               timeout_s: float = typer.Option(300.0, "--timeout-s", help="per-cell limit; a hang is killed"),
+               fault: Optional[str] = typer.Option(
+                   None, "--fault", help="with --crash-when: abort | raise (CPU), triton_oob | device_assert (CUDA)"),
+               parallel: int = typer.Option(1, "--parallel", min=1, help="matrix cells run at once"),
+               no_coredump: bool = typer.Option(False, "--no-coredump", help="skip the core-dump rerun"),
+               local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server"),
+               as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of markdown"),
+               ) -> None:
+        """Illegal-memory-access triage: CUDA graph x speculative x DeepEP matrix, each cell in its own process;
+        a launch-blocking rerun and a CUDA core-dump rerun of a crashing cell; one table and a verdict."""
+        from flows.cli import build_config, console, ensure_prefect_api, err_console, fail, quiet_prefect_console
+        from tasks.rollout.ima import parse_toggles
+
+        cfg = build_config(config, sets)
+        try:
+            if crash_when is not None:
+                parse_toggles(crash_when)
+        except ValueError as exc:
+            fail(f"--crash-when {crash_when!r}: {exc}")
+        for notice in cfg.notices:
+            err_console.print(f"[yellow]notice:[/] {notice}")
+        kwargs = dict(crash_when=crash_when, timeout_s=timeout_s, coredump=not no_coredump, fault=fault,
+                      parallel=parallel)
+        if local:
+            try:
+                out = run_local(cfg, log=lambda m: err_console.print(m, markup=False, highlight=False), **kwargs)
+            except ValueError as exc:
+                fail(str(exc))
+            markdown = out.pop("markdown")
+        else:
+            quiet_prefect_console()
+            api = ensure_prefect_api()
+            err_console.print(f"IMA bisect of run [bold]{cfg.run}[/] ({cfg.rollout.engine} engine); Prefect UI at "
+                              f"{api.removesuffix('/api')}")
+            from flows.bisect import ima_bisect
+
+            out = ima_bisect(cfg, **kwargs)
+            markdown = Path(out["json_path"]).with_name("ima_report.md").read_text() \
+                if "://" not in out["json_path"] else None
+        if as_json:
+            typer.echo(json.dumps(out, indent=2, default=str))
+        else:
+            if markdown:
+                typer.echo(markdown)
+            else:
+                console.print(f"verdict: {out['verdict']['text']}")
+            typer.echo(f"JSON report: {out['json_path']}")
