@@ -1,31 +1,42 @@
 """Rollout artifacts: the `Sample` data contract, its parquet codec and the fsspec store.
 
-Importable without torch, Prefect, Ray or transformers (DESIGN.md section 1).
+Importable without torch, Prefect, Ray or transformers (DESIGN.md section 1). Names load lazily, so
+`from artifacts.sample import Sample` on a GPU box needs neither pyarrow nor fsspec.
 """
 
-from .codec import samples_from_parquet_bytes, samples_to_parquet_bytes
-from .errors import ArtifactCorrupt, ArtifactError, ArtifactExists, ArtifactNotFound, ArtifactSchemaError
-from .manifest import SCHEMA_VERSION, EngineInfo, FileEntry, Manifest, ProducerInfo, producer_info
-from .sample import Sample, Status
-from .store import ArtifactRef, RolloutArtifact, RolloutStore
+from __future__ import annotations
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "ArtifactCorrupt",
-    "ArtifactError",
-    "ArtifactExists",
-    "ArtifactNotFound",
-    "ArtifactRef",
-    "ArtifactSchemaError",
-    "EngineInfo",
-    "FileEntry",
-    "Manifest",
-    "ProducerInfo",
-    "RolloutArtifact",
-    "RolloutStore",
-    "Sample",
-    "Status",
-    "producer_info",
-    "samples_from_parquet_bytes",
-    "samples_to_parquet_bytes",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "samples_from_parquet_bytes": "codec",
+    "samples_to_parquet_bytes": "codec",
+    "ArtifactCorrupt": "errors",
+    "ArtifactError": "errors",
+    "ArtifactExists": "errors",
+    "ArtifactNotFound": "errors",
+    "ArtifactSchemaError": "errors",
+    "SCHEMA_VERSION": "manifest",
+    "EngineInfo": "manifest",
+    "FileEntry": "manifest",
+    "Manifest": "manifest",
+    "ProducerInfo": "manifest",
+    "producer_info": "manifest",
+    "Sample": "sample",
+    "Status": "sample",
+    "ArtifactRef": "store",
+    "RolloutArtifact": "store",
+    "RolloutStore": "store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'artifacts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

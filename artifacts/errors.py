@@ -123,11 +123,14 @@ class ArtifactCorrupt(ArtifactError):
 class ArtifactExists(ArtifactError, FileExistsError):
     """A write targeted a rollout id whose manifest is already committed."""
 
-    def __init__(self, uri: str, *, note: str | None = None) -> None:
+    def __init__(self, uri: str, *, note: str | None = None, in_progress: bool = False) -> None:
         self.uri = uri
         self.note = note
+        self.in_progress = in_progress
+        state = ("is being written by another writer right now (its payload appeared after this writer "
+                 "checked the id was free)" if in_progress else "is already committed (manifest.json exists)")
         super().__init__(
-            f"rollout artifact {uri} is already committed (manifest.json exists) and committed "
+            f"rollout artifact {uri} {state} and committed "
             "artifacts are immutable: write the new data under a new rollout id, or start a new "
             "version of the run under another run name (e.g. '<run>-v2'); to really replace it, "
             "delete the folder yourself first." + (f" {note}" if note else "")
@@ -137,7 +140,7 @@ class ArtifactExists(ArtifactError, FileExistsError):
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self):
-        return (_rebuild_kw, (type(self), (self.uri,), {"note": self.note}))
+        return (_rebuild_kw, (type(self), (self.uri,), {"note": self.note, "in_progress": self.in_progress}))
 
 
 class ArtifactSchemaError(ArtifactError, ValueError):

@@ -33,6 +33,7 @@ from .errors import (
     ArtifactExists,
     ArtifactNotFound,
     ArtifactSchemaError,
+    StorageBucketNotFound,
     StorageError,
 )
 from .manifest import (
@@ -268,15 +269,22 @@ class RolloutStore:
     - S3: the manifest PUT carries `If-None-Match: *`, so the endpoint refuses a second one. An
       endpoint that rejects the header gets an existence check followed by a plain PUT (a
       warning is logged once): two writers racing inside that window could both "commit".
-    The payload keeps its fixed name (samples.parquet), so a losing writer may replace it before
-    losing the manifest race. The winner re-checks its payload right after committing and writes
-    it again if it was replaced; a loser whose payload lands even later is told so in its
-    ArtifactExists message, and the committed manifest then fails its checksum on load
-    (ArtifactCorrupt): a race is always detected, never silently read.
+    The payload has a fixed name (samples.parquet), so it is guarded too: a fresh id's payload is
+    created exclusively (the same two mechanisms), so concurrent writers are refused before they
+    touch anything. A payload without a manifest is either a crashed write's leftover or another
+    writer between its payload and its manifest: the writer waits `LEFTOVER_GRACE_S` for a
+    manifest (ArtifactExists if one appears) and only then replaces the leftover (at once if the
+    leftover holds its own bytes, as on a retry). Should a writer stall longer than that between
+    payload and manifest, the winner re-checks its payload right after committing and writes it
+    again if it was replaced; a loser landing even later is told so in its ArtifactExists message,
+    and the manifest then fails its checksum on load (ArtifactCorrupt): detected, never read.
     """
 
     # Endpoints seen rejecting conditional PUTs (If-None-Match), so we warn and fall back once each.
     _no_conditional_put: set[str] = set()
+    # How long a writer that finds someone else's uncommitted payload waits for that writer's manifest
+    # before treating the payload as a crashed write's leftover.
+    LEFTOVER_GRACE_S = 2.0
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         self.root = normalize_root(root)
@@ -346,8 +354,18 @@ class RolloutStore:
         if not self._s3:
             return
         bucket = self._base.split("/", 1)[0]
-        with self._guard(self._base, "opening the artifact root"):
-            self._fs.call_s3("head_bucket", Bucket=bucket)
+        endpoint = endpoint_of(self._fs, self.root)
+        try:
+            with storage_errors(self.root, "opening the artifact root", fs=self._fs,
+                                storage_options=self.storage_options):
+                self._fs.call_s3("head_bucket", Bucket=bucket)
+        except StorageError:
+            raise
+        except FileNotFoundError:  # HEAD answers a bare 404, without the NoSuchBucket code
+            raise StorageBucketNotFound(
+                f"bucket {bucket!r} does not exist at {endpoint} (artifact root {self.root}); create it "
+                f"(e.g. `aws s3 mb s3://{bucket}`) or fix store.root / AWS_ENDPOINT_URL",
+                uri=self.root, endpoint=endpoint, bucket=bucket) from None
 
     def _producer_info(self) -> ProducerInfo:
         # Resolved once per store: it runs `git` and the answer cannot change within a process.
@@ -418,9 +436,14 @@ class RolloutStore:
                 f"extra is not JSON-serializable ({exc}); use JSON types only", field="extra", uri=ref.uri
             ) from None
 
-        # A leftover payload from a crashed write has no manifest, so overwriting it is safe.
+        # A fresh id gets its payload created exclusively, so of concurrent writers only one gets
+        # past this point. A payload without a manifest is a crashed write's leftover (replacing it is
+        # safe) or another writer between its payload and its manifest: give that one time to commit.
         payload_path = f"{folder}/{SAMPLES_NAME}"
-        etag = self._put(payload_path, payload)
+        fresh = not self._exists(payload_path)
+        if not fresh and not self._is_our_payload(payload_path, payload):
+            self._wait_for_other_writer(manifest_path, uri=ref.uri)
+        etag = self._write_payload(payload_path, payload, fresh=fresh, uri=ref.uri)
         try:
             self._commit_manifest(manifest_path, manifest_bytes, uri=ref.uri)
         except ArtifactExists as exc:
@@ -434,34 +457,71 @@ class RolloutStore:
             if not _create_local_exclusive(path, data):
                 raise ArtifactExists(uri)
             return
-        if self._s3 and self._put_if_absent(path, data, uri=uri):
+        if self._s3 and self._put_if_absent(path, data, uri=uri) is not None:
             return
         # No create-if-absent on this filesystem: check, then put (racy between the two calls).
         if self._exists(path):
             raise ArtifactExists(uri)
         self._put(path, data)
 
-    def _put_if_absent(self, path: str, data: bytes, *, uri: str) -> bool:
-        """S3 PutObject with `If-None-Match: *`. True once written; ArtifactExists if the key exists;
-        False if the endpoint does not support conditional writes (the caller falls back)."""
+    def _is_our_payload(self, path: str, payload: bytes) -> bool:
+        """The leftover holds exactly these bytes (a retry of the same write): no one to wait for."""
+        try:
+            tag = self._payload_tag(path)
+        except StorageError:
+            raise
+        except Exception:  # noqa: BLE001 - unknown means "not ours"
+            return False
+        if tag is None:
+            return False
+        if self._local:
+            return tag == hashlib.sha256(payload).hexdigest()
+        # S3's ETag of a single-part, non-KMS upload is the MD5 of the bytes.
+        return tag == hashlib.md5(payload, usedforsecurity=False).hexdigest()
+
+    def _wait_for_other_writer(self, manifest_path: str, *, uri: str) -> None:
+        """Poll for `LEFTOVER_GRACE_S`: a concurrent writer's manifest follows its payload within a
+        request; a crashed writer's never comes (then the caller replaces the leftover)."""
+        deadline = time.monotonic() + self.LEFTOVER_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if self._exists(manifest_path):
+                raise ArtifactExists(uri)
+
+    def _write_payload(self, path: str, data: bytes, *, fresh: bool, uri: str) -> str | None:
+        """Write the payload; exclusively when the id looked fresh. Returns the ETag if known."""
+        if fresh:
+            if self._local:
+                if not _create_local_exclusive(path, data):
+                    raise ArtifactExists(uri, in_progress=True)
+                return None
+            if self._s3:
+                out = self._put_if_absent(path, data, uri=uri, in_progress=True)
+                if out is not None:
+                    return _etag(out)
+        return self._put(path, data)
+
+    def _put_if_absent(self, path: str, data: bytes, *, uri: str, in_progress: bool = False) -> dict | None:
+        """S3 PutObject with `If-None-Match: *`: PutObject's answer once written; ArtifactExists if the
+        key exists; None if the endpoint does not support conditional writes (the caller falls back)."""
         endpoint = endpoint_of(self._fs, self.root)
         if endpoint in RolloutStore._no_conditional_put:
-            return False
+            return None
         bucket, key = path.split("/", 1)
         for attempt in range(4):
             try:
-                with self._guard(path, "committing"):
+                with self._guard(path, "writing"):
                     try:
-                        self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                        out = self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
                     finally:
                         self._fs.invalidate_cache(path)
-                return True
+                return out if isinstance(out, dict) else {}
             except StorageError:
                 raise
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised if unknown
                 codes = error_codes(exc)
                 if isinstance(exc, FileExistsError) or codes & {"PreconditionFailed", "412"}:
-                    raise ArtifactExists(uri) from None
+                    raise ArtifactExists(uri, in_progress=in_progress) from None
                 if codes & {"ConditionalRequestConflict", "409"} and attempt < 3:
                     # Another conditional write of this key is in flight: ask again shortly.
                     time.sleep(0.2 * (attempt + 1))
@@ -470,11 +530,11 @@ class RolloutStore:
                     RolloutStore._no_conditional_put.add(endpoint)
                     _log.warning(
                         "the object store at %s rejects conditional writes (If-None-Match) (%s); falling "
-                        "back to check-then-put for manifests: two writers of the same rollout id racing "
-                        "within one request of each other could both commit", endpoint, type(exc).__name__)
-                    return False
+                        "back to check-then-put: two writers of the same rollout id racing within one "
+                        "request of each other could both commit", endpoint, type(exc).__name__)
+                    return None
                 raise
-        raise ArtifactExists(uri)
+        raise ArtifactExists(uri, in_progress=in_progress)
 
     def _payload_tag(self, path: str) -> str | None:
         """The stored payload's identity: ETag on object stores, sha256 on local disks."""

@@ -289,7 +289,10 @@ def print_report(report: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and CI: wide enough that names are not wrapped
+            console = Console(width=170)
     table = Table(title=f"rollflow benchmarks ({report['machine'].get('gpu') or report['machine']['cpu']})",
                   show_lines=False)
     for col, just in (("suite", "left"), ("figure", "left"), ("median", "right"), ("min", "right"),

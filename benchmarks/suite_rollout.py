@@ -55,12 +55,15 @@ def run(ctx: BenchContext) -> SuiteResult:
             return p["batch"] * (out.shape[1] - p["prompt_len"])
         return fn
 
+    last_outputs: dict[int, list] = {}
+
     def engine_fn(engine: HFEngine):
         requests = [GenerationRequest(prompt_ids=pr, n=1) for pr in prompts]
         params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=p["new_tokens"], seed=seed)
 
         def fn() -> int:
             outs = engine.generate(requests, params)
+            last_outputs[id(engine)] = [group[0] for group in outs]
             steps = max(len(group[0].response_ids) for group in outs)
             return p["batch"] * steps
         return fn
@@ -68,11 +71,15 @@ def run(ctx: BenchContext) -> SuiteResult:
     # name -> (callable, warm-up calls). The baseline first: every ratio divides by it.
     candidates: dict[str, tuple] = {"generate (dynamic cache)": (plain(None), 1)}
     engine = HFEngine(model, pad_token_id=0, eos_token_id=2, max_batch_size=4096)
+    engines = {}
     hf_name = "hf engine (static cache, compiled)" if engine.uses_static_cache else "hf engine (dynamic cache)"
-    candidates[hf_name] = (engine_fn(engine), 3 if engine.uses_static_cache else 1)
+    # The compiled engine pays torch.compile in its first calls: measured from the third call on.
+    candidates[hf_name] = (engine_fn(engine), 2 if engine.uses_static_cache else 1)
+    engines[hf_name] = engine
     if cuda and not ctx.quick:
-        candidates["hf engine (dynamic cache)"] = (
-            engine_fn(HFEngine(model, pad_token_id=0, eos_token_id=2, static_cache=False)), 1)
+        dyn = HFEngine(model, pad_token_id=0, eos_token_id=2, static_cache=False)
+        engines["hf engine (dynamic cache)"] = dyn
+        candidates["hf engine (dynamic cache)"] = (engine_fn(dyn), 0)  # same shapes as the baseline's warm-up
         candidates["generate (static cache)"] = (plain("static"), 1)
     if importlib.util.find_spec("sglang") is None:
         res.unavailable["sglang engine"] = "sglang is not installed (CUDA-only wheels; DESIGN.md section 8)"
@@ -109,9 +116,29 @@ def run(ctx: BenchContext) -> SuiteResult:
         if "compiled" in name:
             res.add(f"{name} warm-up calls", "s", seconds,
                     note="one value per warm-up call, in order: the first ones pay torch.compile")
+    # Correctness of what was timed: engine log-probs vs a teacher-forced forward of the same tokens.
+    for name, eng in engines.items():
+        outs = last_outputs.get(id(eng))
+        if outs:
+            res.add(f"{name} |rollout - teacher-forced log-prob|", "nats", [_logprob_gap(model, prompts, outs)],
+                    note=f"mean over the first 8 samples' response tokens, {p['dtype']}")
     if cuda:
         res.notes.append(f"max GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     del engine, candidates, model
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+@torch.no_grad()
+def _logprob_gap(model, prompts: list[list[int]], outs: list, rows: int = 8) -> float:
+    device = next(model.parameters()).device
+    gaps = []
+    for prompt, out in list(zip(prompts, outs))[:rows]:
+        if not out.response_ids:
+            continue
+        ids = torch.tensor([prompt + list(out.response_ids)], device=device)
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        gaps.append((lp.cpu() - torch.tensor(out.log_probs)).abs().mean().item())
+    return sum(gaps) / max(1, len(gaps))

@@ -58,7 +58,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     algo = AlgoConfig()
     optim = OptimConfig(backend="torch", num_steps_per_rollout=1, micro_batch_size=p["micro_batch"],
                         dtype=p["dtype"], device=ctx.device, threads=torch.get_num_threads(), lr=1e-5)
-    model = qwen2(p["shape"], dtype=p["dtype"], device="cpu", max_positions=max(4096, seq))
+    model = qwen2(p["shape"], dtype=p["dtype"], device="meta", max_positions=max(4096, seq))
     fpt = flops_per_token(model, seq)
     res.params["matmul_params"] = matmul_params(model)
     res.params["flops_per_token"] = fpt
@@ -69,12 +69,13 @@ def run(ctx: BenchContext) -> SuiteResult:
             continue
         try:
             if name == "torch":
-                backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device="cpu", max_positions=max(4096, seq)),
-                                       optim)
+                backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device=ctx.device,
+                                             max_positions=max(4096, seq)), optim)
             else:
                 from tasks.train.megatron_backend import build_megatron_backend
 
-                model_dir = save_model_dir(model, ctx.workdir / "train-model")
+                model_dir = save_model_dir(qwen2(p["shape"], dtype="float32", max_positions=max(4096, seq)),
+                                           ctx.workdir / "train-model")
                 backend = build_megatron_backend(model_dir, optim.model_copy(update={"backend": "megatron"}),
                                                  temperature=1.0)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot start here is reported, not fatal

@@ -183,14 +183,22 @@ def run_variant(name: str, builder, shape: dict, iters: int, warmup: int, fl: di
     return out
 
 
+EAGER = dict(fusions="off", log_prob_impl="chunked", rope_fusion="none")
 VARIANTS = {
     "torch/hf-sdpa": lambda shape: build_torch(shape),
     "torch/hf-sdpa-cudnn": lambda shape: build_torch(shape, ("cudnn", "flash")),
-    "megatron/sdpa": lambda shape: build_megatron(shape, layer_spec="sdpa"),
-    "megatron/sdpa-cudnn": lambda shape: build_megatron(shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash")),
-    "megatron/sdpa-cudnn-fusions": lambda shape: build_megatron(shape, layer_spec="sdpa", fusions=True,
-                                                                sdpa_backends=("cudnn", "flash")),
-    "megatron/local": lambda shape: build_megatron(shape, layer_spec="local"),
+    # no torch.compile'd kernels: eager log-prob chunks, Megatron's unfused SwiGLU / RoPE
+    "megatron/sdpa": lambda shape: build_megatron(shape, layer_spec="sdpa", **EAGER),
+    "megatron/sdpa-cudnn": lambda shape: build_megatron(shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash"),
+                                                        **EAGER),
+    "megatron/sdpa-cudnn-fusions": lambda shape: build_megatron(shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash"),
+                                                                **{**EAGER, "fusions": "on"}),
+    "megatron/local": lambda shape: build_megatron(shape, layer_spec="local", **EAGER),
+    "megatron/sdpa-compiled-logprobs": lambda shape: build_megatron(shape, layer_spec="sdpa",
+                                                                    **{**EAGER, "log_prob_impl": "compiled"}),
+    # the defaults on CUDA (auto): Megatron's fusions + compiled log-probs + compiled RoPE
+    "megatron/sdpa-opt": lambda shape: build_megatron(shape, layer_spec="sdpa", fusions="on", log_prob_impl="compiled",
+                                                      rope_fusion="compiled"),
 }
 
 
@@ -206,7 +214,8 @@ def matmul_peak() -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="torch/hf-sdpa,megatron/sdpa,megatron/sdpa-opt,megatron/local")
+    parser.add_argument("--name", default="train_throughput")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a tiny shape, to test the script itself")
@@ -240,7 +249,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in res.items() if k not in ("step_s_all", "traceback")}, default=str),
               flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)  # written after every variant: a timeout keeps the rest
-        (Path(args.out) / "train_throughput.json").write_text(json.dumps(results, indent=2, default=str))
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"\n== train throughput: {shape['layers']}L h{shape['hidden']} s{shape['seq']} mb{shape['micro_batch']} "
           f"bf16, N={fl['matmul_params'] / 1e9:.3f}B matmul params, fwd+bwd incl. log-probs + loss ==")
     print(f"{'variant':32s} {'ms/step':>8s} {'tok/s':>9s} {'MFU':>6s} {'MFU*':>6s} {'mem GB':>7s} {'train() tok/s':>13s}")

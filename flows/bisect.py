@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -169,6 +170,7 @@ def _publish(cfg: RunConfig, report: BisectReport, fs, run_path: str, scratch: P
             r.log_path = moved.get(r.log_path, r.log_path) if r.log_path else None
         for info in report.coredump_inspections:
             info["path"] = moved.get(info["path"], info["path"])
+        shutil.rmtree(scratch, ignore_errors=True)  # our own temporary folder; everything is in the store now
     report_path = posixpath.join(run_path, "coredumps", REPORT_NAME)
     markdown_path = posixpath.join(run_path, "coredumps", "ima_report.md")
     fs.makedirs(posixpath.dirname(report_path), exist_ok=True)

@@ -206,15 +206,24 @@ def server_stop() -> None:
 
 
 def _register_subcommands() -> None:
-    from flows import cli_tools
+    from flows import cli_align, cli_tools
 
     cli_tools.register(app)
+    cli_align.register(app)
 
 
 _register_subcommands()
 
 
 def main() -> None:
+    from tasks.rollout.sglang_flags import CLI_PREFIX, rewrite_cli_args
+
+    if any(arg.startswith(CLI_PREFIX) for arg in sys.argv[1:]):
+        try:  # --sglang-<flag>[=value] -> --set rollout.sglang.args.<flag>=value (checked against SGLang's flags)
+            sys.argv[1:] = rewrite_cli_args(sys.argv[1:])
+        except ValueError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}")
+            sys.exit(2)
     try:
         app()
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from infra.placement import ResourcesConfig, plan_placement
 from tasks.rollout.settings import DataConfig, RolloutConfig
 from tasks.train.settings import AlgoConfig, OptimConfig
 
@@ -22,8 +23,32 @@ class ModelConfig(_Strict):
     path: str = Field("builtin:addition", description="'builtin:addition' or a local HF model directory")
 
 
+def reject_credentials(value: Optional[str], field: str) -> Optional[str]:
+    """URLs in the config end up in Prefect parameters, logs and artifacts: no credentials in them."""
+    if value is None or "://" not in value:
+        return value
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(value)
+    secret_query = [k for k in parse_qs(parts.query) if re.search(r"key|secret|token|password|signature", k, re.I)]
+    if "@" in parts.netloc or secret_query:
+        scheme = parts.scheme or "s3"
+        raise ValueError(
+            f"{field} must not contain credentials (user:secret@ or key/secret/token query parameters); "
+            f"write it as {scheme}://bucket/prefix and give credentials through the environment "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE; AWS_ENDPOINT_URL for S3-compatible stores)"
+        )
+    return value
+
+
 class StoreConfig(_Strict):
-    root: str = Field("runs", description="artifact root: a local path or any fsspec URL (file://, s3://)")
+    root: str = Field("runs", description="artifact root: a local path or any fsspec URL (file://, s3://); "
+                                          "S3 credentials and endpoint come from the AWS environment variables")
+
+    @field_validator("root")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        return reject_credentials(value, "store.root")
 
 
 class RayConfig(_Strict):
@@ -52,7 +77,12 @@ class DebugConfig(_Strict):
             raise ValueError(
                 f"template {value!r} has no {{rollout_id}} placeholder; e.g. /data/dump/data_{{rollout_id}}.pt"
             )
-        return value
+        return reject_credentials(value, f"debug.{info.field_name}")
+
+    @field_validator("dump_details")
+    @classmethod
+    def _dump_no_credentials(cls, value: Optional[str]) -> Optional[str]:
+        return reject_credentials(value, "debug.dump_details")
 
 
 class RunConfig(_Strict):
@@ -71,6 +101,8 @@ class RunConfig(_Strict):
     placement: Literal["colocate", "disaggregated"] = Field(
         "disaggregated", description="colocate: trainer and engines share GPUs; disaggregated: separate GPUs")
     offload: bool = Field(False, description="colocate only: engines release memory while the trainer runs")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig,
+                                       description="GPU budget and layout (all 0 = CPU, no placement group)")
     debug: DebugConfig = DebugConfig()
     _notices: list[str] = PrivateAttr(default_factory=list)
 
@@ -126,6 +158,27 @@ class RunConfig(_Strict):
             )
         if self.algo.advantage_estimator == "rloo" and self.rollout.n_samples_per_prompt < 2:
             raise ValueError("algo.advantage_estimator='rloo' needs rollout.n_samples_per_prompt >= 2")
+        return self
+
+    @model_validator(mode="after")
+    def _resources_and_sglang(self) -> "RunConfig":
+        # The GPU budget fails here, at config time, with the arithmetic (infra/placement.py).
+        plan_placement(self.placement, self.resources, train=not self.debug.rollout_only,
+                       rollout=not self.debug.train_only)
+        if self.rollout.engine == "sglang":
+            sg = self.rollout.sglang
+            gpe = self.resources.gpus_per_engine
+            if sg.tp_size and gpe and sg.tp_size != gpe:
+                raise ValueError(f"rollout.sglang.tp_size={sg.tp_size} differs from resources.gpus_per_engine={gpe}: "
+                                 "an engine's tensor parallel size is its GPU count; set one of them")
+            if sg.dtype is None and self.rollout.dtype == "float64":
+                raise ValueError("rollout.dtype='float64' is not an SGLang dtype; set rollout.dtype or rollout.sglang.dtype")
+            if self.offload and not sg.memory_saver:
+                sg.memory_saver = True
+                self._notices.append("offload=true: rollout.sglang.memory_saver turned on (--enable-memory-saver)")
+            if sg.weight_sync == "auto":
+                sg.weight_sync = sg.resolved_weight_sync(self.placement)
+                self._notices.append(f"rollout.sglang.weight_sync=auto -> {sg.weight_sync!r} (placement={self.placement})")
         return self
 
     def config_hash(self) -> str:

@@ -17,6 +17,7 @@ from flows import reporting
 from flows.config import RunConfig
 from flows.exports import dump_uri, side_exports
 from flows.group import ENGINE, TRAINER, ensure_engine, require
+from flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
 from tasks.rollout.rewards import resolve_reward_fn, score_samples
 from tasks.sync.parity import compare
 
@@ -34,8 +35,11 @@ def reward_task(cfg: RunConfig, samples: list[Sample]) -> list[Sample]:
     return score_samples(samples, resolve_reward_fn(cfg.rollout.reward), reward_key=cfg.rollout.reward_key)
 
 
-@task(name="persist", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[1, 2, 4])
+@task(name="persist", cache_policy=NO_CACHE, retries=STORAGE_RETRIES, retry_delay_seconds=STORAGE_RETRY_DELAYS,
+      retry_condition_fn=retry_unless_permanent)
 def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: str = "train") -> dict:
+    """Commit the rollout. Retried with backoff (endpoint down, timeouts), not on permanent errors
+    (schema, ArtifactExists from another writer, credentials, missing bucket)."""
     store = RolloutStore(cfg.store.root)
     if store.exists(cfg.run, split, rollout_id):
         # A retry after a commit whose acknowledgement was lost: the committed artifact stands.
@@ -48,12 +52,21 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
     return ref.to_dict()
 
 
+@task(name="load-rollout", cache_policy=NO_CACHE, retries=STORAGE_RETRIES,
+      retry_delay_seconds=STORAGE_RETRY_DELAYS, retry_condition_fn=retry_if_transient)
+def load_task(cfg: RunConfig, ref: dict) -> int:
+    """The trainer loads (and checksums) the artifact; transient storage failures retry here."""
+    return require(cfg, TRAINER).call("load_artifact", ref)
+
+
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
+    """No retries: a failure after the optimizer stepped must not step it twice (load_task retries)."""
     return require(cfg, TRAINER).call("train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
+      retry_condition_fn=retry_unless_permanent)
 def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
     return require(cfg, TRAINER).call("save_checkpoint", iteration)
 
@@ -63,7 +76,9 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     """Trainer weights -> engine (actor to actor), then every tensor's checksum compared."""
     trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
     version = engine.call("update_weights", trainer.submit("named_weights"), weight_version)
-    report = compare(trainer.call("weight_checksums"), engine.call("weight_checksums"))
+    # The engine may hold another dtype (e.g. bf16): compare what it should hold, bit for bit.
+    cast = cfg.rollout.dtype if cfg.rollout.dtype != cfg.train.dtype else None
+    report = compare(trainer.call("weight_checksums", cast), engine.call("weight_checksums"))
     if not report.ok:
         raise RuntimeError(report.summary())
     return report.to_dict() | {"weight_version": version}
@@ -102,6 +117,7 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     ref = committed_or_generate(cfg, rollout_id)
     side_exports(cfg, ref)
     reporting.stage("train")
+    load_task(cfg, ref)
     row.update(train_task(cfg, ref))
     reporting.stage("sync")
     parity = sync_task(cfg, iteration)

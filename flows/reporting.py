@@ -11,6 +11,7 @@ from typing import Callable
 
 import fsspec
 
+from artifacts.storage import open_fs
 from flows.config import RunConfig
 
 # Set by the caller that draws the terminal progress bar; flows call it between their tasks.
@@ -28,12 +29,14 @@ def stage(name: str, iteration: int | None = None, line: str | None = None) -> N
 
 
 def run_file(cfg: RunConfig, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, base = fsspec.core.url_to_fs(cfg.store.root)
+    # open_fs: the standard AWS environment (AWS_ENDPOINT_URL, ...) applies to s3:// roots.
+    fs, base = open_fs(cfg.store.root)
     return fs, posixpath.join(base, cfg.run, name)
 
 
 def read_metrics(cfg: RunConfig) -> list[dict]:
     fs, path = run_file(cfg, "metrics.jsonl")
+    fs.invalidate_cache(path)
     if not fs.exists(path):
         return []
     return [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line.strip()]

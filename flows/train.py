@@ -18,8 +18,10 @@ class RunExistsError(RuntimeError):
 
 def resume_point(cfg: RunConfig) -> int:
     """Iterations already done: the last committed checkpoint (0 for a fresh run)."""
-    last = latest_checkpoint(cfg.store.root, cfg.run)
     store = RolloutStore(cfg.store.root)
+    # Unreachable endpoint, bad credentials, missing bucket: one clear error before any actor starts.
+    store.check_access()
+    last = latest_checkpoint(cfg.store.root, cfg.run)
     if not cfg.resume and (last is not None or store.list_ids(cfg.run, "train")):
         raise RunExistsError(
             f"run {cfg.run!r} already has artifacts under {cfg.store.root}: set resume=true to continue it, "

@@ -13,8 +13,10 @@ from typing import Any
 NAMESPACE = "rollflow"
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join `address`, or start a local Ray. Never silently joins a stale cluster."""
+def ensure_ray(address: str | None = None, num_cpus: int | None = None,
+               resources: dict[str, float] | None = None) -> None:
+    """Join `address`, or start a local Ray (with custom `resources`, e.g. fake GPUs in tests).
+    Never silently joins a stale cluster."""
     import ray
 
     if ray.is_initialized():
@@ -25,7 +27,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
     else:
         ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
-                 log_to_driver=True)
+                 log_to_driver=True, resources=resources)
 
 
 def actor_name(run: str, role: str) -> str:

@@ -29,6 +29,8 @@ import time
 import traceback
 from typing import Any, Callable, TypeVar
 
+import torch
+
 from artifacts.sample import Sample
 from tasks.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
 from tasks.faults import AlignmentFaults, apply_sync_fault, perturb_module, scramble_module
@@ -153,8 +155,14 @@ def trainer_named_weights(worker: Any) -> dict:
     return backend_of(worker).named_weights()
 
 
-def trainer_checksums(worker: Any) -> dict[str, str]:
-    return checksums(backend_of(worker).named_weights())
+def trainer_checksums(worker: Any, cast_to: str | None = None) -> dict[str, str]:
+    """Checksums of the trainer's tensors; floating ones cast to `cast_to` first (the engine's dtype,
+    when it keeps its weights in another precision than the trainer: what the engine should hold)."""
+    named = backend_of(worker).named_weights()
+    if cast_to is not None:
+        dtype = getattr(torch, cast_to)
+        named = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in named.items()}
+    return checksums(named)
 
 
 def engine_receive(worker: Any, named: dict, weight_version: int, fault: str | None = None,
@@ -169,6 +177,13 @@ def engine_receive(worker: Any, named: dict, weight_version: int, fault: str | N
 
 def engine_checksums(worker: Any) -> dict[str, str]:
     return checksums(worker.engine.named_weights())
+
+
+def engine_float_dtype(worker: Any) -> str | None:
+    """The one floating dtype of the engine's weights (None when mixed or none)."""
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in worker.engine.named_weights().values()
+              if v.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def worker_peak_memory(worker: Any) -> dict[str, Any]:
@@ -294,13 +309,17 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
         return AlignmentReport(checks=checks, context=context)
 
     # ---- step 1: one rollout, scored by policy and reference, one optimizer step -------------------
-    first, err = _attempt(phase, "rollout-1", lambda: engine.run(engine_rollout, 0, faults.engine_temperature))
+    def rollout_1() -> tuple[list[Sample], dict[str, Any]]:
+        samples, stats = engine.run(engine_rollout, 0, faults.engine_temperature)
+        return score(samples), stats
+
+    first, err = _attempt(phase, "rollout-1", rollout_1)
     if err is not None:
         why = f"the first rollout raised {err}"
-        return finish([CheckResult(COHERENCE, FAIL, {}, f"rollout raised {err}", []),
+        return finish([CheckResult(COHERENCE, FAIL, {}, why, ["the engine could not generate or the reward "
+                                                              "function failed: see the error"]),
                        *[_not_run(n, why) for n in CHECK_NAMES[1:]]])
     samples, stats = first
-    score(samples)
     reward_mean = sum(s.scalar_reward() for s in samples) / len(samples)
     figs, err = _attempt(phase, "train-step-1", lambda: train.run(
         trainer_first_step, samples, cfg.algo, group, faults.perturb_policy_std, faults.seed, thr.worst_samples))
@@ -317,11 +336,17 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
     version = eng["weight_version"] + 1
     transit, err = _attempt(phase, "sync", lambda: engine.run(
         engine_receive, train.defer(trainer_named_weights), version, faults.sync, faults.sync_tensor))
-    parity = None
+    parity, compared_in = None, None
     if err is None:
-        parity, err = _attempt(phase, "parity", lambda: compare(train.run(trainer_checksums),
-                                                                 engine.run(engine_checksums), name_map))
-    checks.append(sync_check(parity, weight_version=version, error=err, transit=transit))
+        def parity_phase():
+            dtype = engine.run(engine_float_dtype)
+            cast = dtype if dtype is not None and dtype != trn["dtype"] else None
+            return compare(train.run(trainer_checksums, cast), engine.run(engine_checksums), name_map), dtype
+
+        result, err = _attempt(phase, "parity", parity_phase)
+        if result is not None:
+            parity, compared_in = result
+    checks.append(sync_check(parity, weight_version=version, error=err, transit=transit, compared_in=compared_in))
 
     # ---- step 2: the updated weights generate and train once more; peak memory -----------------------
     def step2() -> tuple[int, list[int], dict[str, float]]:
@@ -361,4 +386,4 @@ def run_alignment_local(cfg: Any, **kwargs: Any) -> AlignmentReport:
 
 __all__ = ["CHECK_NAMES", "STEP2", "AlignmentFaults", "AlignmentReport", "AlignmentThresholds", "CheckResult",
            "InProcess", "WorkerRunner", "alignment_workers", "as_runner", "run_alignment", "run_alignment_local",
-           "step2_check", "PASS", "FAIL"]
+           "step2_check"]

@@ -49,19 +49,31 @@ def _create_bucket(endpoint: str, bucket: str) -> None:
         fs.call_s3("create_bucket", Bucket=bucket)
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3 endpoint on loopback: CI's (ROLLFLOW_TEST_S3_ENDPOINT) or a moto server started here.
+def _s3_available() -> bool:
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    Sets the standard AWS variables (dummy credentials, AWS_ENDPOINT_URL) for the whole session,
-    so every process started afterwards (Ray workers, CLI subprocesses) talks to it.
+
+@pytest.fixture(scope="session", autouse=True)
+def _loopback_s3_environment():
+    """A real S3 endpoint on loopback for the whole session: CI's (ROLLFLOW_TEST_S3_ENDPOINT) or a
+    moto server started here (~1 s). Autouse, so the standard AWS variables (dummy credentials,
+    AWS_ENDPOINT_URL) are set before anything starts Ray workers or CLI subprocesses, which inherit
+    them - and so no test can ever reach real AWS. Yields None when moto/s3fs are not installed.
     """
-    pytest.importorskip("s3fs")
+    if not _s3_available():
+        yield None
+        return
     server = None
     endpoint = os.environ.get("ROLLFLOW_TEST_S3_ENDPOINT")
     if not endpoint:
-        moto_server = pytest.importorskip("moto.server")
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        from moto.server import ThreadedMotoServer
+
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
@@ -87,6 +99,14 @@ def s3_endpoint():
             server.stop()
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint(_loopback_s3_environment):
+    """The loopback S3 endpoint (url, bucket; `.root()` gives a fresh s3:// root)."""
+    if _loopback_s3_environment is None:
+        pytest.skip("moto[server] and s3fs are needed for the s3:// tests (pip install -e '.[dev]')")
+    return _loopback_s3_environment
+
+
 @pytest.fixture(params=["file", "s3"])
 def any_root(request, tmp_path):
     """An artifact root URL: file:// under tmp_path, or a fresh prefix on the loopback S3 endpoint."""
@@ -96,20 +116,14 @@ def any_root(request, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ray_local(request):
-    # S3 first: Ray's workers inherit the environment at ray.init, AWS variables included.
-    try:
-        import moto.server  # noqa: F401
-        import s3fs  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        request.getfixturevalue("s3_endpoint")
+def ray_local(_loopback_s3_environment):
+    # After the S3 environment: Ray's workers inherit the environment at ray.init.
     import ray
 
     from infra.workers import ensure_ray
 
-    ensure_ray(None, num_cpus=2)
+    # fake_gpu: a custom resource standing in for GPUs in the placement tests (tests/test_placement.py)
+    ensure_ray(None, num_cpus=2, resources={"fake_gpu": 8})
     yield
     ray.shutdown()
 

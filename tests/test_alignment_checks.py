@@ -114,6 +114,29 @@ def test_wrong_name_mapping_is_named(cfg):
     assert [c.name for c in report.failed] == ["weight_sync_parity"]
 
 
+def test_bfloat16_engine_warns_on_mismatch_and_syncs_in_its_dtype(tmp_path):
+    """A real precision difference: bf16 engine, fp32 trainer. The weights arrive (compared in the engine's
+    dtype), the log-probs differ by bf16 rounding: a warning with its causes, nothing fails."""
+    bf16 = small_config(tmp_path, run="bf16", rollout={"dtype": "bfloat16"})
+    report = run_alignment_local(bf16)
+    assert not report.failed, report.summary()
+    mm = report.check("train_rollout_logprob_diff")
+    assert mm.status == "warn" and 1e-4 < mm.figures["mean_abs_diff"] < 1e-2
+    assert any("dtype" in c for c in mm.causes)
+    sync = report.check("weight_sync_parity")
+    assert sync.passed and sync.figures["compared_in"] == "bfloat16"
+
+
+def test_a_raising_phase_becomes_a_failed_check(cfg):
+    """The weight update raises (here: a fault naming a tensor that does not exist): check 5 fails with
+    the error, check 6 sees the engine still at version 0; the run still ends with a full report."""
+    report = run_alignment_local(cfg, faults=AlignmentFaults(sync="corrupt_tensor", sync_tensor="no.such.weight"))
+    sync, step2 = report.check("weight_sync_parity"), report.check("step2_load_and_memory")
+    assert sync.failed and "weight update raised: KeyError" in sync.message and "no.such.weight" in sync.message
+    assert step2.failed and "engine at weight_version 0" in step2.message
+    assert [c.status for c in report.checks[:4]] == ["pass"] * 4
+
+
 def test_thresholds_are_configurable(cfg):
     tight = AlignmentThresholds(max_grad_norm=1e-6, mismatch_mean_warn=0.0)
     report = run_alignment_local(cfg, thresholds=tight)

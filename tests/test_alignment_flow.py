@@ -100,3 +100,21 @@ def test_prefect_yaml_declares_the_nightly_deployment():
     from flows.config import RunConfig
 
     RunConfig.model_validate(dep["parameters"]["cfg"])  # the default parameters are a valid config
+
+
+def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
+    import typer
+    from prefect import get_client
+    from typer.testing import CliRunner
+
+    from flows.cli_align import register
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # use the session's API, start no server
+    app = typer.Typer()
+    register(app)
+    result = CliRunner().invoke(app, ["serve", "--register-only", "--cron", "30 3 * * *",
+                                      "--set", f"store.root={tmp_path}", "--set", "run=cli-nightly"])
+    assert result.exit_code == 0, result.output
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("alignment_check/nightly-alignment")
+    assert dep.schedules[0].schedule.cron == "30 3 * * *" and dep.parameters["cfg"]["run"] == "cli-nightly"

@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -73,43 +67,4 @@ def test_two_iterations_step1_exact_and_synced(tmp_path, prefect_api, ray_local)
     assert names.count("rl_iteration") >= 2 and "rl_train" in names
 
 
-def _train_cmd(root: Path, run: str, iterations: int) -> list[str]:
-    sets = [f"run={run}", f"iterations={iterations}", f"store.root={root}", "data.prompts_per_rollout=32",
-            "rollout.n_samples_per_prompt=4", "train.num_steps_per_rollout=1"]
-    cmd = [sys.executable, "-m", "flows.cli", "train"]
-    for item in sets:
-        cmd += ["--set", item]
-    return cmd
-
-
-def _manifests(root: Path, run: str) -> dict[int, bytes]:
-    folder = root / run / "rollouts" / "train"
-    return {int(p.parent.name): p.read_bytes() for p in folder.glob("*/manifest.json")}
-
-
-def test_kill_and_resume_keeps_committed_rollouts(tmp_path, prefect_api):
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
-    cmd = _train_cmd(tmp_path, "killme", iterations=4)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    ckpt = tmp_path / "killme" / "checkpoints" / "000002" / "meta.json"
-    deadline = time.monotonic() + 240
-    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ckpt.exists(), proc.stdout.read().decode()[-3000:] if proc.poll() is not None else "timeout"
-    os.killpg(proc.pid, signal.SIGKILL)  # the flow process and its Ray workers, mid-run
-    proc.wait()
-    before = _manifests(tmp_path, "killme")
-    assert {0, 1} <= set(before)
-
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    after = _manifests(tmp_path, "killme")
-    assert sorted(after) == [0, 1, 2, 3]  # nothing skipped or duplicated
-    for rid, manifest in before.items():
-        assert after[rid] == manifest, f"rollout {rid} was regenerated after resume"
-    summary = json.loads(done.stdout[done.stdout.index("{"): done.stdout.index("}") + 1])
-    assert summary["resumed_from"] >= 2
-    metrics = [json.loads(line) for line in (tmp_path / "killme" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
-    assert [m["sync/weight_version"] for m in metrics] == [1, 2, 3, 4]
+# The SIGKILL-and-resume drill (file:// and s3://) lives in tests/test_fault_drills.py (drill 2).

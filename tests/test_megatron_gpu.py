@@ -135,26 +135,48 @@ def test_missing_megatron_is_a_clear_error():
         build_backend("builtin:addition", OptimConfig(backend="megatron"), temperature=1.0)
 
 
-def test_fused_log_probs_match_log_softmax():
-    """The chunked log-prob / entropy kernel (no megatron needed): values and gradients."""
+@pytest.mark.parametrize("impl", ["chunked", "compiled"])
+def test_fused_log_probs_match_log_softmax(impl):
+    """The log-prob / entropy kernels (no megatron needed): values and gradients, vocab padding ignored."""
+    from tasks.train.fused_ops import token_log_probs
     from tasks.train.losses import entropy_from_logits
-    from tasks.train.megatron_backend import token_log_probs
 
     torch.manual_seed(0)
-    logits = torch.randn(3, 7, 50, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(3, 7, 56, dtype=torch.float64, requires_grad=True)  # 50 real + 6 padded columns
     target = torch.randint(0, 50, (3, 7))
     w_lp, w_ent = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
-    lp, ent = token_log_probs(logits, target, temperature=0.8, chunk=5, entropy_grad=True)
-    z = logits / 0.8
+    lp, ent = token_log_probs(logits, target, temperature=0.8, vocab_size=50, chunk=5, impl=impl, entropy_grad=True)
+    z = logits[..., :50] / 0.8
     ref_lp = torch.log_softmax(z, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     ref_ent = entropy_from_logits(z)
     assert torch.allclose(lp, ref_lp) and torch.allclose(ent, ref_ent)
     (g,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), logits)
     (ref_g,) = torch.autograd.grad((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum(), logits)
-    assert torch.allclose(g, ref_g)
-    # bf16 logits: fp32 math, bf16 gradient
+    assert torch.allclose(g, ref_g) and torch.equal(g[..., 50:], torch.zeros(3, 7, 6, dtype=torch.float64))
+    # bf16 logits: fp32 math, bf16 gradient; same values with and without grad (step-1 exactness)
     lb = logits.detach().to(torch.bfloat16).requires_grad_(True)
-    lp16, _ = token_log_probs(lb, target)
-    assert lp16.dtype == torch.float32
+    lp16, _ = token_log_probs(lb, target, vocab_size=50, impl=impl)
+    with torch.no_grad():
+        lp16_nograd, _ = token_log_probs(lb, target, vocab_size=50, impl=impl)
+    assert lp16.dtype == torch.float32 and torch.equal(lp16.detach(), lp16_nograd)
     lp16.sum().backward()
     assert lb.grad.dtype == torch.bfloat16
+
+
+def test_compiled_rope_matches_rotate_half():
+    from tasks.train.fused_ops import rope_sbhd
+
+    torch.manual_seed(0)
+    s, b, h, d = 6, 2, 3, 8
+    t = torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    freqs = torch.cat((freqs, freqs), -1)[:, None, None, :]
+    out = rope_sbhd(t, freqs)
+    x1, x2 = t.chunk(2, -1)
+    ref = t * freqs.cos() + torch.cat((-x2, x1), -1) * freqs.sin()
+    assert torch.allclose(out, ref)
+    w = torch.randn_like(out)
+    (g,) = torch.autograd.grad((out * w).sum(), t)
+    (ref_g,) = torch.autograd.grad((ref * w).sum(), t)
+    assert torch.allclose(g, ref_g)

@@ -47,8 +47,8 @@ MATRIX, LAUNCH_BLOCKING, COREDUMP = "matrix", "launch_blocking", "coredump"
 EXIT_UNSUPPORTED = 78
 
 # CUDA core dump environment (cuda-gdb manual, "GPU core dump support"; CUcoredumpGenerationFlags in the
-# driver API). These flags leave out memory contents and non-relocated ELF images: a small dump that
-# still records the faulting kernel, PC, registers and the exception.
+# driver API). These flags leave out device memory contents and non-relocated ELF images; the dump still
+# records the faulting kernel, PC, registers and the exception (a torch process's dump was 197 MB on the H200).
 COREDUMP_GENERATION_FLAGS = "skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory"
 CUDA_DEBUG_VARS = ("CUDA_LAUNCH_BLOCKING", "CUDA_ENABLE_COREDUMP_ON_EXCEPTION", "CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION",
                    "CUDA_ENABLE_LIGHTWEIGHT_COREDUMP", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP", "CUDA_COREDUMP_FILE",
@@ -69,6 +69,7 @@ _GDB_KERNEL = (re.compile(r"\bin ([A-Za-z_][\w:~]*)(?:<[^(]*?>)?<<<"),
                re.compile(r"triggered at PC 0x[0-9a-fA-F]+\s+(?:<)?([A-Za-z_][\w:~]*)"))
 _TRACE_KERNEL = re.compile(r"rollflow-ima: last Triton kernel launched(?: before the error)?: (\S+)")
 _INJECTED = re.compile(r"rollflow-ima: injected fault")
+_LIBRARY = re.compile(r'File "[^"]*(?:site-packages|dist-packages|<frozen )')
 
 
 # --------------------------------------------------------------------------------------------- toggles
@@ -417,7 +418,8 @@ class CellResult:
     first_error: str | None = None
     error_kind: str | None = None
     kernel: str | None = None
-    frame: str | None = None
+    frame: str | None = None  # innermost frame of the error (often inside a library)
+    user_frame: str | None = None  # innermost frame outside site-packages: the call site in the project
     log_tail: list[str] = dataclasses.field(default_factory=list)
     coredumps: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -536,6 +538,9 @@ def run_cell(config_json: str, cell: Cell, *, backend: str = "hf", pass_name: st
         cut = next((i for i, ln in enumerate(lines) if line and ln.strip() == line), None)
         result.kernel = faulting_kernel(lines)
         result.frame = innermost_frame(lines, cut) or innermost_frame(lines)
+        before = lines[:cut] if cut is not None else lines
+        result.user_frame = (innermost_frame([ln for ln in before if not _LIBRARY.search(ln)])
+                             or innermost_frame([ln for ln in lines if not _LIBRARY.search(ln)]))
     return result
 
 
@@ -701,7 +706,8 @@ class BisectReport:
             out.append(f"- launch-blocking rerun (`CUDA_LAUNCH_BLOCKING=1`, {lb.cell.label}): **{lb.outcome}**; "
                        f"first error: `{lb.first_error or '-'}`")
             out.append(f"  - faulting kernel: **{lb.kernel or 'not named by the log'}**"
-                       + (f"; raised at `{lb.frame}`" if lb.frame else ""))
+                       + (f"; called from `{lb.user_frame}`" if lb.user_frame else "")
+                       + (f"; raised at `{lb.frame}`" if lb.frame and lb.frame != lb.user_frame else ""))
         cd = self.coredump_run
         if cd is not None:
             dumps = ", ".join(f"`{p}`" for p in cd.coredumps) or "none written"
@@ -726,14 +732,14 @@ class BisectReport:
             out += [f"- `{s['toggle']}` ({s['applicable']}): {s['meaning']}" for s in self.support]
         out += ["", "## Reading a core dump", "",
                 "```bash",
-                'cuda-gdb -ex "target cudacore <file>"      # interactive; or add -batch -ex "info cuda kernels" -ex bt',
+                'cuda-gdb -ex "target cudacore <file>"   # or: -batch -ex "info cuda kernels" -ex bt',
                 "```", "",
                 "cuda-gdb prints `CUDA Exception: Warp Illegal Address` (or the exception that fired), the kernel "
                 "and PC (`The exception was triggered at PC ...`), and focuses the faulting thread: `info cuda "
-                "kernels` lists the kernels on the device, `bt` the device stack, `x/4i $errorpc` the faulting "
+                "kernels` lists the kernels on the device, `bt` the device stack, `disas $errorpc,+16` the faulting "
                 "instruction, `info registers` the address it used. The dumps were taken with "
-                f"`CUDA_COREDUMP_GENERATION_FLAGS={COREDUMP_GENERATION_FLAGS}` (no memory contents: small files; "
-                "drop a skip flag to keep that memory)."]
+                f"`CUDA_COREDUMP_GENERATION_FLAGS={COREDUMP_GENERATION_FLAGS}` (device memory contents left "
+                "out; drop a skip flag to keep that memory)."]
         if self.coredumps:
             out += ["", "Core dumps:", ""] + [f"- `{p}`" for p in self.coredumps]
         return "\n".join(out) + "\n"

@@ -67,16 +67,22 @@ def install_launch_trace() -> bool:
         except Exception:  # tracing must never change what the run does
             pass
 
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    hook = getattr(runtime, "launch_enter_hook", None) if runtime is not None else None
-    if hook is not None and hasattr(hook, "add"):  # Triton >= 3.5: a hook chain
-        hook.add(enter)
-    elif runtime is not None and hasattr(runtime, "launch_enter_hook"):
-        runtime.launch_enter_hook = enter
-    else:
-        from triton.compiler import CompiledKernel
+    try:
+        runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        hook = getattr(runtime, "launch_enter_hook", None) if runtime is not None else None
+        if hook is not None and hasattr(hook, "add"):  # Triton's hook chain
+            hook.add(enter)
+        elif runtime is not None and hasattr(runtime, "launch_enter_hook") and hook is None:
+            runtime.launch_enter_hook = enter
+        elif runtime is None:
+            from triton.compiler import CompiledKernel  # older Triton
 
-        CompiledKernel.launch_enter_hook = enter
+            CompiledKernel.launch_enter_hook = enter
+        else:
+            return False
+    except Exception as exc:  # tracing must never change what the run does
+        print(f"rollflow-ima: no Triton launch trace ({type(exc).__name__}: {exc})", flush=True)
+        return False
     _TRACE["installed"] = True
     return True
 
@@ -182,23 +188,29 @@ def run(args: argparse.Namespace) -> dict:
              if armed else "not armed"), flush=True)
     worker = RolloutWorker(model_spec, rollout, data)
     headroom = mapping.prompt_lookup_num_tokens if isinstance(mapping, HFToggles) else 0
-    install_generate_overrides(worker.engine.model, plan.generate_kwargs,
-                               fault=fault_processor(args.fault, args.fault_step) if armed else None,
-                               max_cache_headroom=headroom)
+    fault = fault_processor(args.fault, args.fault_step) if armed else None
+    install_generate_overrides(worker.engine.model, plan.generate_kwargs, fault=fault, max_cache_headroom=headroom)
     import torch
 
     on_cuda = worker.engine.device.type == "cuda"
     if on_cuda and _launch_blocking():
-        install_launch_trace()
+        print(f"rollflow-ima: Triton launch trace {'on' if install_launch_trace() else 'unavailable'} "
+              "(CUDA_LAUNCH_BLOCKING=1)", flush=True)
     started = time.perf_counter()
     n, lengths, statuses = 0, 0, {}
-    for rollout_id in args.rollout_ids:
-        samples = worker.rollout(rollout_id)
-        n += len(samples)
-        lengths += sum(s.response_length for s in samples)
-        for s in samples:
-            key = str(getattr(s.status, "value", s.status))
-            statuses[key] = statuses.get(key, 0) + 1
+    try:
+        for rollout_id in args.rollout_ids:
+            samples = worker.rollout(rollout_id)
+            n += len(samples)
+            lengths += sum(s.response_length for s in samples)
+            for s in samples:
+                key = str(getattr(s.status, "value", s.status))
+                statuses[key] = statuses.get(key, 0) + 1
+    except ValueError as exc:
+        reason = unsupported_combination(exc, fault_fired=bool(fault is not None and fault.fired))
+        if reason:
+            raise Unsupported(reason) from exc
+        raise
     if on_cuda:
         torch.cuda.synchronize()  # an asynchronous fault surfaces here at the latest
     import transformers
@@ -207,6 +219,27 @@ def run(args: argparse.Namespace) -> dict:
             "statuses": statuses, "seconds": round(time.perf_counter() - started, 3),
             "device": str(worker.engine.device), "torch": torch.__version__, "transformers": transformers.__version__,
             "gpu": torch.cuda.get_device_name(0) if on_cuda else None, "generate_kwargs": plan.generate_kwargs}
+
+
+def unsupported_combination(exc: BaseException, *, fault_fired: bool) -> str | None:
+    """Why transformers refused this cell's combination, if that is what `exc` is (else None).
+
+    transformers validates `generate` arguments before any kernel runs and says "not supported" (e.g. 5.17:
+    "assisted generate is not supported with Static cache classes"); such a cell is n/a for this version,
+    not a crash. Anything after the armed fault fired stays a failure.
+    """
+    if fault_fired or not isinstance(exc, ValueError) or "not supported" not in str(exc):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not any("transformers" in f.filename and "generation" in f.filename for f in frames[-1:]):
+        return None
+    try:
+        import transformers
+
+        version = transformers.__version__
+    except ImportError:
+        version = "?"
+    return f"transformers {version} cannot run this combination: {exc}"
 
 
 def _parse_ids(text: str) -> list[int]:

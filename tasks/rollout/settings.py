@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.rollout.addition import PromptItem, addition_prompts
 from tasks.rollout.engine import SamplingParams
+from tasks.rollout.sglang_config import SGLangConfig
 
 
 class _Strict(BaseModel):
@@ -39,6 +40,7 @@ class RolloutConfig(_Strict):
         "auto", description="hf engine: transformers' static KV cache with its compiled decode step; "
                             "auto = on for CUDA, off on CPU")
     seed: int = 0
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="engine='sglang' only: server settings")
 
     def sampling(self, rollout_id: int, *, greedy: bool = False) -> SamplingParams:
         return SamplingParams(

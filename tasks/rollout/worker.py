@@ -20,6 +20,12 @@ from tasks.train.torch_backend import DTYPES
 
 
 def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0):
+    if rollout.engine == "sglang":
+        from tasks.rollout.sglang_engine import engine_from_config
+
+        path = resolve_model_path(model_spec)
+        engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version)
+        return engine, load_tokenizer(path)
     if rollout.engine != "hf":
         raise NotImplementedError(
             f"rollout.engine={rollout.engine!r} is not available in this build; use rollout.engine='hf'"
@@ -45,7 +51,9 @@ class RolloutWorker:
             self.engine.update_weights(weights, weight_version)
 
     def ping(self) -> bool:
-        return True
+        """False when the engine's server process died: `ensure_engine` then restarts this actor."""
+        alive = getattr(self.engine, "alive", None)
+        return True if alive is None else bool(alive())
 
     def weight_version(self) -> int:
         return self.engine.weight_version

@@ -19,7 +19,8 @@ CAUSES = [
 
 
 def sync_check(report: ParityReport | None, *, weight_version: int | None = None, error: str | None = None,
-               transit: str | None = None) -> CheckResult:
+               transit: str | None = None, compared_in: str | None = None) -> CheckResult:
+    """`compared_in`: the dtype both sides were hashed in (the engine's; trainer tensors cast to it)."""
     figures: dict[str, Any] = {}
     if report is not None:
         figures.update({"n_tensors": report.n_tensors, "n_mismatched": len(report.mismatched),
@@ -30,6 +31,8 @@ def sync_check(report: ParityReport | None, *, weight_version: int | None = None
                         "mismatched": report.mismatched[:10], "missing_in_engine": report.missing_in_engine[:10],
                         "unexpected_in_engine": report.unexpected_in_engine[:10]})
     figures.setdefault("weight_version", weight_version)
+    if compared_in is not None:
+        figures["compared_in"] = compared_in
     if transit:
         figures["injected"] = transit
     if error is not None:
@@ -43,5 +46,5 @@ def sync_check(report: ParityReport | None, *, weight_version: int | None = None
             f"({len(report.mismatched)} mismatched, {len(report.missing_in_engine)} missing, "
             f"{len(report.unexpected_in_engine)} unexpected of {report.n_tensors})", list(CAUSES))
     return CheckResult(NAME, PASS, figures,
-                       f"all {report.n_tensors} engine tensors equal the trainer's (sha256 over dtype, shape, bytes) "
-                       f"at weight_version {weight_version}")
+                       f"all {report.n_tensors} engine tensors equal the trainer's (sha256 over dtype, shape, bytes"
+                       f"{', in ' + compared_in if compared_in else ''}) at weight_version {weight_version}")

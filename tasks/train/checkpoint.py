@@ -10,7 +10,7 @@ import hashlib
 import json
 import posixpath
 
-import fsspec
+from artifacts.storage import open_fs, storage_errors
 
 
 class CheckpointError(RuntimeError):
@@ -18,8 +18,8 @@ class CheckpointError(RuntimeError):
 
 
 def _fs(root: str, storage_options: dict | None):
-    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
-    return fs, base
+    # Environment-derived options (AWS_ENDPOINT_URL, ...) merged under explicit ones.
+    return open_fs(root, storage_options)
 
 
 def checkpoint_dir(base: str, run: str, iteration: int) -> str:
@@ -30,26 +30,29 @@ def save_checkpoint(root: str, run: str, iteration: int, payload: bytes, *, extr
                     storage_options: dict | None = None) -> str:
     fs, base = _fs(root, storage_options)
     folder = checkpoint_dir(base, run, iteration)
-    fs.makedirs(folder, exist_ok=True)
-    with fs.open(posixpath.join(folder, "trainer.pt"), "wb") as f:
-        f.write(payload)
-    meta = {"iteration": iteration, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload),
-            **(extra or {})}
-    with fs.open(posixpath.join(folder, "meta.json"), "w") as f:
-        f.write(json.dumps(meta))
+    with storage_errors(f"{root.rstrip('/')}/{run}/checkpoints/{iteration:06d}", "writing checkpoint", fs=fs):
+        fs.makedirs(folder, exist_ok=True)
+        with fs.open(posixpath.join(folder, "trainer.pt"), "wb") as f:
+            f.write(payload)
+        meta = {"iteration": iteration, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload),
+                **(extra or {})}
+        with fs.open(posixpath.join(folder, "meta.json"), "w") as f:
+            f.write(json.dumps(meta))
     return folder
 
 
 def list_checkpoints(root: str, run: str, *, storage_options: dict | None = None) -> list[int]:
     fs, base = _fs(root, storage_options)
     parent = posixpath.join(base, run, "checkpoints")
-    if not fs.exists(parent):
-        return []
-    found = []
-    for entry in fs.ls(parent, detail=False):
-        name = posixpath.basename(entry.rstrip("/"))
-        if name.isdigit() and fs.exists(posixpath.join(entry, "meta.json")):
-            found.append(int(name))
+    with storage_errors(f"{root.rstrip('/')}/{run}/checkpoints", "listing checkpoints", fs=fs):
+        fs.invalidate_cache(parent)  # object stores cache listings; another process may have committed
+        if not fs.exists(parent):
+            return []
+        found = []
+        for entry in fs.ls(parent, detail=False):
+            name = posixpath.basename(entry.rstrip("/"))
+            if name.isdigit() and fs.exists(posixpath.join(entry, "meta.json")):
+                found.append(int(name))
     return sorted(found)
 
 
@@ -62,11 +65,17 @@ def load_checkpoint(root: str, run: str, iteration: int, *, storage_options: dic
     fs, base = _fs(root, storage_options)
     folder = checkpoint_dir(base, run, iteration)
     meta_path = posixpath.join(folder, "meta.json")
-    if not fs.exists(meta_path):
+    with storage_errors(f"{root.rstrip('/')}/{run}/checkpoints/{iteration:06d}", "reading checkpoint", fs=fs):
+        exists = fs.exists(meta_path)
+    if not exists:
         have = list_checkpoints(root, run, storage_options=storage_options)
         raise CheckpointError(f"no checkpoint {iteration} for run {run!r} under {root}; committed: {have or 'none'}")
-    meta = json.loads(fs.cat_file(meta_path))
-    payload = fs.cat_file(posixpath.join(folder, "trainer.pt"))
+    with storage_errors(f"{root.rstrip('/')}/{run}/checkpoints/{iteration:06d}", "reading checkpoint", fs=fs):
+        meta = json.loads(fs.cat_file(meta_path))
+        try:
+            payload = fs.cat_file(posixpath.join(folder, "trainer.pt"))
+        except FileNotFoundError:
+            payload = b""  # reported as a checksum failure below, naming the file
     digest = hashlib.sha256(payload).hexdigest()
     if digest != meta["sha256"] or len(payload) != meta["size"]:
         raise CheckpointError(
@@ -79,26 +88,31 @@ def load_checkpoint(root: str, run: str, iteration: int, *, storage_options: dic
 
 def save_state(uri: str, payload: bytes, *, storage_options: dict | None = None) -> str:
     """A trainer state at an arbitrary URI, with a `.sha256` sidecar written last."""
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    with fs.open(path, "wb") as f:
-        f.write(payload)
-    with fs.open(path + ".sha256", "w") as f:
-        f.write(hashlib.sha256(payload).hexdigest())
+    fs, path = open_fs(uri, storage_options)
+    with storage_errors(uri, "writing trainer state", fs=fs):
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        with fs.open(path, "wb") as f:
+            f.write(payload)
+        with fs.open(path + ".sha256", "w") as f:
+            f.write(hashlib.sha256(payload).hexdigest())
     return uri
 
 
 def state_exists(uri: str, *, storage_options: dict | None = None) -> bool:
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    return fs.exists(path + ".sha256")
+    fs, path = open_fs(uri, storage_options)
+    with storage_errors(uri, "checking trainer state", fs=fs):
+        fs.invalidate_cache(path + ".sha256")
+        return fs.exists(path + ".sha256")
 
 
 def load_state(uri: str, *, storage_options: dict | None = None) -> bytes:
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    if not fs.exists(path + ".sha256"):
-        raise CheckpointError(f"no committed trainer state at {uri}")
-    payload = fs.cat_file(path)
-    expected = fs.cat_file(path + ".sha256").decode().strip()
+    fs, path = open_fs(uri, storage_options)
+    with storage_errors(uri, "reading trainer state", fs=fs):
+        fs.invalidate_cache(path + ".sha256")
+        if not fs.exists(path + ".sha256"):
+            raise CheckpointError(f"no committed trainer state at {uri}")
+        payload = fs.cat_file(path)
+        expected = fs.cat_file(path + ".sha256").decode().strip()
     if hashlib.sha256(payload).hexdigest() != expected:
         raise CheckpointError(f"trainer state {uri} fails its checksum; delete it to recompute")
     return payload

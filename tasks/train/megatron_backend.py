@@ -40,6 +40,7 @@ import torch
 
 from tasks.sync import megatron_names as mn
 from tasks.train.batch import TrainBatch
+from tasks.train.fused_ops import install_rope_fusion, token_log_probs
 from tasks.train.objective import Denominators, micro_batch_objective
 from tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
 
@@ -227,6 +228,8 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
 
     layout = mn.MegatronLayout.from_hf_config(hf_config)
     spec = resolve_layer_spec(settings.layer_spec)
+    if settings.rope_fusion == "compiled":
+        install_rope_fusion()  # before TransformerConfig: it checks that a fused RoPE is available
     kwargs: dict[str, Any] = dict(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
@@ -253,11 +256,11 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
         perform_initialization=random_init,
         # Fusions that need TE or apex stay off; the torch.compile'd ones are opt-in (settings.fusions).
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=settings.rope_fusion == "compiled",
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        bias_activation_fusion=settings.fusions,
-        bias_dropout_fusion=settings.fusions,
+        bias_activation_fusion=settings.fusions == "on",
+        bias_dropout_fusion=settings.fusions == "on",
         attention_softmax_in_fp32=True,
         attention_backend=AttnBackend[settings.attention_backend] if spec == "te" else AttnBackend.local,
     )
@@ -330,75 +333,22 @@ def export_hf_weights(model: torch.nn.Module, layout: mn.MegatronLayout) -> dict
 # ------------------------------------------------------------------------------------------ log-probs
 
 
-class _TokenLogProbs(torch.autograd.Function):
-    """log p(target) and entropy from [N, V] logits, in fp32, chunked over rows.
-
-    Avoids holding fp32 copies of the logits for backward (they are recomputed chunk by chunk); the
-    numbers equal `log_softmax(logits.float() / T).gather(target)` to fp32 rounding.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, temperature: float, chunk: int, want_entropy_grad: bool):
-        n = logits.shape[0]
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 math (fp64 for fp64 models)
-        log_probs = torch.empty(n, dtype=dtype, device=logits.device)
-        entropy = torch.empty(n, dtype=dtype, device=logits.device)
-        lse_all = torch.empty(n, dtype=dtype, device=logits.device)
-        mean_z = torch.empty(n, dtype=dtype, device=logits.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            z = logits[rows].to(dtype, copy=True)  # a copy: z is modified in place below
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            log_probs[rows] = z.gather(-1, target[rows].unsqueeze(-1)).squeeze(-1) - lse
-            p = (z - lse.unsqueeze(-1)).exp_()
-            ez = torch.linalg.vecdot(p, z)  # E_p[z]
-            entropy[rows] = lse - ez
-            lse_all[rows] = lse
-            mean_z[rows] = ez
-        ctx.save_for_backward(logits, target, lse_all, mean_z)
-        ctx.temperature, ctx.chunk, ctx.want_entropy_grad = temperature, chunk, want_entropy_grad
-        return log_probs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_lp, grad_ent):
-        logits, target, lse_all, mean_z = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
-        grad = torch.empty_like(logits)
-        n = logits.shape[0]
-        use_ent = ctx.want_entropy_grad and grad_ent is not None
-        if grad_lp is None:
-            grad_lp = torch.zeros(n, dtype=lse_all.dtype, device=logits.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            z = logits[rows].to(lse_all.dtype, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            p = (z - lse_all[rows].unsqueeze(-1)).exp_()
-            g_lp = grad_lp[rows].unsqueeze(-1)
-            if use_ent:
-                # d lp/dz = onehot - p ; d H/dz = -p (z - E_p[z])
-                coeff = z.sub_(mean_z[rows].unsqueeze(-1)).mul_(grad_ent[rows].unsqueeze(-1)).add_(g_lp)
-                g = p.mul_(coeff).neg_()
-            else:
-                g = p.mul_(g_lp).neg_()
-            g.scatter_add_(-1, target[rows].unsqueeze(-1), g_lp)
-            if temperature != 1.0:
-                g.div_(temperature)
-            grad[rows] = g.to(grad.dtype)
-        return grad, None, None, None, None
+def _seq_first_logits(*, hidden_states, output_layer, output_weight=None, runtime_gather_output=None,
+                      scale_logits=None, **_unused):
+    """A GPTModel `output_processor` (megatron-core >= 0.19): the output layer's [s, b, V] logits as they are."""
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    return scale_logits(logits) if scale_logits is not None else logits
 
 
-def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, chunk: int = 2048,
-                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [..., V], target [...] -> (log_probs, entropy), both [...] fp32."""
-    shape = target.shape
-    flat = logits.reshape(-1, logits.shape[-1])
-    lp, ent = _TokenLogProbs.apply(flat, target.reshape(-1), float(temperature), int(chunk), bool(entropy_grad))
-    if not entropy_grad:
-        ent = ent.detach()
-    return lp.view(shape), ent.view(shape)
+def _accepts_output_processor(model) -> bool:
+    import inspect
+
+    cls = type(model)
+    cached = getattr(cls, "_rollflow_output_processor", None)
+    if cached is None:
+        cached = "output_processor" in inspect.signature(cls.forward).parameters
+        cls._rollflow_output_processor = cached
+    return cached
 
 
 def _check_right_padded(mask: torch.Tensor) -> None:
@@ -475,9 +425,9 @@ class MegatronBackend:
         torch.set_num_threads(optim.threads)
         torch.manual_seed(optim.seed)
         self.optim_cfg = optim
-        self.settings = optim.megatron
-        self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(optim.device)
+        self.settings = optim.megatron.resolved(self.device.type)
+        self.temperature = temperature if temperature > 0 else 1.0
         self.dtype = DTYPES[optim.dtype]
         init_parallel_state(self.device, optim.seed)
         random_init = hf_state is None
@@ -550,11 +500,18 @@ class MegatronBackend:
         """Teacher-forced log-prob (and entropy) of every next token, target aligned [B, L-1], fp32, on device."""
         tokens = micro.tokens.to(self.device, non_blocking=True)
         position_ids = micro.position_ids.to(self.device, non_blocking=True)
+        kwargs = dict(temperature=self.temperature, vocab_size=self.layout.vocab_size,
+                      chunk=self.settings.log_prob_chunk, impl=self.settings.log_prob_impl, entropy_grad=entropy_grad)
         with cpu_shims(self.device):
+            if _accepts_output_processor(self.model):
+                # Sequence-first logits [L, B, V_pad] straight from the output layer: logits[:-1] is then a
+                # contiguous prefix, so no [B, L, V] transpose copy and no slice copy (forward or backward).
+                logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None,
+                               output_processor=_seq_first_logits)
+                lp, ent = token_log_probs(logits[:-1], tokens[:, 1:].t(), **kwargs)
+                return lp.t(), ent.t()
             logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)  # [B, L, V_pad]
-        logits = logits[:, :-1, : self.layout.vocab_size]
-        return token_log_probs(logits, tokens[:, 1:], temperature=self.temperature,
-                               chunk=self.settings.log_prob_chunk, entropy_grad=entropy_grad)
+        return token_log_probs(logits[:, :-1], tokens[:, 1:], **kwargs)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:

@@ -66,9 +66,24 @@ class MegatronSettings(_Strict):
     optimizer: Literal["auto", "megatron", "torch"] = Field(
         "auto", description="megatron: Megatron DDP + get_megatron_optimizer (CUDA); torch: AdamW on fp32 master "
                             "weights; auto: megatron on CUDA, torch on CPU")
-    fusions: bool = Field(False, description="Megatron's bias-activation / bias-dropout-add fusions (torch.compile)")
+    fusions: Literal["auto", "on", "off"] = Field(
+        "auto", description="Megatron's bias-SwiGLU / bias-dropout-add fusions (torch.compile'd); auto: on on CUDA")
     make_vocab_size_divisible_by: int = Field(128, ge=1)
-    log_prob_chunk: int = Field(2048, ge=1, description="rows per chunk of the fused log-prob / entropy kernel")
+    log_prob_impl: Literal["auto", "chunked", "compiled"] = Field(
+        "auto", description="log-prob / entropy kernel: eager row chunks, or torch.compile'd; auto: compiled on CUDA")
+    log_prob_chunk: int = Field(2048, ge=1, description="rows per chunk of the chunked log-prob kernel")
+    rope_fusion: Literal["auto", "none", "compiled"] = Field(
+        "auto", description="compiled: a torch.compile'd RoPE through Megatron's apply_rope_fusion hook (TE's fused "
+                            "RoPE when TE is installed); auto: compiled on CUDA")
+
+    def resolved(self, device_type: str) -> "MegatronSettings":
+        """`auto` made concrete: the torch.compile'd kernels on CUDA (measured on the H200), eager on CPU."""
+        cuda = device_type == "cuda"
+        return self.model_copy(update=dict(
+            fusions=("on" if cuda else "off") if self.fusions == "auto" else self.fusions,
+            log_prob_impl=("compiled" if cuda else "chunked") if self.log_prob_impl == "auto" else self.log_prob_impl,
+            rope_fusion=("compiled" if cuda else "none") if self.rope_fusion == "auto" else self.rope_fusion,
+        ))
     transformer_config: dict[str, Any] = Field(
         default_factory=dict, description="extra TransformerConfig fields, passed through")
 

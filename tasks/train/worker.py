@@ -52,9 +52,27 @@ class TrainWorker:
     def ping(self) -> bool:
         return True
 
+    def load_artifact(self, ref: dict) -> int:
+        """Load (and checksum) a rollout artifact ahead of `train_on_artifact`; returns its sample count.
+
+        Kept separate so the orchestrator can retry a transient storage failure of the load without
+        ever retrying a train step that may already have stepped the optimizer.
+        """
+        uri = ArtifactRef.from_dict(ref).uri
+        artifact = self.store.load_uri(uri)
+        self._loaded = (uri, artifact)
+        return len(artifact.samples)
+
+    def _artifact(self, ref: dict):
+        uri = ArtifactRef.from_dict(ref).uri
+        loaded, self._loaded = getattr(self, "_loaded", None), None
+        if loaded is not None and loaded[0] == uri:
+            return loaded[1]
+        return self.store.load_uri(uri)
+
     def train_on_artifact(self, ref: dict, *, subsample: float | None = None,
                           dump_uri: str | None = None) -> dict[str, float]:
-        artifact = self.store.load_uri(ArtifactRef.from_dict(ref).uri)
+        artifact = self._artifact(ref)
         samples = artifact.samples
         group_size = artifact.manifest.n_samples_per_prompt
         if group_size <= 1 and len(samples) > 1:
@@ -93,9 +111,9 @@ class TrainWorker:
     def _write(self, uri: str, data: bytes) -> None:
         import posixpath
 
-        import fsspec
+        from artifacts.storage import open_fs
 
-        fs, path = fsspec.core.url_to_fs(uri, **(self.storage_options or {}))
+        fs, path = open_fs(uri, self.storage_options)
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         with fs.open(path, "wb") as f:
             f.write(data)
@@ -107,5 +125,11 @@ class TrainWorker:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.named_weights()
 
-    def weight_checksums(self) -> dict[str, str]:
-        return checksums(self.backend.named_weights())
+    def weight_checksums(self, as_dtype: str | None = None) -> dict[str, str]:
+        """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
+        named = self.backend.named_weights()
+        if as_dtype is not None:
+            from tasks.train.torch_backend import DTYPES
+
+            named = {k: v.to(DTYPES[as_dtype]) for k, v in named.items()}
+        return checksums(named)

@@ -1,0 +1,156 @@
+"""Suite 5: weight sync trainer -> engine, bytes/s per available path vs a plain copy of the same bytes.
+
+Paths:
+- in-process `update_weights`: `TorchBackend.named_weights()` (a CPU copy) into `HFEngine.update_weights`
+  (what a colocated worker does; on GPU the bytes go device -> host -> device);
+- Ray actor -> actor: the trainer actor's `named_weights` ObjectRef handed to the engine actor's
+  `update_weights` (the `sync` task of `rl_iteration`), CPU box only (no Ray on the GPU box);
+- device to device (GPU): the trainer's parameter tensors handed to `update_weights` as they are.
+Baselines: one flat tensor of the same byte count copied on the same device (`dst.copy_(src)`), and on
+GPU also a flat device -> host -> device round trip (the fair baseline for host staging).
+The parity check that follows every sync in `rl_iteration` (sha256 per tensor, both sides) is timed
+too: it is part of the sync task's cost.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import time
+
+import torch
+
+from benchmarks.core import BenchContext, SuiteResult, sync_device
+from benchmarks.models import param_count, qwen2, save_model_dir, state_bytes
+
+TITLE = "weight sync trainer -> engine"
+
+
+def params_for(ctx: BenchContext) -> dict:
+    if ctx.device.startswith("cuda"):
+        return dict(shape="qwen2-0.5b", dtype="bfloat16")
+    return dict(shape="cpu-small" if ctx.quick else "cpu-sync", dtype="float32")
+
+
+def run(ctx: BenchContext) -> SuiteResult:
+    from tasks.rollout.hf_engine import HFEngine
+    from tasks.sync.parity import checksums, compare
+    from tasks.train.settings import OptimConfig
+    from tasks.train.torch_backend import TorchBackend
+
+    res = SuiteResult("sync", TITLE)
+    p = params_for(ctx)
+    p.update(ctx.options.get("sync", {}))
+    repeats = ctx.n(5, 3)
+    cuda = ctx.device.startswith("cuda")
+    dev = ctx.device
+    backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device=dev, seed=1), OptimConfig(
+        dtype=p["dtype"], device=dev, threads=torch.get_num_threads()), keep_ref=False)
+    engine = HFEngine(qwen2(p["shape"], dtype=p["dtype"], device=dev, seed=2), pad_token_id=0, eos_token_id=2)
+    n_bytes = state_bytes(backend.model.state_dict())
+    res.params = {**p, "repeats": repeats, "device": dev, "params": param_count(backend.model),
+                  "bytes": n_bytes, "tensors": len(backend.model.state_dict())}
+    version = itertools.count(1)
+
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+
+    def plain_copy() -> None:
+        dst.copy_(src)
+
+    def in_process() -> None:
+        engine.update_weights(backend.named_weights(), next(version))
+
+    def device_to_device() -> None:
+        engine.update_weights({k: v.detach() for k, v in backend.model.state_dict().items()}, next(version))
+
+    def host_round_trip() -> None:
+        dst.copy_(src.cpu())
+
+    def time_it(fn) -> float:
+        sync_device(dev)
+        start = time.perf_counter()
+        fn()
+        sync_device(dev)
+        return time.perf_counter() - start
+
+    paths = {"in-process update_weights" + (" (host staging)" if cuda else ""): in_process}
+    if cuda:
+        paths["device-to-device update_weights"] = device_to_device
+    baselines = {"plain copy": plain_copy}
+    if cuda:
+        baselines["plain host round trip"] = host_round_trip
+    for fn in [*paths.values(), *baselines.values()]:
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in [*paths, *baselines]}
+    for _ in range(repeats):
+        for name, fn in [*paths.items(), *baselines.items()]:
+            times[name].append(time_it(fn))
+    assert compare(checksums(backend.named_weights()), checksums(engine.named_weights())).ok
+
+    ray_times: list[float] = []
+    if ctx.services is not None and importlib.util.find_spec("ray") is not None and not cuda:
+        ray_times = _ray_path(ctx, res, backend.model, repeats)
+    elif not cuda:
+        res.unavailable["ray actor -> actor"] = "needs Ray and the benchmark services (CPU command)"
+    else:
+        res.unavailable["ray actor -> actor"] = "Ray is not installed on the GPU box"
+    if ray_times:
+        times["ray actor -> actor"] = ray_times
+
+    gbps = {name: [n_bytes / t / 1e9 for t in ts] for name, ts in times.items()}
+    for name, values in gbps.items():
+        res.add(f"{name} GB/s", "GB/s", values)
+    for name in [*paths, *(["ray actor -> actor"] if ray_times else [])]:
+        base = "plain copy"
+        res.ratio(f"{name} / {base}", [a / b for a, b in zip(gbps[name], gbps[base])])
+    if cuda:
+        staging = next(n for n in paths if "host staging" in n)
+        res.ratio(f"{staging} / plain host round trip",
+                  [a / b for a, b in zip(gbps[staging], gbps["plain host round trip"])])
+
+    check_s = [time_it(lambda: compare(checksums(backend.named_weights()), checksums(engine.named_weights())))
+               for _ in range(max(1, repeats // 2))]
+    res.add("parity check (both sides) s", "s", check_s,
+            note="sha256 of every tensor on both sides, as rl_iteration's sync task does after each update")
+    res.add("sync + parity check GB/s", "GB/s",
+            [n_bytes / (t + c) / 1e9 for t, c in zip(times[next(iter(paths))], itertools.cycle(check_s))],
+            note="in-process update_weights plus the parity check")
+    del backend, engine, src, dst
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def _ray_path(ctx: BenchContext, res: SuiteResult, model, repeats: int) -> list[float]:
+    from infra.workers import start_actor, stop_actor
+    from tasks.rollout.settings import DataConfig, RolloutConfig
+    from tasks.rollout.worker import RolloutWorker
+    from tasks.train.settings import AlgoConfig, OptimConfig
+    from tasks.train.worker import TrainWorker
+
+    ctx.services.ray()
+    model_dir = save_model_dir(model, ctx.workdir / "sync-model")
+    run_name = "bench-sync"
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    trainer = start_actor(run_name, "trainer", TrainWorker, str(model_dir),
+                          OptimConfig(threads=threads, compute_ref_log_probs=False), AlgoConfig(),
+                          store_root=str(ctx.workdir / "sync-store"), run=run_name)
+    engine = start_actor(run_name, "engine", RolloutWorker, str(model_dir), RolloutConfig(threads=threads),
+                         DataConfig())
+    res.add("ray actors start (trainer + engine)", "s", [time.perf_counter() - start])
+    try:
+        version = itertools.count(1)
+        engine.call("update_weights", trainer.submit("named_weights"), next(version))  # warm-up
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.call("update_weights", trainer.submit("named_weights"), next(version))
+            out.append(time.perf_counter() - t0)
+        if engine.call("weight_checksums") != trainer.call("weight_checksums"):
+            res.notes.append("ray path: engine weights differ from the trainer's after the sync")
+        return out
+    finally:
+        stop_actor(run_name, "engine")
+        stop_actor(run_name, "trainer")

@@ -1,0 +1,152 @@
+"""GPU placement of the run's trainer and engines: a pure layout, validated at config time, and the
+Ray placement group that reserves it.
+
+One bundle per GPU (`{gpu_resource: 1}` plus `cpus_per_bundle` CPUs), packed:
+
+- disaggregated: trainer bundles [0, T), then engine k owns [T + k*G, T + (k+1)*G); total T + E*G;
+- colocate: trainer and engines share the same T bundles (engine k owns [k*G, (k+1)*G)); needs
+  E*G == T, each engine GPU being one trainer GPU; actors take a fraction of their bundle's GPU
+  (trainer 0.4, engine 0.2, as slime does) so both fit.
+
+An engine with G > 1 GPUs runs one actor on its first bundle; its SGLang server drives all G GPUs
+(tensor parallel, `--base-gpu-id` = the first bundle's GPU), which the other G-1 bundles reserve.
+With zero GPUs (the CPU default) there is no placement group and nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Placement = Literal["colocate", "disaggregated"]
+COLOCATE_FRACTIONS = {"trainer": 0.4, "engine": 0.2}
+
+
+class ResourcesConfig(BaseModel):
+    """GPUs of the run (all 0 = CPU: no placement group, nothing reserved)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    num_gpus: int = Field(0, ge=0, description="GPUs the Ray cluster has for this run (the budget)")
+    trainer_gpus: int = Field(0, ge=0, description="GPUs of the trainer (actor) ranks")
+    num_engines: int = Field(1, ge=1, description="rollout engines (SGLang servers)")
+    gpus_per_engine: int = Field(0, ge=0, description="GPUs per engine (its tensor parallel size)")
+    gpu_resource: str = Field("GPU", description="Ray resource that counts GPUs (tests use a custom one)")
+    cpus_per_bundle: float = Field(0, ge=0, description="CPUs reserved with each GPU bundle")
+
+    @property
+    def uses_gpus(self) -> bool:
+        return bool(self.num_gpus or self.trainer_gpus or self.gpus_per_engine)
+
+
+class PlacementError(ValueError):
+    """A GPU budget that does not add up; the message shows the arithmetic."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementPlan:
+    placement: str
+    bundles: list[dict[str, float]]
+    trainer_bundles: list[int]
+    engine_bundles: list[list[int]]  # per engine, its bundle indices (first = where its actor runs)
+    gpu_fractions: dict[str, float]  # GPU each actor requests from its bundle
+    needed: int
+    arithmetic: str
+
+    @property
+    def empty(self) -> bool:
+        return not self.bundles
+
+    def actor_bundle(self, role: str, index: int = 0) -> int:
+        if role == "trainer":
+            return self.trainer_bundles[index]
+        if role == "engine":
+            return self.engine_bundles[index][0]
+        raise ValueError(f"unknown role {role!r}: trainer or engine")
+
+
+def plan_placement(placement: Placement, res: ResourcesConfig, *, train: bool = True, rollout: bool = True) -> PlacementPlan:
+    """The bundle layout for `placement`; raises PlacementError (with the arithmetic) when it does not fit.
+
+    `train` / `rollout` = whether the run has a trainer / engines (rollout-only and replay runs
+    have one side only).
+    """
+    T = res.trainer_gpus if train else 0
+    E, G = (res.num_engines, res.gpus_per_engine) if rollout else (0, 0)
+    if not res.uses_gpus:
+        return PlacementPlan(placement, [], [], [], {}, 0, "CPU run: no GPUs")
+    if rollout and G == 0 and T > 0:
+        raise PlacementError(f"resources.gpus_per_engine=0 with trainer_gpus={T}: engines need GPUs too "
+                             "(set resources.gpus_per_engine)")
+    engines = E * G
+    if placement == "colocate" and train and rollout:
+        if engines != T:
+            raise PlacementError(
+                f"colocate shares each GPU between a trainer rank and an engine: engines {E} x {G} = {engines} GPUs "
+                f"must equal trainer {T} GPUs")
+        needed = T
+        arithmetic = f"colocate needs trainer {T} GPUs shared with engines {E} x {G} = {engines} GPUs = {needed} GPUs"
+        trainer = list(range(T))
+        engine = [list(range(k * G, (k + 1) * G)) for k in range(E)]
+        fractions = dict(COLOCATE_FRACTIONS)
+    else:
+        needed = T + engines
+        parts = ([f"trainer {T}"] if train else []) + ([f"engines {E} x {G}"] if rollout else [])
+        arithmetic = f"{placement} needs {' + '.join(parts)} = {needed} GPUs"
+        trainer = list(range(T))
+        engine = [list(range(T + k * G, T + (k + 1) * G)) for k in range(E)]
+        fractions = {"trainer": 1.0, "engine": 1.0}
+    if needed > res.num_gpus:
+        raise PlacementError(f"{arithmetic}, cluster has {res.num_gpus} (resources.num_gpus)")
+    bundle: dict[str, float] = {res.gpu_resource: 1}
+    if res.cpus_per_bundle:
+        bundle["CPU"] = res.cpus_per_bundle
+    return PlacementPlan(placement, [dict(bundle) for _ in range(needed)], trainer, engine, fractions, needed,
+                         f"{arithmetic}, cluster has {res.num_gpus}")
+
+
+def check_cluster(plan: PlacementPlan, cluster_resources: dict[str, float], gpu_resource: str = "GPU") -> None:
+    """The plan against what Ray reports (`ray.cluster_resources()`), with the arithmetic on failure."""
+    have = int(cluster_resources.get(gpu_resource, 0))
+    if plan.needed > have:
+        raise PlacementError(f"{plan.arithmetic.rsplit(', cluster has', 1)[0]}, Ray cluster has {have} "
+                             f"{gpu_resource}")
+
+
+def create_placement_group(plan: PlacementPlan, *, name: str | None = None, strategy: str = "PACK",
+                           timeout_s: float = 60.0, gpu_resource: str = "GPU"):
+    """Reserve the plan's bundles in the running Ray cluster (None for a CPU plan)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    if plan.empty:
+        return None
+    check_cluster(plan, ray.cluster_resources(), gpu_resource)
+    pg = placement_group(plan.bundles, strategy=strategy, name=name or "")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise PlacementError(f"placement group of {plan.needed} bundles not ready after {timeout_s:.0f}s "
+                             f"({plan.arithmetic}); is another run holding the GPUs?")
+    return pg
+
+
+def actor_options(plan: PlacementPlan, pg, role: str, index: int = 0, *, gpu_resource: str = "GPU") -> dict[str, Any]:
+    """`.options(...)` for the trainer / engine actor `index`: its bundle and GPU fraction ({} on CPU)."""
+    if pg is None or plan.empty:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    fraction = plan.gpu_fractions[role]
+    options: dict[str, Any] = {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=plan.actor_bundle(role, index)),
+        "num_cpus": 0,
+    }
+    if gpu_resource == "GPU":
+        options["num_gpus"] = fraction
+    else:
+        options["resources"] = {gpu_resource: fraction}
+    return options

@@ -1,0 +1,457 @@
+"""A FAKE SGLang server for tests. It is NOT SGLang and runs no model.
+
+It speaks the subset of SGLang's native HTTP API that rollflow uses, as recorded in
+`tests/fixtures/sglang_protocol.json` (each endpoint's request fields, types and example responses,
+with the SGLang source they were read from). Requests are checked against those recorded schemas:
+an unknown field, a missing required one or a wrong type is answered with an error, as SGLang's
+validation would, so the contract tests catch payload drift.
+
+"Generation" is a deterministic function of (input ids, rid); log-probs are made-up numbers. The
+weight-update endpoints record what they received; with `backend: "gloo"` the distributed path
+really joins the process group and receives the broadcast tensors (CPU), so the trainer half of
+the NCCL path is exercised for real.
+
+Use in-process (`with FakeSGLang() as fake: fake.url`) or as a process launched like SGLang
+(`python tests/fake_sglang_server.py --model-path M --port P ...`), with test switches
+`--die-after N` (exit mid-request on the (N+1)-th /generate), `--die-once-marker PATH` (die only
+when PATH does not exist yet, and create it) and `--startup-delay S`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_FILE = Path(__file__).with_name("fixtures") / "sglang_protocol.json"
+PROTOCOL = json.loads(PROTOCOL_FILE.read_text())
+ENDPOINTS = PROTOCOL["endpoints"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recorded-schema checks
+# ---------------------------------------------------------------------------------------------
+
+def _type_ok(value: Any, spec: str) -> bool:
+    for alt in spec.split("|"):
+        if alt == "any":
+            return True
+        if alt == "null" and value is None:
+            return True
+        if alt == "str" and isinstance(value, str):
+            return True
+        if alt == "bool" and isinstance(value, bool):
+            return True
+        if alt == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if alt == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if alt == "dict" and isinstance(value, dict):
+            return True
+        if alt == "sampling_params" and isinstance(value, dict):
+            return not check_fields(value, ENDPOINTS["sampling_params"], "sampling_params")
+        if alt.startswith("list[") and isinstance(value, list):
+            inner = alt[5:-1]
+            if inner == "base64":
+                if all(isinstance(v, str) and _is_b64(v) for v in value):
+                    return True
+            elif all(_type_ok(v, inner) for v in value):
+                return True
+    return False
+
+
+def _is_b64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+        return True
+    except ValueError:
+        return False
+
+
+def check_fields(payload: Any, schema: dict, where: str) -> list[str]:
+    """Problems of `payload` against a recorded request schema (empty = conforms)."""
+    if not isinstance(payload, dict):
+        return [f"{where}: body must be a JSON object"]
+    errors = []
+    fields = schema.get("fields", {})
+    for name in schema.get("required", []):
+        if name not in payload:
+            errors.append(f"{where}: missing required field {name!r}")
+    for name, value in payload.items():
+        if name not in fields:
+            if schema.get("unknown_keys", "rejected") == "rejected":
+                errors.append(f"{where}: unknown field {name!r}")
+            continue
+        if fields[name].startswith("sampling_params") and isinstance(value, dict):
+            errors.extend(check_fields(value, ENDPOINTS["sampling_params"], f"{where}.{name}"))
+            continue
+        if not _type_ok(value, fields[name]):
+            errors.append(f"{where}: field {name!r}={value!r} is not {fields[name]}")
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake
+# ---------------------------------------------------------------------------------------------
+
+class FakeSGLang:
+    """In-process fake SGLang server on 127.0.0.1 (port 0 = a free one)."""
+
+    def __init__(self, *, port: int = 0, model_path: str = "fake-model", tp_size: int = 1, vocab_size: int = 15,
+                 eos_token_id: int = 2, weight_version: str = "default", step_delay_s: float = 0.0,
+                 die_after: int | None = None, die_once_marker: str | None = None, extra_args: list[str] | None = None,
+                 exit_fn=None):
+        self.model_path = model_path
+        self.tp_size = tp_size
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.weight_version = weight_version
+        self.step_delay_s = step_delay_s
+        self.die_after = die_after
+        self.die_once_marker = die_once_marker
+        self.extra_args = list(extra_args or [])
+        self.exit_fn = exit_fn or (lambda code: os._exit(code))
+        self.log: list[tuple[str, str, Any]] = []  # (method, path, payload)
+        self.memory = {"weights": True, "kv_cache": True}
+        self.abort_all_flag = threading.Event()
+        self.aborted_rids: set[str] = set()
+        self.generated = 0
+        self.inflight: set[str] = set()
+        self.tensor_updates: list[list[list[tuple[str, tuple, str]]]] = []  # per call: per rank: (name, shape, sha)
+        self.disk_updates: list[dict] = []
+        self.groups: dict[str, Any] = {}
+        self.received: list[tuple[str, tuple, str]] = []  # distributed: (name, shape, sha) in arrival order
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FakeSGLang":
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> "FakeSGLang":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def calls(self, path: str | None = None) -> list[tuple[str, str, Any]]:
+        with self.lock:
+            return [c for c in self.log if path is None or c[1] == path]
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [c[1] for c in self.log]
+
+    # -- HTTP plumbing ---------------------------------------------------------------------------
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):  # keep test output quiet; the process log gets prints
+                pass
+
+            def _body(self) -> Any:
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                return json.loads(raw) if raw else None
+
+            def _send(self, status: int, body: Any = b"", content_type: str = "application/json") -> None:
+                if isinstance(body, (dict, list)) or body is None and content_type == "application/json":
+                    data = json.dumps(body).encode()
+                elif isinstance(body, str):
+                    data, content_type = body.encode(), "text/plain; charset=utf-8"
+                else:
+                    data = body
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._dispatch("GET")
+
+            def do_POST(self):
+                self._dispatch("POST")
+
+            def do_PUT(self):
+                self._dispatch("PUT")
+
+            def _dispatch(self, method: str) -> None:
+                path = self.path.split("?", 1)[0]
+                try:
+                    payload = self._body()
+                except json.JSONDecodeError as exc:
+                    return self._send(400, {"error": f"invalid JSON: {exc}"})
+                if path == "/_fake/state" and method == "GET":  # test-only introspection, not SGLang's
+                    return self._send(200, fake.state())
+                spec = ENDPOINTS.get(path)
+                if spec is None or path.startswith("_") or path == "sampling_params":
+                    return self._send(404, {"detail": "Not Found"})
+                if method not in spec["methods"]:
+                    return self._send(405, {"detail": "Method Not Allowed"})
+                with fake.lock:
+                    fake.log.append((method, path, payload))
+                schema = ENDPOINTS.get(spec.get("alias_of", path), spec)
+                if "fields" in schema and (payload is not None or method != "GET"):
+                    errors = check_fields(payload if payload is not None else {}, schema, path)
+                    if errors:
+                        return self._send(schema.get("error_status", 422), {"error": "; ".join(errors)})
+                handler = getattr(fake, "ep_" + spec.get("alias_of", path).strip("/"))
+                status, body = handler(payload or {})
+                self._send(status, body)
+
+        return Handler
+
+    def state(self) -> dict:
+        with self.lock:
+            return {"paths": [c[1] for c in self.log], "calls": [[m, p, b] for m, p, b in self.log],
+                    "received": [list(r) for r in self.received], "tensor_updates": self.tensor_updates,
+                    "disk_updates": self.disk_updates, "weight_version": self.weight_version,
+                    "memory": dict(self.memory), "generated": self.generated, "extra_args": self.extra_args}
+
+    # -- endpoints -------------------------------------------------------------------------------
+    def ep_health(self, _):
+        return 200, b""
+
+    def ep_health_generate(self, _):
+        return (200, b"") if all(self.memory.values()) else (503, b"")
+
+    def ep_flush_cache(self, _):
+        return 200, ENDPOINTS["/flush_cache"]["example_response"]["body"]
+
+    def ep_model_info(self, _):
+        return 200, {**ENDPOINTS["/model_info"]["example_response"], "model_path": self.model_path,
+                     "served_model_name": self.model_path, "tokenizer_path": self.model_path,
+                     "weight_version": self.weight_version}
+
+    def ep_server_info(self, _):
+        return 200, {**ENDPOINTS["/server_info"]["example_response"], "model_path": self.model_path,
+                     "tp_size": self.tp_size, "port": self.port, "fake": True, "extra_args": self.extra_args}
+
+    def ep_abort_request(self, payload):
+        if payload.get("abort_all"):
+            self.abort_all_flag.set()
+        elif payload.get("rid"):
+            with self.lock:
+                self.aborted_rids.add(payload["rid"])
+        return 200, b""
+
+    def ep_release_memory_occupation(self, payload):
+        for tag in payload.get("tags") or list(self.memory):
+            self.memory[tag] = False
+        return 200, None
+
+    def ep_resume_memory_occupation(self, payload):
+        for tag in payload.get("tags") or list(self.memory):
+            self.memory[tag] = True
+        return 200, None
+
+    def ep_update_weights_from_disk(self, payload):
+        path = Path(payload["model_path"])
+        has_weights = any(path.glob("*.safetensors"))
+        if not (path / "config.json").exists() or not has_weights:
+            return 400, {"success": False, "message": f"{path}: no config.json + *.safetensors",
+                         "num_paused_requests": 0}
+        self.disk_updates.append({"model_path": str(path), "files": sorted(p.name for p in path.iterdir())})
+        if payload.get("weight_version") is not None:
+            self.weight_version = payload["weight_version"]
+        return 200, ENDPOINTS["/update_weights_from_disk"]["example_response"]
+
+    def ep_update_weights_from_tensor(self, payload):
+        import pickle
+
+        import torch.multiprocessing  # noqa: F401 - the tensor reductions used by the sender
+
+        ranks = payload["serialized_named_tensors"]
+        if len(ranks) != self.tp_size:
+            return 400, {"success": False, "message": f"{len(ranks)} payloads for tp_size {self.tp_size}"}
+        per_rank = []
+        for data in ranks:
+            named = pickle.loads(base64.b64decode(data))  # test-only: the sender is this test process
+            per_rank.append([(n, tuple(t.shape), _sha(t)) for n, t in named])
+        self.tensor_updates.append(per_rank)
+        if payload.get("weight_version") is not None:
+            self.weight_version = payload["weight_version"]
+        return 200, ENDPOINTS["/update_weights_from_tensor"]["example_response"]
+
+    def ep_init_weights_update_group(self, payload):
+        group = payload.get("group_name", "weight_update_group")
+        entry = {"payload": payload, "pg": None}
+        if payload.get("backend") == "gloo":  # CPU: really join, as rank rank_offset (tp rank 0)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from tasks.rollout.sglang_engine import init_weight_group
+
+            entry["pg"] = init_weight_group(payload["master_address"], payload["master_port"],
+                                            rank=payload["rank_offset"], world_size=payload["world_size"],
+                                            group_name=group, backend="gloo", timeout_s=60)
+        self.groups[group] = entry
+        return 200, ENDPOINTS["/init_weights_update_group"]["example_response"]
+
+    def ep_update_weights_from_distributed(self, payload):
+        group = payload.get("group_name", "weight_update_group")
+        if group not in self.groups:
+            return 400, {"success": False, "message": f"Group {group} not in {list(self.groups)}. "
+                                                      "Please call `init_weights_update_group` first."}
+        pg = self.groups[group]["pg"]
+        for name, dtype, shape in zip(payload["names"], payload["dtypes"], payload["shapes"]):
+            if pg is not None:
+                import torch
+                import torch.distributed as dist
+
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(t, src=0, group=pg)
+                self.received.append((name, tuple(shape), _sha(t)))
+            else:
+                self.received.append((name, tuple(shape), ""))
+        if payload.get("weight_version") is not None:
+            self.weight_version = payload["weight_version"]
+        return 200, ENDPOINTS["/update_weights_from_distributed"]["example_response"]
+
+    def ep_destroy_weights_update_group(self, payload):
+        group = payload.get("group_name", "weight_update_group")
+        entry = self.groups.pop(group, None)
+        if entry and entry["pg"] is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(entry["pg"])
+        return 200, ENDPOINTS["/destroy_weights_update_group"]["example_response"]
+
+    def ep_generate(self, payload):
+        if not all(self.memory.values()):
+            released = [t for t, on in self.memory.items() if not on]
+            return 400, {"error": {"message": f"memory released ({released}); resume_memory_occupation first"}}
+        with self.lock:
+            count = self.generated
+            self.generated += 1
+        if self.die_after is not None and count >= self.die_after:
+            marker = Path(self.die_once_marker) if self.die_once_marker else None
+            if marker is None or not marker.exists():
+                if marker is not None:
+                    marker.write_text("died once\n")
+                print(f"fake-sglang: exiting mid-request on /generate #{count + 1} (--die-after {self.die_after})",
+                      flush=True)
+                self.exit_fn(17)
+        batch = payload["input_ids"] and isinstance(payload["input_ids"][0], list)
+        prompts = payload["input_ids"] if batch else [payload["input_ids"]]
+        sp = payload.get("sampling_params") or {}
+        n = sp.get("n", 1)
+        rid = payload.get("rid") or f"fake-{count}"
+        outs = []
+        for p_idx, ids in enumerate(prompts):
+            for j in range(n):
+                sub = rid if (len(prompts) == 1 and n == 1) else f"{rid}-{p_idx}-{j}"
+                outs.append(self._one(ids, sp, sub, rid))
+        return 200, outs if (batch or n > 1) else outs[0]
+
+    def _one(self, ids: list[int], sp: dict, rid: str, parent_rid: str) -> dict:
+        max_new = int(sp.get("max_new_tokens", 128))
+        stops = set(sp.get("stop_token_ids") or []) | {self.eos_token_id}
+        seed = int(hashlib.sha256(f"{ids}|{rid}".encode()).hexdigest()[:8], 16)
+        tokens, logprobs, finish = [], [], None
+        with self.lock:
+            self.inflight.add(parent_rid)
+        try:
+            for i in range(max_new):
+                if self.abort_all_flag.is_set() or parent_rid in self.aborted_rids:
+                    finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+                    break
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
+                tok = 3 + (seed // (i + 1) + 7 * i) % max(1, self.vocab_size - 3)
+                if i == max_new - 2 and seed % 3 == 0:
+                    tok = self.eos_token_id  # some samples stop early
+                tokens.append(tok)
+                logprobs.append(-0.25 - 0.01 * i)
+                if tok in stops:
+                    finish = {"type": "stop", "matched": tok}
+                    break
+        finally:
+            with self.lock:
+                self.inflight.discard(parent_rid)
+        if finish is None:
+            finish = {"type": "length", "length": max_new}
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
+                "num_retractions": 0, "completion_tokens": len(tokens), "cached_tokens": 0, "reasoning_tokens": 0,
+                "e2e_latency": 0.001}
+        if sp is not None:
+            meta["input_token_logprobs"] = [[None, ids[0], None]] if ids else []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
+            meta["output_token_logprobs_length"] = len(tokens)
+        return {"output_ids": tokens, "meta_info": meta}
+
+
+def _sha(t) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process mode: parse the command line rollflow generates for `python -m sglang.launch_server`
+# ---------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="FAKE SGLang server (tests only)")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--die-once-marker", default=None)
+    ap.add_argument("--startup-delay", type=float, default=0.0)
+    ap.add_argument("--step-delay", type=float, default=0.0)
+    args, extra = ap.parse_known_args(argv)
+    if args.host != "127.0.0.1":
+        print(f"fake-sglang: refusing host {args.host}: loopback only", flush=True)
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tasks.rollout.sglang_flags import check_flag
+
+    for item in extra:  # the rest must be real SGLang flags (values pass through)
+        if item.startswith("--"):
+            check_flag(item.split("=", 1)[0])
+    vocab, eos = 15, 2
+    config = Path(args.model_path) / "config.json"
+    if config.exists():
+        cfg = json.loads(config.read_text())
+        vocab, eos = int(cfg.get("vocab_size", vocab)), int(cfg.get("eos_token_id", eos) or eos)
+    print(f"fake-sglang (NOT SGLang): model {args.model_path}, tp {args.tp_size}, extra {extra}", flush=True)
+    time.sleep(args.startup_delay)
+    fake = FakeSGLang(port=args.port, model_path=args.model_path, tp_size=args.tp_size, vocab_size=vocab,
+                      eos_token_id=eos, weight_version=args.weight_version, step_delay_s=args.step_delay,
+                      die_after=args.die_after, die_once_marker=args.die_once_marker, extra_args=extra)
+    print(f"fake-sglang: serving on {fake.url}", flush=True)
+    try:
+        fake.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: (print("fake-sglang: SIGTERM, exiting", flush=True), os._exit(0)))
+    sys.exit(main())
