@@ -56,8 +56,12 @@ def resolve_suites(names: list[str] | None, device: str) -> list[str]:
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in SUITES:
                 raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-6)")
-            chosen.append(key)
-    return [s for s in SUITES if s in chosen]
+            if key not in chosen:
+                chosen.append(key)
+    if "replay" in chosen and "orchestration" in chosen:  # replay quotes orchestration's iteration
+        chosen.remove("replay")
+        chosen.append("replay")
+    return chosen
 
 
 def resolve_device(spec: str) -> str:
