@@ -33,3 +33,8 @@ server-stop:
 
 clean-runs:
 	rm -rf runs
+
+# GPU checks (Megatron parity, step-1 exactness, throughput): run on a CUDA box, e.g. through the
+# device tool with the carried wheels: run(command="bash scripts/gpu_checks.sh", carry=[".whl"]).
+gpu-check:
+	bash scripts/gpu_checks.sh

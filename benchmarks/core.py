@@ -292,12 +292,13 @@ def print_report(report: dict[str, Any], console=None) -> None:
     if console is None:
         console = Console()
         if not console.is_terminal:  # logs and CI: wide enough that names are not wrapped
-            console = Console(width=170)
+            console = Console(width=200)
     table = Table(title=f"rollflow benchmarks ({report['machine'].get('gpu') or report['machine']['cpu']})",
                   show_lines=False)
     for col, just in (("suite", "left"), ("figure", "left"), ("median", "right"), ("min", "right"),
                       ("max", "right"), ("unit", "left"), ("goal", "left"), ("", "left")):
-        table.add_column(col, justify=just)
+        # Figure names are what people grep for: never wrapped; the status column folds instead.
+        table.add_column(col, justify=just, no_wrap=col != "", overflow="fold" if col == "" else "ellipsis")
     for suite_name, suite in report["suites"].items():
         first = True
         for fig in suite["figures"]:

@@ -184,7 +184,11 @@ def test_empty_rollout_round_trips(store):
 
 
 def test_crash_before_manifest_leaves_no_artifact_and_rewrite_succeeds(store, monkeypatch):
+    # A rewrite with other bytes first waits this long for a possible concurrent writer's manifest.
+    monkeypatch.setattr(RolloutStore, "LEFTOVER_GRACE_S", 0.2)
     write(store, 0)
+
+    original_commit = RolloutStore._commit_manifest
 
     def crash(self, *args, **kwargs):
         raise RuntimeError("simulated crash between payload and manifest")
@@ -198,7 +202,7 @@ def test_crash_before_manifest_leaves_no_artifact_and_rewrite_succeeds(store, mo
     with pytest.raises(ArtifactNotFound):
         store.load("run-a", "train", 1)
 
-    monkeypatch.undo()
+    monkeypatch.setattr(RolloutStore, "_commit_manifest", original_commit)
     samples = make_samples(seed=5)
     write(store, 1, samples)
     assert store.list_ids("run-a", "train") == [0, 1]

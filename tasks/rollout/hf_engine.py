@@ -1,8 +1,8 @@
 """The `hf` rollout engine: batched sampling with transformers' `generate` (CPU default, small GPUs).
 
 On CUDA it uses transformers' static KV cache (`cache_implementation="static"`), for which
-transformers compiles the decode step itself (torch.compile + CUDA graphs): about 2.7x the
-dynamic cache's tokens/s on an H200 (benchmarks, suite `rollout`). A compiled step is specialised
+transformers compiles the decode step itself (torch.compile + CUDA graphs): 2.4x the dynamic
+cache's tokens/s on an H200 (benchmarks/results/h200-*.json, suite `rollout`). A compiled step is specialised
 to its shapes, so prompt widths are padded up to a multiple of `length_bucket` and batches up to a
 power of two (extra rows are dropped): a rollout then recompiles for few distinct shapes only.
 """

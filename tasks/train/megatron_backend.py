@@ -24,6 +24,11 @@ Optimizers (`MegatronSettings.optimizer`):
   - "torch": torch.optim.AdamW over fp32 master copies of the params, grads clipped by
     `torch.nn.utils.clip_grad_norm_`; same math, no Megatron wrappers; also runs on CPU.
   - "auto": "megatron" on CUDA, "torch" on CPU.
+
+Kernels (`fusions`, `log_prob_impl`, `rope_fusion`; "auto" = torch.compile'd on CUDA, eager on CPU): Megatron's
+bias-SwiGLU / bias-dropout-add fusions, the one-pass log-prob / entropy kernel and a compiled RoPE plugged into
+Megatron's `apply_rope_fusion` hook (tasks/train/fused_ops.py). On the H200 they take the ~0.9B Llama from 46% to
+54% MFU with step-1 exactness intact (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -56,11 +61,9 @@ class MegatronMissing(ImportError):
 
 def require_megatron():
     try:
-        import megatron.core  # noqa: F401
+        import megatron.core
     except ImportError as exc:
         raise MegatronMissing(MISSING_MESSAGE) from exc
-    import megatron.core
-
     return megatron.core
 
 
