@@ -443,7 +443,12 @@ class RolloutStore:
         fresh = not self._exists(payload_path)
         if not fresh and not self._is_our_payload(payload_path, payload):
             self._wait_for_other_writer(manifest_path, uri=ref.uri)
-        etag = self._write_payload(payload_path, payload, fresh=fresh, uri=ref.uri)
+        try:
+            etag = self._write_payload(payload_path, payload, fresh=fresh, uri=ref.uri)
+        except ArtifactExists:
+            if self._exists(manifest_path):
+                raise ArtifactExists(ref.uri) from None  # committed meanwhile: say so plainly
+            raise
         try:
             self._commit_manifest(manifest_path, manifest_bytes, uri=ref.uri)
         except ArtifactExists as exc:

@@ -52,6 +52,7 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
     for notice in cfg.notices:
         log.warning(notice)
     connect_ray(cfg)
+    RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     ids = rollout_ids if rollout_ids is not None else list(range(cfg.iterations))
     engine = start_engine(cfg, checkpoint)
     out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.call("weight_version")}
@@ -139,6 +140,7 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     for notice in cfg.notices:
         log.warning(notice)
     connect_ray(cfg)
+    RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     source_run = source_run or cfg.run
     refs = pinned_refs(cfg, rollout_ids, source_run)
     store = RolloutStore(cfg.store.root)

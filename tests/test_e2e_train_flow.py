@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from artifacts import ArtifactCorrupt, RolloutStore
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_two_iterations_step1_exact_and_synced(tmp_path, prefect_api, ray_local):

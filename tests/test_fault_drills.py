@@ -324,6 +324,40 @@ def test_drill3_endpoint_lost_between_payload_and_manifest(stoppable_s3, prefect
     assert assert_nothing_half_visible(root, "drill3b") == [0]
 
 
+def test_drill3_trainer_load_retries_but_a_train_step_never_does(prefect_api, monkeypatch):
+    """A transient storage error while the trainer loads the artifact is retried; once the train step
+    has run (it may have stepped the optimizer) a failure is not retried."""
+    from prefect import flow
+
+    import flows.iteration as iteration
+
+    calls: list[str] = []
+    down = StorageUnavailable("cannot reach bucket 'b' at http://e", uri="s3://b/k", endpoint="http://e", bucket="b")
+
+    class FlakyTrainer:
+        def call(self, method, *args, **kwargs):
+            calls.append(method)
+            if method == "load_artifact" and calls.count("load_artifact") == 1:
+                raise down
+            if method == "train_on_artifact":
+                raise down  # e.g. the dump write after the optimizer step
+            return 128
+
+    monkeypatch.setattr(iteration, "require", lambda cfg, role: FlakyTrainer())
+    fast_load = iteration.load_task.with_options(retry_delay_seconds=0.1)
+
+    @flow(name="drill-load-train")
+    def load_then_train(cfg, ref):
+        assert fast_load(cfg, ref) == 128
+        return iteration.train_task(cfg, ref)
+
+    ref = {"root": "s3://b/r", "run": "t", "split": "train", "rollout_id": 0}
+    state = load_then_train(small_config("s3://b/r"), ref, return_state=True)
+    assert state.is_failed() and isinstance(state.result(raise_on_failure=False), StorageUnavailable)
+    assert calls == ["load_artifact", "load_artifact", "train_on_artifact"]
+    assert iteration.train_task.retries == 0 and iteration.load_task.retries >= 3
+
+
 # ============================================================================ drill 4: damaged payload
 
 
@@ -432,6 +466,36 @@ def test_drill5_writer_with_a_stale_check_is_refused_by_the_store(any_root, monk
         late._commit_manifest(f"{folder}/manifest.json", b"{}", uri=late.artifact_uri("run-a", "train", 0))
     monkeypatch.undo()
     assert first.load("run-a", "train", 0).samples == make_samples(seed=1)
+
+
+def test_drill5_payload_replaced_before_the_commit_is_repaired_by_the_winner(any_root, monkeypatch):
+    """A stalled loser replaced the payload between the winner's payload and manifest writes."""
+    store = RolloutStore(any_root)
+    original_commit = RolloutStore._commit_manifest
+
+    def loser_lands_first(self, path, data, *, uri):
+        payload = path.rsplit("/", 1)[0] + "/samples.parquet"
+        self._fs.pipe_file(payload, b"a loser's payload")
+        return original_commit(self, path, data, uri=uri)
+
+    monkeypatch.setattr(RolloutStore, "_commit_manifest", loser_lands_first)
+    write(store, 0, seed=4)
+    monkeypatch.undo()
+    assert store.load("run-a", "train", 0).samples == make_samples(seed=4)
+
+
+def test_drill5_loser_landing_after_the_commit_is_detected_not_read(any_root, monkeypatch):
+    """The residual window (a writer stalled past LEFTOVER_GRACE_S, landing after the winner's
+    check): the loser is refused and told, and the damage is caught by the checksum on load."""
+    write(RolloutStore(any_root), 0, seed=1)
+    late = RolloutStore(any_root)
+    monkeypatch.setattr(RolloutStore, "LEFTOVER_GRACE_S", 0.0)
+    monkeypatch.setattr(late, "_exists", lambda path: path.endswith("samples.parquet"))  # stale: "no manifest"
+    with pytest.raises(ArtifactExists, match="loading the artifact will fail its checksum"):
+        write(late, 0, seed=2)
+    monkeypatch.undo()
+    with pytest.raises(ArtifactCorrupt, match="checksum"):
+        RolloutStore(any_root).load("run-a", "train", 0)
 
 
 def test_drill5_endpoint_without_conditional_puts_falls_back_and_warns(s3_endpoint, monkeypatch, caplog):

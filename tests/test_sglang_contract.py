@@ -471,8 +471,9 @@ def test_colocated_offload_cycle(fake):
     seq = [(p, b) for _, p, b in fake.calls() if p != "/generate"]
     assert seq == [
         ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
+        ("/abort_request", {"abort_all": True}),  # the failed generate aborts whatever else was in flight
         ("/resume_memory_occupation", {"tags": ["weights"]}),
-        ("/update_weights_from_tensor", seq[2][1]),
+        ("/update_weights_from_tensor", seq[3][1]),
         ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
         ("/flush_cache", {}),
     ]

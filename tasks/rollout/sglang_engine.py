@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
-from tasks.rollout.sglang_server import EngineDiedError, SGLangServer
+from tasks.rollout.sglang_server import EngineDiedError, SGLangServer  # noqa: F401 - EngineDiedError re-exported
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -362,9 +362,10 @@ class SGLangEngine:
                 try:
                     done.append(fut.result())
                 except BaseException:
-                    self._abort.set()
+                    self._abort.set()  # queued samples are not sent; in-flight ones are aborted server-side
                     for other in futures:
                         other.cancel()
+                    self._abort_all_quietly()
                     raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -434,6 +435,16 @@ class SGLangEngine:
             self._post(url, "/abort_request", {"rid": rid, "abort_all": False})
             calls += 1
         return calls
+
+    def _abort_all_quietly(self) -> None:
+        for url in self.urls:
+            server = self.servers.get(url)
+            if server is not None and not server.alive():
+                continue
+            try:
+                self.client.post(f"{url}/abort_request", json={"abort_all": True}, timeout=5.0)
+            except Exception:  # noqa: BLE001 - best effort while an error is already on its way up
+                pass
 
     def inflight(self) -> list[str]:
         with self._lock:

@@ -28,7 +28,6 @@ import argparse
 import ast
 import dataclasses
 import difflib
-import io
 import re
 import sys
 import tempfile
@@ -162,7 +161,7 @@ def validate_args(args: Mapping[str, Any], flags: FlagList | None = None) -> dic
         spec = check_flag(key, flags)
         if spec.kind == SWITCH and not isinstance(value, bool):
             raise ValueError(f"SGLang flag {spec.flag} is a switch: give true or false, not {value!r}")
-        if spec.kind == VALUE and isinstance(value, (list, tuple, dict)) and not isinstance(value, dict):
+        if spec.kind == VALUE and isinstance(value, (list, tuple)):
             raise ValueError(f"SGLang flag {spec.flag} takes one value, got a list {value!r}")
         out[spec.key] = value
     return out

@@ -30,8 +30,8 @@ INSTALL_HINT = ("rollout.engine='sglang' needs SGLang on a GPU machine: pip inst
                 "(or set rollout.sglang.urls to servers that are already running)")
 
 
-class SGLangNotInstalled(RuntimeError):
-    pass
+class SGLangNotInstalled(NotImplementedError):
+    """SGLang is not importable here (a NotImplementedError, as for any engine this build cannot run)."""
 
 
 class EngineDiedError(RuntimeError):
