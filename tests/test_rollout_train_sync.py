@@ -175,3 +175,32 @@ def test_dotted_path_rewards_sync_async_and_dict():
             resolve_reward_fn("rf_test_rewards:missing")
     finally:
         del sys.modules["rf_test_rewards"]
+
+
+def test_prefix_parity_catches_swapped_layers(engine_worker, backend):
+    """The SGLang-style parity (heads of every tensor by name) on the hf engine's tensors."""
+    from tasks.sync.parity import compare_prefixes, tensor_prefix
+
+    engine_worker.update_weights(backend.named_weights(), engine_worker.weight_version() + 1)
+    trainer_heads = {k: tensor_prefix(v, 16) for k, v in backend.named_weights().items()}
+    engine_heads = engine_worker.weight_prefixes(sorted(trainer_heads), 16)
+    assert compare_prefixes(trainer_heads, engine_heads).ok
+    a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    engine_heads[a], engine_heads[b] = engine_heads[b], engine_heads[a]
+    del engine_heads["model.norm.weight"]
+    report = compare_prefixes(trainer_heads, engine_heads)
+    assert report.mismatched == [a, b] and report.missing_in_engine == ["model.norm.weight"]
+
+
+def test_sglang_weight_prefixes_flatten_nested_lists():
+    from tasks.rollout.worker import RolloutWorker, _flatten
+
+    assert _flatten([[1.0, 2.0], [3.0]]) == [1.0, 2.0, 3.0]
+
+    class FakeSGLang:
+        def get_weights_by_name(self, name, truncate_size=100):
+            return [[0.5, 0.25], [0.125, 1.0]] if name == "w" else None
+
+    worker = RolloutWorker.__new__(RolloutWorker)
+    worker.engine = FakeSGLang()
+    assert worker.weight_prefixes(["w", "missing"], 3) == {"w": [0.5, 0.25, 0.125]}

@@ -77,5 +77,26 @@ class RolloutWorker:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.named_weights()
 
+    def weight_prefixes(self, names: list[str], n: int) -> dict[str, list[float]]:
+        """First `n` values of the named tensors as the engine holds them (SGLang: /get_weights_by_name)."""
+        from tasks.sync.parity import tensor_prefix
+
+        if hasattr(self.engine, "get_weights_by_name"):
+            out = {}
+            for name in names:
+                values = self.engine.get_weights_by_name(name, truncate_size=n)
+                if values is not None:
+                    out[name] = [float(v) for v in _flatten(values)][:n]
+            return out
+        own = self.engine.named_weights()
+        return {name: tensor_prefix(own[name], n) for name in names if name in own}
+
     def weight_checksums(self) -> dict[str, str]:
         return checksums(self.engine.named_weights())
+
+
+def _flatten(values) -> list:
+    """SGLang returns nested lists for 2-D parameters; parity compares the flat head."""
+    if isinstance(values, (list, tuple)):
+        return [x for v in values for x in _flatten(v)]
+    return [values]

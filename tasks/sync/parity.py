@@ -66,3 +66,23 @@ def compare(trainer: dict[str, str], engine: dict[str, str], name_map: NameMap |
         missing_in_engine=[n for n in names if n not in engine],
         unexpected_in_engine=sorted(set(engine) - set(mapped)),
     )
+
+
+def tensor_prefix(tensor: torch.Tensor, n: int) -> list[float]:
+    """The first `n` values of the flattened tensor as Python floats (exact for fp32/bf16/fp16)."""
+    return tensor.detach().reshape(-1)[:n].float().cpu().tolist()
+
+
+def compare_prefixes(trainer: dict[str, list[float]], engine: dict[str, list[float]]) -> ParityReport:
+    """Parity on the first values of every tensor, for engines that cannot export whole tensors.
+
+    SGLang serves `/get_weights_by_name` with a truncated value list: comparing every tensor's head
+    still catches unmapped names, swapped layers, a wrong pipeline-stage offset and dtype mistakes.
+    """
+    names = sorted(trainer)
+    return ParityReport(
+        n_tensors=len(names),
+        mismatched=[n for n in names if n in engine and engine[n] != trainer[n]],
+        missing_in_engine=[n for n in names if n not in engine],
+        unexpected_in_engine=[],
+    )

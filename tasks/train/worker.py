@@ -125,6 +125,14 @@ class TrainWorker:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.named_weights()
 
+    def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
+        """First `n` values of every tensor (cast like the engine holds them), for prefix parity."""
+        from tasks.sync.parity import tensor_prefix
+        from tasks.train.torch_backend import DTYPES
+
+        dtype = DTYPES[as_dtype] if as_dtype else None
+        return {k: tensor_prefix(v.to(dtype) if dtype else v, n) for k, v in self.backend.named_weights().items()}
+
     def weight_checksums(self, as_dtype: str | None = None) -> dict[str, str]:
         """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
         named = self.backend.named_weights()
