@@ -38,7 +38,6 @@ import io
 import math
 import os
 import socket
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -46,7 +45,8 @@ import torch
 from tasks.sync import megatron_names as mn
 from tasks.train.batch import TrainBatch
 from tasks.train.fused_ops import install_rope_fusion, token_log_probs
-from tasks.train.objective import Denominators, micro_batch_objective
+from tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
+from tasks.train.torch_backend import split_rows
 from tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -369,10 +369,6 @@ def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
                                   else v) for f in dataclasses.fields(batch)})
 
 
-def split_rows(batch: TrainBatch, size: int) -> list[TrainBatch]:
-    return [batch.select(slice(i, i + size)) for i in range(0, batch.size, size)]
-
-
 # ---------------------------------------------------------------------------------------- the backend
 
 
@@ -540,30 +536,12 @@ class MegatronBackend:
     def train(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats."""
         _check_right_padded(batch.attention_mask)
-        steps = min(self.optim_cfg.num_steps_per_rollout, batch.size)
-        mini_size = -(-batch.size // steps)
         # eval(): no dropout, so the training forward is the same function as the scoring forward.
         self.model.eval()
-        totals: dict[str, float] = defaultdict(float)
-        first: dict[str, float] = {}
-        for step in range(steps):
-            mini = batch.select(slice(step * mini_size, (step + 1) * mini_size))
-            if mini.size == 0:
-                continue
-            denom = Denominators.of(mini)
-            self._zero_grad()
-            acc: dict[str, float] = defaultdict(float)
-            for micro in split_rows(mini, self.optim_cfg.micro_batch_size):
-                for key, value in self.micro_step(micro, algo, denom).items():
-                    acc[key] += value
-            acc["grad_norm"] = self._optimizer_step()
-            if not first:
-                first = dict(acc)
-            for key, value in acc.items():
-                totals[key] += value / steps
-        out = {f"train/{k}": v for k, v in totals.items()}
-        out.update({f"train/step1_{k}": v for k, v in first.items() if k in ("ppo_kl", "pg_clipfrac", "grad_norm")})
-        return out
+        return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
+                               zero_grad=self._zero_grad,
+                               micro_step=lambda micro, denom: self.micro_step(micro, algo, denom),
+                               optimizer_step=self._optimizer_step)
 
     # -- weights and checkpoints -----------------------------------------------------------------------
 

@@ -70,3 +70,35 @@ def micro_batch_objective(log_probs: torch.Tensor, entropy: torch.Tensor, micro:
         train_rollout_logprob_abs_diff=reduce((log_probs - micro.rollout_log_probs).abs(), mask, denom, False),
     )
     return loss, {k: float(v.detach()) for k, v in stats.items()}
+
+
+def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size: int, *,
+                    zero_grad, micro_step, optimizer_step) -> dict[str, float]:
+    """The optimizer loop every backend shares: consecutive mini-batches, one optimizer step each.
+
+    `micro_step(micro, denom) -> stats` runs forward + objective + backward of one micro-batch;
+    `optimizer_step() -> grad_norm` clips and steps. Returns the mean of the step statistics as
+    `train/*`, plus the first step's ppo_kl / pg_clipfrac / grad_norm (exactly 0, 0, finite at step 1).
+    """
+    steps = min(steps_per_rollout, batch.size)
+    mini_size = -(-batch.size // steps)
+    totals: dict[str, float] = {}
+    first: dict[str, float] = {}
+    for step in range(steps):
+        mini = batch.select(slice(step * mini_size, (step + 1) * mini_size))
+        if mini.size == 0:
+            continue
+        denom = Denominators.of(mini)
+        zero_grad()
+        acc: dict[str, float] = {}
+        for start in range(0, mini.size, micro_batch_size):
+            for key, value in micro_step(mini.select(slice(start, start + micro_batch_size)), denom).items():
+                acc[key] = acc.get(key, 0.0) + value
+        acc["grad_norm"] = float(optimizer_step())
+        if not first:
+            first = dict(acc)
+        for key, value in acc.items():
+            totals[key] = totals.get(key, 0.0) + value / steps
+    out = {f"train/{k}": v for k, v in totals.items()}
+    out.update({f"train/step1_{k}": v for k, v in first.items() if k in ("ppo_kl", "pg_clipfrac", "grad_norm")})
+    return out

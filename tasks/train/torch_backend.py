@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 import io
-from collections import defaultdict
 
 import torch
 
 from tasks.train.batch import TrainBatch
 from tasks.train.losses import entropy_from_logits
-from tasks.train.objective import Denominators, micro_batch_objective
+from tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
 from tasks.train.settings import AlgoConfig, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -67,35 +66,23 @@ class TorchBackend:
 
     def train(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats."""
-        steps = min(self.optim_cfg.num_steps_per_rollout, batch.size)
-        mini_size = -(-batch.size // steps)
         # eval(): no dropout, so the training forward is the same function as the scoring forward.
         self.model.eval()
-        totals: dict[str, float] = defaultdict(float)
-        first: dict[str, float] = {}
-        for step in range(steps):
-            mini = batch.select(slice(step * mini_size, (step + 1) * mini_size))
-            if mini.size == 0:
-                continue
-            denom = Denominators.of(mini)
-            self.optimizer.zero_grad(set_to_none=True)
-            acc: dict[str, float] = defaultdict(float)
-            for micro in split_rows(mini, self.optim_cfg.micro_batch_size):
-                log_probs, entropy = response_log_probs(self.model, micro, self.temperature, True)
-                loss, stats = micro_batch_objective(log_probs, entropy, micro, algo, denom)
-                loss.backward()
-                for key, value in stats.items():
-                    acc[key] += value
+
+        def micro_step(micro: TrainBatch, denom: Denominators) -> dict[str, float]:
+            log_probs, entropy = response_log_probs(self.model, micro, self.temperature, True)
+            loss, stats = micro_batch_objective(log_probs, entropy, micro, algo, denom)
+            loss.backward()
+            return stats
+
+        def optimizer_step() -> float:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-            acc["grad_norm"] = float(grad_norm)
             self.optimizer.step()
-            if not first:
-                first = dict(acc)
-            for key, value in acc.items():
-                totals[key] += value / steps
-        out = {f"train/{k}": v for k, v in totals.items()}
-        out.update({f"train/step1_{k}": v for k, v in first.items() if k in ("ppo_kl", "pg_clipfrac", "grad_norm")})
-        return out
+            return float(grad_norm)
+
+        return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
+                               zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+                               micro_step=micro_step, optimizer_step=optimizer_step)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
