@@ -98,10 +98,17 @@ def heartbeats(enabled: bool):
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
-def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = False) -> dict:
-    """rl_train(cfg), timed per iteration. `inline_iterations`: each iteration's body runs as a plain
-    function inside the rl_train flow run (its tasks stay Prefect task runs) instead of as an
-    rl_iteration sub-flow run: the design alternative that drops one flow run per iteration."""
+def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = False,
+              quote_samples: bool = False) -> dict:
+    """rl_train(cfg), timed per iteration. Two design alternatives, applied by patching for the run:
+    - `quote_samples`: the Sample lists handed to the reward and persist tasks are wrapped in
+      `prefect.utilities.annotations.quote`, so Prefect does not walk every token of every sample
+      looking for futures (it does so twice per task call: inputs for the UI, then resolution);
+    - `inline_iterations`: each iteration's body runs as a plain function inside the rl_train flow
+      run (its tasks stay Prefect task runs) instead of as an rl_iteration sub-flow run."""
+    import contextlib
+
+    import flows.iteration as iteration_mod
     import flows.train as train_mod
     from flows import reporting
     from flows.reporting import read_metrics
@@ -114,22 +121,42 @@ def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = Fa
             stamps[iteration] = time.perf_counter()
 
     token = reporting.STAGE_HOOK.set(hook)
-    sub_flow = train_mod.rl_iteration
-    if inline_iterations:
-        train_mod.rl_iteration = sub_flow.fn
     start = time.perf_counter()
-    try:
-        with heartbeats(with_heartbeats):
+    with contextlib.ExitStack() as patches:
+        if inline_iterations:
+            patches.enter_context(_patched(train_mod, "rl_iteration", train_mod.rl_iteration.fn))
+        if quote_samples:
+            from prefect.utilities.annotations import quote
+
+            reward, persist = iteration_mod.reward_task, iteration_mod.persist_task
+            patches.enter_context(_patched(iteration_mod, "reward_task",
+                                           lambda cfg_, samples: reward(cfg_, quote(samples))))
+            patches.enter_context(_patched(
+                iteration_mod, "persist_task",
+                lambda cfg_, rid, samples, split="train": persist(cfg_, rid, quote(samples), split)))
+        patches.enter_context(heartbeats(with_heartbeats))
+        try:
             rl_train(cfg)
-    finally:
-        train_mod.rl_iteration = sub_flow
-        reporting.STAGE_HOOK.reset(token)
+        finally:
+            reporting.STAGE_HOOK.reset(token)
     total = time.perf_counter() - start
     its = sorted(stamps)
     intervals = {it: stamps[it + 1] - stamps[it] for it in its if it + 1 in stamps}
     rows = {row["rollout_id"]: row for row in read_metrics(cfg)}
     return {"total_s": total, "setup_s": stamps[its[0]] - start if its else None,
             "interval_s": intervals, "rows": rows}
+
+
+class _patched:
+    def __init__(self, module, name: str, value):
+        self.module, self.name, self.value = module, name, value
+
+    def __enter__(self):
+        self.old = getattr(self.module, self.name)
+        setattr(self.module, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.old)
 
 
 # A flow shaped like rl_iteration with nothing inside: Prefect's own floor per iteration.
@@ -167,6 +194,32 @@ def _floor_flows():
         return [b - a for a, b in zip(stamps, stamps[1:])]
 
     return empty_train, tasks_only
+
+
+def _task_argument_cost(n_samples: int, repeats: int) -> dict[str, list[float]]:
+    """What a Prefect task call costs when a rollout's Samples are its argument, plain vs quote()d."""
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.utilities.annotations import quote
+
+    from benchmarks.models import synthetic_samples
+
+    @task(name="noop-samples", cache_policy=NO_CACHE)
+    def take(samples) -> int:
+        return len(samples)
+
+    @flow(name="bench_task_argument")
+    def measure(n: int, count: int) -> dict[str, list[float]]:
+        samples = synthetic_samples(n, 9, 5, 15)  # an addition rollout: ~9 prompt + ~5 response tokens
+        out: dict[str, list[float]] = {"plain": [], "quoted": []}
+        for _ in range(count + 1):
+            for key, arg in (("plain", lambda: samples), ("quoted", lambda: quote(samples))):
+                t0 = time.perf_counter()
+                take(arg())
+                out[key].append(time.perf_counter() - t0)
+        return {k: v[1:] for k, v in out.items()}
+
+    return measure(n_samples, repeats)
 
 
 def run(ctx: BenchContext) -> SuiteResult:
@@ -212,19 +265,26 @@ def run(ctx: BenchContext) -> SuiteResult:
                 med = statistics.median(over_s)
                 res.add("iteration length at which the overhead is 2%", "s", [o / 0.02 for o in over_s],
                         note=f"median fixed overhead {med:.2f} s per iteration / 0.02")
-                # The same iterations once more without a flow run per iteration (tasks inside rl_train).
-                inline = flow_loop(cfg.model_copy(update={"run": cfg.run + "-inline"}), inline_iterations=True)
-                ids_q = [rid for rid in ids if (rid + 1) in inline["interval_s"]]
-                q_s = [inline["interval_s"][rid + 1] for rid in ids_q]
-                q_over = [q - bare["iteration_s"][rid] for q, rid in zip(q_s, ids_q)]
-                res.add(f"{label} rl_train iteration, no sub-flow per iteration", "s", q_s,
-                        note="rl_iteration's body called as a plain function inside rl_train (same tasks)")
-                res.ratio(f"{label} overhead / iteration, no sub-flow per iteration",
-                          [o / q for o, q in zip(q_over, q_s)], unit="fraction", note="paired by rollout id")
-                res.add("iteration length at which the overhead is 2%, no sub-flow per iteration", "s",
-                        [o / 0.02 for o in q_over])
-                same_inline = all(_same(bare["metrics"][rid], inline["rows"].get(rid, {})) for rid in range(k - 1))
-                res.notes.append(f"{label} without sub-flows: metrics identical to the bare loop: {same_inline}")
+                # The same iterations through two design alternatives (see flow_loop).
+                variants = {"samples quoted": dict(quote_samples=True),
+                            "samples quoted, no sub-flow per iteration": dict(quote_samples=True,
+                                                                              inline_iterations=True)}
+                for vname, kwargs in variants.items():
+                    alt = flow_loop(cfg.model_copy(update={"run": f"{cfg.run}-{len(kwargs)}"}), **kwargs)
+                    ids_q = [rid for rid in ids if (rid + 1) in alt["interval_s"]]
+                    q_s = [alt["interval_s"][rid + 1] for rid in ids_q]
+                    q_over = [q - bare["iteration_s"][rid] for q, rid in zip(q_s, ids_q)]
+                    res.add(f"{label} rl_train iteration, {vname}", "s", q_s)
+                    res.ratio(f"{label} overhead / iteration, {vname}", [o / q for o, q in zip(q_over, q_s)],
+                              unit="fraction", note="paired by rollout id; design alternative, patched for the run")
+                    res.add(f"iteration length at which the overhead is 2%, {vname}", "s",
+                            [o / 0.02 for o in q_over])
+                    same_alt = all(_same(bare["metrics"][rid], alt["rows"].get(rid, {})) for rid in range(k - 1))
+                    res.notes.append(f"{label} {vname}: metrics identical to the bare loop: {same_alt}")
+        samples_arg = _task_argument_cost(sizes[-1][0] * sizes[-1][1], 3 if ctx.quick else 5)
+        res.add("no-op task taking the rollout's Samples", "s", samples_arg["plain"],
+                note=f"{sizes[-1][0] * sizes[-1][1]} Samples of a builtin:addition rollout's length")
+        res.add("no-op task taking the Samples quote()d", "s", samples_arg["quoted"])
         empty_train, tasks_only = _floor_flows()
         count = 4 if ctx.quick else 8
         floor = empty_train(count)[1:]
@@ -232,7 +292,9 @@ def run(ctx: BenchContext) -> SuiteResult:
                 note="Prefect's floor per iteration: flow run create/exit + 6 task runs")
         with heartbeats(False):
             floor_quiet = empty_train(count)[1:]
-        res.add("empty rl_iteration-shaped sub-flow, heartbeats off", "s", floor_quiet)
+        res.add("empty rl_iteration-shaped sub-flow, heartbeats off", "s", floor_quiet,
+                note="PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset: no 1 s join at exit, but creating the next flow run "
+                     "then waits on the server")
         tasks = tasks_only(count)[1:]
         res.add("6 no-op task runs without a sub-flow", "s", tasks)
         res.ratio("sub-flow run share of the floor", [1 - t / f for t, f in zip(tasks, floor)], unit="fraction",
@@ -240,12 +302,13 @@ def run(ctx: BenchContext) -> SuiteResult:
         if headline is not None:
             over = res.figure(f"{largest[0]}x{largest[1]} overhead per iteration")
             it = res.figure(f"{largest[0]}x{largest[1]} bare iteration")
+            plain = statistics.median(samples_arg["plain"])
             headline.limit = (
-                f"a fixed ~{over.median:.1f} s per iteration against a {it.median:.1f} s CPU iteration: an empty "
-                f"rl_iteration-shaped sub-flow costs {statistics.median(floor):.2f} s "
-                f"({statistics.median(floor_quiet):.2f} s with heartbeats off; its 6 tasks alone "
-                f"{statistics.median(tasks):.3f} s): each flow run's exit joins Prefect's heartbeat thread, which "
-                f"sleeps in 1 s steps")
+                f"~{over.median:.1f} s per iteration against a {it.median:.1f} s CPU iteration: Prefect walks every "
+                f"token of the Samples handed to the reward and persist tasks ({plain:.2f} s per call, "
+                f"{statistics.median(samples_arg['quoted']):.3f} s quote()d), and the rl_iteration sub-flow run "
+                f"costs {statistics.median(floor):.2f} s empty (its 6 tasks alone {statistics.median(tasks):.3f} s; "
+                f"the exit joins Prefect's heartbeat thread, which sleeps in 1 s steps)")
     finally:
         torch.set_num_threads(threads_before)
     return res

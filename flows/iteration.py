@@ -18,7 +18,9 @@ from flows.config import RunConfig
 from flows.exports import dump_uri, side_exports
 from flows.group import ENGINE, TRAINER, ensure_engine, require
 from flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
-from tasks.rollout.rewards import resolve_reward_fn, score_samples
+from tasks.rollout.dataset import data_state
+from tasks.rollout.evaluation import eval_summary
+from tasks.rollout.rewards import reward_fn_from_config, score_samples
 from tasks.sync.parity import compare, compare_prefixes
 
 PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export whole tensors
@@ -34,7 +36,7 @@ def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy:
 
 @task(name="reward", cache_policy=NO_CACHE)
 def reward_task(cfg: RunConfig, samples: list[Sample]) -> list[Sample]:
-    return score_samples(samples, resolve_reward_fn(cfg.rollout.reward), reward_key=cfg.rollout.reward_key)
+    return score_samples(samples, reward_fn_from_config(cfg.rollout), reward_key=cfg.rollout.reward_key)
 
 
 @task(name="persist", cache_policy=NO_CACHE, retries=STORAGE_RETRIES, retry_delay_seconds=STORAGE_RETRY_DELAYS,
@@ -48,7 +50,7 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
         return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
     engine = require(cfg, ENGINE).call("describe")
     info = EngineInfo(backend=engine["backend"], model=engine["model"], weight_version=int(engine["weight_version"]))
-    n = 1 if split == "eval" else cfg.rollout.n_samples_per_prompt
+    n = cfg.data.eval_n_samples if split == "eval" else cfg.rollout.n_samples_per_prompt
     ref = store.write(cfg.run, split, rollout_id, samples, n_samples_per_prompt=n, engine=info,
                       config_hash=cfg.config_hash())
     return ref.to_dict()
@@ -70,7 +72,8 @@ def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_permanent)
 def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
-    return require(cfg, TRAINER).call("save_checkpoint", iteration)
+    # The data source's cursor goes into meta.json: a resume checks it continues at the same sample.
+    return require(cfg, TRAINER).call("save_checkpoint", iteration, extra={"data": data_state(cfg.data, iteration)})
 
 
 @task(name="sync", cache_policy=NO_CACHE)
@@ -108,7 +111,8 @@ def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train",
 def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = None) -> dict[str, float]:
     ref = committed_or_generate(cfg, rollout_id, "eval", greedy=True, weight_version=weight_version)
     samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
-    return {"eval/accuracy": sum(s.scalar_reward() for s in samples) / len(samples)}
+    ev = cfg.data.eval  # pass@k only with an eval section (its own n samples per prompt)
+    return eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0)
 
 
 @flow(name="rl_iteration")

@@ -37,7 +37,7 @@ from tasks.faults import AlignmentFaults, apply_sync_fault, perturb_module, scra
 from tasks.memory import peak_memory
 from tasks.rollout.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
 from tasks.rollout.generate import generate_samples
-from tasks.rollout.rewards import resolve_reward_fn, score_samples
+from tasks.rollout.rewards import reward_fn_from_config, score_samples
 from tasks.rollout.settings import prompts_for
 from tasks.sync.alignment import NAME as SYNC, sync_check
 from tasks.sync.parity import NameMap, checksums, compare
@@ -136,6 +136,9 @@ def engine_rollout(worker: Any, rollout_id: int, temperature: float | None = Non
     params = worker.rollout_cfg.sampling(rollout_id)
     if temperature is not None:  # fault injection: the engine's temperature differs from the trainer's
         params = dataclasses.replace(params, temperature=temperature)
+    stops = tuple(getattr(worker, "stop_token_ids", ()))  # the model's extra stop ids (generation_config)
+    if stops:
+        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + stops)
     items = prompts_for(worker.data_cfg, rollout_id, "train")
     samples = generate_samples(worker.engine, worker.tokenizer, items, params, worker.rollout_cfg.n_samples_per_prompt)
     return samples, response_stats(worker.tokenizer, samples, answer_format(worker.data_cfg))
@@ -277,7 +280,7 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
     phase: Phase = call_phase or (lambda _name, fn: fn())
     started = time.perf_counter()
     group = cfg.rollout.n_samples_per_prompt
-    reward_fn = resolve_reward_fn(cfg.rollout.reward)
+    reward_fn = reward_fn_from_config(cfg.rollout)
 
     eng = engine.run(engine_describe)
     trn = train.run(trainer_describe)

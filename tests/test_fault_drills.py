@@ -547,7 +547,7 @@ def test_drill6_code_carrying_pt_is_refused_and_runs_nothing(any_root, tmp_path,
     def crafted(marker: Path) -> bytes:
         payload = {"rollout_id": 0, "samples": [_RunsCode(str(marker))]}
         if fmt == "raw-pickle":
-            return pickle.dumps(payload)
+            return pickle.dumps(payload, protocol=2)
         buf = io.BytesIO()
         torch.save(payload, buf)
         return buf.getvalue()

@@ -44,18 +44,19 @@ def build_tiny_model(seed: int = 0, **config_overrides):
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load a causal LM from a local HF-format directory (no hub access)."""
+    """Load a causal LM from a local HF-format directory (no hub access), in `dtype` on `device`.
+
+    The directory is checked first (config.json of a Llama / Qwen2 / Qwen3 model, safetensors
+    weights): an incomplete directory fails naming the missing file, see `check_model_dir`.
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from tasks.model.source import check_model_dir
+
     hf_logging.disable_progress_bar()  # one bar per actor per load clutters the run's terminal
     model_dir = Path(model_dir)
-    missing = [name for name in ("config.json",) if not (model_dir / name).exists()]
-    if not model_dir.is_dir() or missing:
-        raise FileNotFoundError(
-            f"model.path={str(model_dir)!r} is not a model directory (missing {missing or 'the directory'}); "
-            "point model.path at a folder with config.json + *.safetensors, or run `rollflow warmstart`"
-        )
+    check_model_dir(model_dir, tokenizer=False)
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 CHAR_TOKENIZER_FILE = "rollflow_char_tokenizer.json"
 
@@ -85,3 +85,46 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def is_hf_tokenizer(tokenizer: Any) -> bool:
+    """A transformers tokenizer (callable, with chat templates), not rollflow's char tokenizer."""
+    return callable(tokenizer) and hasattr(tokenizer, "apply_chat_template")
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return is_hf_tokenizer(tokenizer) and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The prompt text of `messages` with the generation prompt (the assistant turn) opened."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(
+            "data.apply_chat_template=true, but the model's tokenizer has no chat template (no 'chat_template' in "
+            "tokenizer_config.json, no chat_template.jinja); set data.apply_chat_template=false or add the template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids of one prompt, special tokens added exactly once.
+
+    - chat messages (a list): rendered with the tokenizer's chat template, which already writes
+      every special token (bos, role markers), then encoded with `add_special_tokens=False`;
+    - text with an HF tokenizer: encoded with `add_special_tokens=True`, so the tokenizer's own
+      post-processor adds its bos if that model uses one (Llama-3) and nothing if not (Qwen, SmolLM2);
+    - text with rollflow's char tokenizer (whose `encode` adds nothing): bos + encode(text).
+    """
+    if isinstance(prompt, list):
+        text = render_chat(tokenizer, prompt)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if is_hf_tokenizer(tokenizer):
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([bos] if bos is not None else []) + list(tokenizer.encode(prompt))
+
+
+def decode_response(tokenizer: Any, ids: list[int]) -> str:
+    """The text of generated ids without special tokens (the stop token, role markers)."""
+    if is_hf_tokenizer(tokenizer):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptItem:
-    prompt: str
-    label: str
+    prompt: Any  # text, or chat messages [{"role": ..., "content": ...}] (rendered by the chat template)
+    label: str | None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
 def addition_item(a: int, b: int, digits: int = 3) -> PromptItem:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from artifacts.sample import Sample, Status
-from tasks.model.tokenizer import Tokenizer
+from tasks.model.tokenizer import Tokenizer, decode_response, prompt_token_ids
 from tasks.rollout.addition import PromptItem
 from tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 
@@ -11,8 +11,9 @@ FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort
 
 
 def build_requests(items: list[PromptItem], tokenizer: Tokenizer, n_samples_per_prompt: int) -> list[GenerationRequest]:
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
-    return [GenerationRequest(prompt_ids=bos + tokenizer.encode(it.prompt), n=n_samples_per_prompt) for it in items]
+    """Prompt token ids with special tokens added once (chat template, or the tokenizer's own rule)."""
+    return [GenerationRequest(prompt_ids=prompt_token_ids(tokenizer, it.prompt), n=n_samples_per_prompt)
+            for it in items]
 
 
 def generate_samples(engine: RolloutEngine, tokenizer: Tokenizer, items: list[PromptItem], params: SamplingParams,
@@ -30,13 +31,14 @@ def generate_samples(engine: RolloutEngine, tokenizer: Tokenizer, items: list[Pr
                     index=len(samples),
                     prompt=item.prompt,
                     tokens=list(req.prompt_ids) + list(out.response_ids),
-                    response=tokenizer.decode(out.response_ids),
+                    response=decode_response(tokenizer, out.response_ids),
                     response_length=len(out.response_ids),
                     loss_mask=[1] * len(out.response_ids),
                     rollout_log_probs=list(out.log_probs),
                     label=item.label,
                     status=status,
                     weight_version=engine.weight_version,
+                    metadata=dict(item.metadata),
                 )
             )
     return samples

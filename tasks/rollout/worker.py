@@ -5,6 +5,10 @@ A plain class; `infra/` runs it as a Ray actor, GPU scripts and tests may call i
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import torch
 
 from artifacts.sample import Sample
@@ -39,12 +43,26 @@ def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int
     return engine, tokenizer
 
 
+def extra_stop_ids(model_spec: str, tokenizer) -> tuple[int, ...]:
+    """Stop ids of the model's generation_config.json besides the tokenizer's eos (Qwen's <|endoftext|>)."""
+    if model_spec.startswith("builtin:"):
+        return ()
+    try:
+        config = json.loads((Path(resolve_model_path(model_spec)) / "generation_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return ()
+    ids = config.get("eos_token_id")
+    ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+    return tuple(int(i) for i in ids if int(i) != tokenizer.eos_token_id)
+
+
 class RolloutWorker:
     def __init__(self, model_spec: str, rollout: RolloutConfig, data: DataConfig, *,
                  weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0):
         self.rollout_cfg = rollout
         self.data_cfg = data
         self.engine, self.tokenizer = build_engine(model_spec, rollout)
+        self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
         if weights is not None:
             # Start from a checkpoint's weights: the engine is at that checkpoint's version.
             self.engine.weight_version = weight_version - 1
@@ -62,9 +80,16 @@ class RolloutWorker:
         return self.engine.describe()
 
     def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> list[Sample]:
+        """Train: n samples per prompt (greedy: one). Eval: data.eval's sampling when configured."""
         items = prompts_for(self.data_cfg, rollout_id, split)
-        n = 1 if greedy else self.rollout_cfg.n_samples_per_prompt
-        params = self.rollout_cfg.sampling(rollout_id, greedy=greedy)
+        if split == "eval" and self.data_cfg.eval is not None:
+            n = self.data_cfg.eval_n_samples
+            params = self.rollout_cfg.eval_sampling(self.data_cfg, rollout_id)
+        else:
+            n = 1 if greedy else self.rollout_cfg.n_samples_per_prompt
+            params = self.rollout_cfg.sampling(rollout_id, greedy=greedy)
+        if self.stop_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
         return generate_samples(self.engine, self.tokenizer, items, params, n)
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:

@@ -61,6 +61,16 @@ def latest_checkpoint(root: str, run: str, *, storage_options: dict | None = Non
     return found[-1] if found else None
 
 
+def load_checkpoint_meta(root: str, run: str, iteration: int, *, storage_options: dict | None = None) -> dict:
+    """The meta.json of a committed checkpoint (iteration, sha256, size, and what the run added: data cursor)."""
+    fs, base = _fs(root, storage_options)
+    meta_path = posixpath.join(checkpoint_dir(base, run, iteration), "meta.json")
+    with storage_errors(f"{root.rstrip('/')}/{run}/checkpoints/{iteration:06d}", "reading checkpoint", fs=fs):
+        if not fs.exists(meta_path):
+            raise CheckpointError(f"no checkpoint {iteration} for run {run!r} under {root}")
+        return json.loads(fs.cat_file(meta_path))
+
+
 def load_checkpoint(root: str, run: str, iteration: int, *, storage_options: dict | None = None) -> bytes:
     fs, base = _fs(root, storage_options)
     folder = checkpoint_dir(base, run, iteration)

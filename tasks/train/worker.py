@@ -27,7 +27,10 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float):
         return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature)
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
-    model = load_model(resolve_model_path(model_spec))
+    from tasks.train.torch_backend import DTYPES
+
+    # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
+    model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
     return TorchBackend(model, optim, temperature=temperature)
 
 
@@ -118,9 +121,10 @@ class TrainWorker:
         with fs.open(path, "wb") as f:
             f.write(data)
 
-    def save_checkpoint(self, iteration: int) -> str:
+    def save_checkpoint(self, iteration: int, extra: dict | None = None) -> str:
+        """`extra` (JSON) goes into the checkpoint's meta.json, e.g. the data source's cursor."""
         return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
-                               storage_options=self.storage_options)
+                               extra=extra, storage_options=self.storage_options)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.named_weights()
