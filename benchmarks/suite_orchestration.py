@@ -8,7 +8,14 @@ Same model (builtin:addition), batch, seeds and thread counts in both:
   back by the trainer, weight parity checked after each sync.
 An iteration of the flow is the time between the starts of consecutive `rl_iteration` runs (so the
 sub-flow's exit is included); the last iteration (checkpoint, flow exit) and the first (warm-up) are
-left out of both sides, and iterations are paired by rollout id (same data, same work).
+left out of both sides, and iterations are paired by rollout id (same data, same work; the metrics
+of both sides are checked to be identical). The bare loop runs before and after the flow runs and
+each rollout id's two times are averaged, so drift on a shared box hits both sides alike.
+
+At the largest size a design alternative runs too (patched in for the run, flows/ unchanged): the
+Samples handed to tasks `quote()`d and no sub-flow run per iteration. Mechanism figures isolate
+Prefect's costs: a no-op task taking a rollout's Samples (plain and quoted), an empty
+rl_iteration-shaped sub-flow, the same six tasks without a sub-flow.
 """
 
 from __future__ import annotations
@@ -239,8 +246,16 @@ def run(ctx: BenchContext) -> SuiteResult:
         for prompts, n, k in sizes:
             label = f"{prompts}x{n}"
             cfg = _config(ctx, prompts, n, k)
+            # Bare before and after the flow runs, averaged per rollout id: drift of a shared, noisy
+            # box over the minutes in between hits both sides alike.
             bare = bare_loop(cfg, k - 1)
             flow = flow_loop(cfg)
+            alts = {}
+            if (prompts, n, k) == largest:
+                alts["samples quoted, no sub-flow per iteration"] = flow_loop(
+                    cfg.model_copy(update={"run": cfg.run + "-alt"}), quote_samples=True, inline_iterations=True)
+            again = bare_loop(cfg.model_copy(update={"run": cfg.run + "-again"}), k - 1)
+            bare["iteration_s"] = [(a + b) / 2 for a, b in zip(bare["iteration_s"], again["iteration_s"])]
             ids = [rid for rid in range(1, k - 1) if (rid + 1) in flow["interval_s"]]
             bare_s = [bare["iteration_s"][rid] for rid in ids]
             flow_s = [flow["interval_s"][rid + 1] for rid in ids]
@@ -265,20 +280,15 @@ def run(ctx: BenchContext) -> SuiteResult:
                 med = statistics.median(over_s)
                 res.add("iteration length at which the overhead is 2%", "s", [o / 0.02 for o in over_s],
                         note=f"median fixed overhead {med:.2f} s per iteration / 0.02")
-                # The same iterations through two design alternatives (see flow_loop).
-                variants = {"samples quoted": dict(quote_samples=True),
-                            "samples quoted, no sub-flow per iteration": dict(quote_samples=True,
-                                                                              inline_iterations=True)}
-                for vname, kwargs in variants.items():
-                    alt = flow_loop(cfg.model_copy(update={"run": f"{cfg.run}-{len(kwargs)}"}), **kwargs)
+                for vname, alt in alts.items():
                     ids_q = [rid for rid in ids if (rid + 1) in alt["interval_s"]]
                     q_s = [alt["interval_s"][rid + 1] for rid in ids_q]
                     q_over = [q - bare["iteration_s"][rid] for q, rid in zip(q_s, ids_q)]
-                    res.add(f"{label} rl_train iteration, {vname}", "s", q_s)
+                    res.add(f"{label} rl_train iteration, {vname}", "s", q_s,
+                            note="design alternative, patched for the run (see flow_loop)")
+                    res.add(f"{label} overhead per iteration, {vname}", "s", q_over)
                     res.ratio(f"{label} overhead / iteration, {vname}", [o / q for o, q in zip(q_over, q_s)],
-                              unit="fraction", note="paired by rollout id; design alternative, patched for the run")
-                    res.add(f"iteration length at which the overhead is 2%, {vname}", "s",
-                            [o / 0.02 for o in q_over])
+                              unit="fraction", note="paired by rollout id")
                     same_alt = all(_same(bare["metrics"][rid], alt["rows"].get(rid, {})) for rid in range(k - 1))
                     res.notes.append(f"{label} {vname}: metrics identical to the bare loop: {same_alt}")
         samples_arg = _task_argument_cost(sizes[-1][0] * sizes[-1][1], 3 if ctx.quick else 5)

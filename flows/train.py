@@ -44,7 +44,9 @@ def rl_train(cfg: RunConfig) -> dict:
         get_run_logger().warning(f"run {cfg.run!r} already finished {start} iterations; nothing to do")
         return summarize(cfg, reporting.read_metrics(cfg), start)
     if start:
-        get_run_logger().warning(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start})")
+        cursor = check_data_resume(cfg, start)
+        where = f", data epoch {cursor['epoch']} offset {cursor['offset']}" if "epoch" in cursor else ""
+        get_run_logger().warning(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start}{where})")
     # Detached actors: they outlive any task that restarts them and are stopped at the end of the run.
     start_trainer(cfg, start)
     start_engine(cfg, start)
@@ -57,12 +59,28 @@ def rl_train(cfg: RunConfig) -> dict:
             final = eval_metrics(cfg, cfg.iterations)
             rows = reporting.read_metrics(cfg)
             rows[-1]["eval/final_accuracy"] = final["eval/accuracy"]
+            rows[-1].update({k.replace("eval/", "eval/final_"): v for k, v in final.items() if "pass@" in k})
             reporting.write_metrics(cfg, rows)
     finally:
         stop_all(cfg)
     rows = reporting.read_metrics(cfg)
     reporting.plot_rewards(cfg, rows)
     return summarize(cfg, rows, start)
+
+
+def check_data_resume(cfg: RunConfig, start: int) -> dict:
+    """The data cursor at `start`, checked against the one saved with checkpoint `start`.
+
+    Raises `DataResumeMismatch` (before any actor starts) when resuming would continue at another
+    sample than the interrupted run would have: changed data file, batch size, seed or shuffle.
+    """
+    from tasks.rollout.dataset import check_resume, data_state
+    from tasks.train.checkpoint import load_checkpoint_meta
+
+    current = data_state(cfg.data, start)
+    saved = load_checkpoint_meta(cfg.store.root, cfg.run, start).get("data")
+    check_resume(saved, current, start)
+    return current
 
 
 def summarize(cfg: RunConfig, rows: list[dict], start: int) -> dict:

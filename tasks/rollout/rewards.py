@@ -6,8 +6,8 @@ and returns one reward per sample; mark it with `@group_reward` or set `rollout.
 Either kind may be `async def`; many async calls run concurrently.
 
 Built-ins (`rollout.reward`): `addition`, `exact_match`, `math` (the `\\boxed{}` answer, else the
-last number, compared numerically with the label), `f1` (token-overlap F1). An `http(s)://` URL
-scores each sample on a reward server (`tasks/rollout/remote_reward.py`).
+number after `####`, else the last number, compared numerically with the label), `f1` (token-overlap
+F1). An `http(s)://` URL scores each sample on a reward server (`tasks/rollout/remote_reward.py`).
 """
 
 from __future__ import annotations
@@ -83,9 +83,16 @@ def parse_number(text: str | None) -> Fraction | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The math answer of a response: the last `\\boxed{}` if any, else the last number."""
+    """The math answer of a response: the last `\\boxed{}` if any, else the number after the last
+    GSM8K-style `####` marker, else the last number."""
     boxed = extract_boxed(text)
-    return boxed if boxed is not None else extract_last_number(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        marked = _NUMBER.search(text.rsplit("####", 1)[1])
+        if marked:
+            return marked.group(0)
+    return extract_last_number(text)
 
 
 def _label_answer(label: str) -> str:
@@ -103,7 +110,12 @@ def math_equal(answer: str | None, label: str) -> bool:
     a, b = parse_number(answer), parse_number(want)
     if a is not None and b is not None:
         return a == b
-    return _normalize_text(answer) == _normalize_text(want)
+    return _normalize_math(answer) == _normalize_math(want)
+
+
+def _normalize_math(text: str) -> str:
+    """Non-numeric answers ("x+1", "\\frac{a}{b}"): compared without spaces, $ and a final period."""
+    return re.sub(r"\s+", "", text).strip("$").rstrip(".").lower()
 
 
 def _normalize_text(text: str) -> str:
@@ -138,7 +150,7 @@ def exact_match_reward(sample: Sample) -> float:
 
 
 def math_reward(sample: Sample) -> float:
-    """1.0 when the response's answer (`\\boxed{}`, else the last number) equals the label's."""
+    """1.0 when the response's answer (see `extract_answer`) equals the label's."""
     return 1.0 if math_equal(extract_answer(sample.response), sample.label or "") else 0.0
 
 
