@@ -28,6 +28,9 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+bench: setup
+	$(PY) -m benchmarks
+
 server-stop:
 	$(VENV)/bin/rollflow server stop
 

@@ -14,9 +14,8 @@ import platform
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 SCHEMA = "rollflow.bench/1"
 REPO = Path(__file__).resolve().parents[1]
@@ -141,27 +140,6 @@ def sync_device(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], device: str = "cpu") -> tuple[float, Any]:
-    sync_device(device)
-    start = time.perf_counter()
-    out = fn()
-    sync_device(device)
-    return time.perf_counter() - start, out
-
-
-def paired(a: Callable[[], Any], b: Callable[[], Any], repeats: int, *, warmup: int = 1,
-           device: str = "cpu") -> tuple[list[float], list[float]]:
-    """Time `a` and `b` alternately (a, b, a, b, ...) so drift on a noisy machine hits both alike."""
-    for _ in range(warmup):
-        a()
-        b()
-    ta, tb = [], []
-    for _ in range(repeats):
-        ta.append(timed(a, device)[0])
-        tb.append(timed(b, device)[0])
-    return ta, tb
 
 
 def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:

@@ -206,11 +206,12 @@ def server_stop() -> None:
 
 
 def _register_subcommands() -> None:
-    from flows import cli_align, cli_bisect, cli_tools
+    from flows import cli_align, cli_bench, cli_bisect, cli_tools
 
     cli_tools.register(app)
     cli_align.register(app)
     cli_bisect.register(app)
+    cli_bench.register(app)
 
 
 _register_subcommands()

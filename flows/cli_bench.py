@@ -23,6 +23,12 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
     ) -> None:
         """Run the benchmark suites: print a table of every figure and ratio, write JSON."""
+        import sys
+        from pathlib import Path
+
+        checkout = Path(__file__).resolve().parents[1]
+        if (checkout / "benchmarks" / "cli.py").exists() and str(checkout) not in sys.path:
+            sys.path.insert(0, str(checkout))  # an editable install maps only the packaged folders
         try:
             from benchmarks.cli import main as bench_main
         except ImportError as exc:

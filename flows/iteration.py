@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from prefect import flow, task
+from prefect.utilities.annotations import quote
 from prefect.cache_policies import NO_CACHE
 
 from artifacts.manifest import EngineInfo
@@ -103,9 +104,10 @@ def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train",
     reporting.stage("generate")
     samples = generate_task(cfg, rollout_id, split, greedy, weight_version)
     reporting.stage("reward")
-    samples = reward_task(cfg, samples)
+    # quote(): Prefect would otherwise walk every Sample of the argument twice (~0.4 s at 2,048).
+    samples = reward_task(cfg, quote(samples))
     reporting.stage("persist")
-    return persist_task(cfg, rollout_id, samples, split)
+    return persist_task(cfg, rollout_id, quote(samples), split)
 
 
 def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = None) -> dict[str, float]:
