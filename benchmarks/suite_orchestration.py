@@ -12,8 +12,8 @@ left out of both sides, and iterations are paired by rollout id (same data, same
 of both sides are checked to be identical). The bare loop runs before and after the flow runs and
 each rollout id's two times are averaged, so drift on a shared box hits both sides alike.
 
-At the largest size a design alternative runs too (patched in for the run, flows/ unchanged): the
-Samples handed to tasks `quote()`d and no sub-flow run per iteration. Mechanism figures isolate
+At the largest size a design alternative runs too (patched in for the run, flows/ unchanged): no
+sub-flow run per iteration. (flows/iteration.py already `quote()`s the Samples it hands to tasks.) Mechanism figures isolate
 Prefect's costs: a no-op task taking a rollout's Samples (plain and quoted), an empty
 rl_iteration-shaped sub-flow, the same six tasks without a sub-flow.
 """
@@ -105,14 +105,12 @@ def heartbeats(enabled: bool):
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
-def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = False,
-              quote_samples: bool = False) -> dict:
-    """rl_train(cfg), timed per iteration. Two design alternatives, applied by patching for the run:
-    - `quote_samples`: the Sample lists handed to the reward and persist tasks are wrapped in
-      `prefect.utilities.annotations.quote`, so Prefect does not walk every token of every sample
-      looking for futures (it does so twice per task call: inputs for the UI, then resolution);
+def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = False) -> dict:
+    """rl_train(cfg), timed per iteration. The design alternative, applied by patching for the run:
     - `inline_iterations`: each iteration's body runs as a plain function inside the rl_train flow
-      run (its tasks stay Prefect task runs) instead of as an rl_iteration sub-flow run."""
+      run (its tasks stay Prefect task runs) instead of as an rl_iteration sub-flow run.
+    (The Sample lists handed to the reward and persist tasks are `quote()`d by flows/iteration.py
+    itself since this suite measured what Prefect's walk over them costs.)"""
     import contextlib
 
     import flows.iteration as iteration_mod
@@ -132,15 +130,6 @@ def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = Fa
     with contextlib.ExitStack() as patches:
         if inline_iterations:
             patches.enter_context(_patched(train_mod, "rl_iteration", train_mod.rl_iteration.fn))
-        if quote_samples:
-            from prefect.utilities.annotations import quote
-
-            reward, persist = iteration_mod.reward_task, iteration_mod.persist_task
-            patches.enter_context(_patched(iteration_mod, "reward_task",
-                                           lambda cfg_, samples: reward(cfg_, quote(samples))))
-            patches.enter_context(_patched(
-                iteration_mod, "persist_task",
-                lambda cfg_, rid, samples, split="train": persist(cfg_, rid, quote(samples), split)))
         patches.enter_context(heartbeats(with_heartbeats))
         try:
             rl_train(cfg)
@@ -252,8 +241,8 @@ def run(ctx: BenchContext) -> SuiteResult:
             flow = flow_loop(cfg)
             alts = {}
             if (prompts, n, k) == largest:
-                alts["samples quoted, no sub-flow per iteration"] = flow_loop(
-                    cfg.model_copy(update={"run": cfg.run + "-alt"}), quote_samples=True, inline_iterations=True)
+                alts["no sub-flow per iteration"] = flow_loop(
+                    cfg.model_copy(update={"run": cfg.run + "-alt"}), inline_iterations=True)
             again = bare_loop(cfg.model_copy(update={"run": cfg.run + "-again"}), k - 1)
             bare["iteration_s"] = [(a + b) / 2 for a, b in zip(bare["iteration_s"], again["iteration_s"])]
             ids = [rid for rid in range(1, k - 1) if (rid + 1) in flow["interval_s"]]

@@ -73,6 +73,9 @@ class AlignmentThresholds(_Strict):
     max_ref_nll: float = Field(1.5, gt=0, description="reference model's mean NLL per response token")
     min_format_fraction: Optional[float] = Field(
         0.5, ge=0, le=1, description="responses matching the task's answer format (None = not judged)")
+    min_retokenize_agreement: Optional[float] = Field(
+        0.97, ge=0, le=1, description="HF tokenizers: share of response tokens the tokenizer reproduces when it "
+                                      "re-encodes the decoded text (None = not judged)")
     # 2. step 1: log_probs == ref_log_probs
     require_exact_ref_equality: bool = Field(True, description="log_probs must equal ref_log_probs bit for bit")
     ref_abs_tolerance: float = Field(0.0, ge=0, description="allowed max |log_prob - ref| when not exact")

@@ -58,3 +58,25 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+CORPUS = [
+    "Ana has 12 apples. Ben gives Ana 5 more apples. How many apples does Ana have now?",
+    "There are 7 books in a box and 3 books on the table, so there are 10 books in total.",
+    "The answer is 42. First we add the numbers, then we check the result.",
+    "Each child has 4 marbles, and there are 6 children, so they have 24 marbles together.",
+] * 8
+
+
+def build_bpe_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained here on a tiny corpus (merges make tokenization non-trivial)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

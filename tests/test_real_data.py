@@ -260,3 +260,33 @@ def test_worker_on_an_hf_directory_with_chat_template_and_eval_sampling(model_di
     assert len(evals) == 3 * 4 and max(s.response_length for s in evals) <= 3
     out = eval_summary(score_samples(evals, reward_fn_from_config(rollout)), ks=[1, 4])
     assert {"eval/accuracy", "eval/pass@1", "eval/pass@4"} <= set(out)
+
+
+def test_retokenize_agreement_tells_language_from_arbitrary_ids():
+    """The coherence figure that catches a real LM with shuffled weights (confident about its own noise,
+    so its reference NLL looks fine): arbitrary id sequences are not what the tokenizer produces."""
+    import random
+
+    from artifacts.sample import Sample
+    from tasks.checks import AlignmentThresholds
+    from tasks.rollout.coherence import coherence_check, response_stats, retokenize_agreement
+    from tests.hf_fixtures import CORPUS, build_bpe_tokenizer
+
+    tok = build_bpe_tokenizer()
+
+    def as_samples(responses):
+        return [Sample(group_index=i, index=i, prompt="p", tokens=[1] + r, response=tok.decode(r),
+                       response_length=len(r), loss_mask=[1] * len(r), rollout_log_probs=[-0.5] * len(r))
+                for i, r in enumerate(responses)]
+
+    text = as_samples([tok(t, add_special_tokens=False)["input_ids"] for t in CORPUS[:4]])
+    rng = random.Random(0)
+    noise = as_samples([[rng.randrange(3, len(tok)) for _ in range(40)] for _ in range(4)])
+    assert retokenize_agreement(tok, text) == 1.0
+    assert retokenize_agreement(tok, noise) < 0.9
+    assert retokenize_agreement(CharTokenizer("0123456789+=", 15), text) is None  # char tokenizer: not judged
+    thr = AlignmentThresholds()
+    ok = coherence_check(response_stats(tok, text, None), 0.5, thr)
+    assert ok.status == "pass" and ok.figures["retokenize_agreement"] == 1.0
+    bad = coherence_check(response_stats(tok, noise, None), 0.5, thr)
+    assert bad.status == "fail" and "retokenize_agreement" in bad.message
