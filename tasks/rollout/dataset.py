@@ -84,22 +84,39 @@ def parse_records(data: bytes, fmt: str, source: str) -> list[dict[str, Any]]:
     return rows
 
 
-@functools.lru_cache(maxsize=16)
 def load_records(path: str, fmt: str = "auto") -> Records:
-    """All records of a JSONL / parquet file (local path or fsspec URL), cached per process."""
+    """All records of a JSONL / parquet file (local path or fsspec URL).
+
+    Cached per process on (path, size, modification stamp): a file changed under a long-lived
+    process is read again (and its new sha256 then stops a resume that expected the old one).
+    """
+    from artifacts.storage import open_fs
+
+    fs, fs_path = open_fs(path)
+    try:
+        fs.invalidate_cache(fs_path)
+        info = fs.info(fs_path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data.path={path!r}: no such file") from None
+    stamp = [info.get(k) for k in ("size", "mtime", "LastModified", "ETag", "created")]
+    return _read_records(path, fmt, repr(stamp))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_records(path: str, fmt: str, stamp: str) -> Records:
     from artifacts.storage import open_fs
 
     kind = detect_format(path, fmt)
     fs, fs_path = open_fs(path)
-    try:
-        with fs.open(fs_path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"data.path={path!r}: no such file") from None
+    with fs.open(fs_path, "rb") as f:
+        data = f.read()
     rows = parse_records(data, kind, path)
     if not rows:
         raise ValueError(f"data.path={path!r} has no records")
     return Records(rows=tuple(rows), sha256=hashlib.sha256(data).hexdigest(), source=path)
+
+
+load_records.cache_clear = _read_records.cache_clear  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=64)
