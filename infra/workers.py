@@ -66,8 +66,13 @@ def get_actor(run: str, role: str) -> Handle | None:
         return None
 
 
-def start_actor(run_name: str, role: str, cls: type, *args, **kwargs) -> Handle:
-    """Start the named actor of `role` for `run`, replacing a leftover one (a fresh start is a restart)."""
+def start_actor(run_name: str, role: str, cls: type, *args, options: dict[str, Any] | None = None,
+                **kwargs) -> Handle:
+    """Start the named actor of `role` for `run`, replacing a leftover one (a fresh start is a restart).
+
+    `options`: extra Ray `.options(...)` (a placement group bundle and its GPU share, from
+    `infra.placement.actor_options`); they override the defaults below.
+    """
     import ray
 
     stale = get_actor(run_name, role)
@@ -79,7 +84,7 @@ def start_actor(run_name: str, role: str, cls: type, *args, **kwargs) -> Handle:
         lifetime="detached",
         # Scheduling must not wait for CPUs the driver and the other actor also use; threads are
         # fixed inside the worker instead.
-        num_cpus=0, max_concurrency=1,
+        **({"num_cpus": 0, "max_concurrency": 1} | dict(options or {})),
     )
     handle = Handle(remote_cls.remote(*args, **kwargs))
     handle.call("ping")  # surface constructor errors here, with their traceback

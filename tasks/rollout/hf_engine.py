@@ -178,3 +178,25 @@ class HFEngine:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    # -- colocation: the same sequence as SGLang's memory saver ------------------------------------
+    def release_memory(self, tags=None) -> None:
+        """Colocation, before training: the model goes to CPU (and the CUDA cache is emptied).
+        On CPU the model is already there, so this is cheap; `tags` as SGLang's (weights, kv_cache)."""
+        if tags is not None and "weights" not in tags:
+            return  # no persistent KV cache outside generate()
+        device = self.device
+        if device.type != "cpu":
+            self._home_device = device
+            self.model.to("cpu")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, tags=None) -> None:
+        """Colocation, after training: the model back on its device (kv_cache: nothing to restore)."""
+        if tags is not None and "weights" not in tags:
+            return
+        home = getattr(self, "_home_device", None)
+        if home is not None:
+            self.model.to(home)
+            self._home_device = None

@@ -23,12 +23,16 @@ from tasks.sync.parity import checksums
 from tasks.train.torch_backend import DTYPES
 
 
-def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0):
+def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,
+                 base_gpu_id: int | None = None):
+    """`base_gpu_id`: the engine's first GPU (SGLang `--base-gpu-id`, set by the placement group when an
+    engine spans several GPUs); the hf engine ignores it."""
     if rollout.engine == "sglang":
         from tasks.rollout.sglang_engine import engine_from_config
 
         path = resolve_model_path(model_spec)
-        engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version)
+        engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version,
+                                    base_gpu_id=base_gpu_id)
         return engine, load_tokenizer(path)
     if rollout.engine != "hf":
         raise NotImplementedError(
@@ -58,10 +62,11 @@ def extra_stop_ids(model_spec: str, tokenizer) -> tuple[int, ...]:
 
 class RolloutWorker:
     def __init__(self, model_spec: str, rollout: RolloutConfig, data: DataConfig, *,
-                 weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0):
+                 weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0,
+                 base_gpu_id: int | None = None):
         self.rollout_cfg = rollout
         self.data_cfg = data
-        self.engine, self.tokenizer = build_engine(model_spec, rollout)
+        self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id)
         self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
         if weights is not None:
             # Start from a checkpoint's weights: the engine is at that checkpoint's version.
@@ -101,6 +106,19 @@ class RolloutWorker:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.named_weights()
+
+    # -- colocation (placement=colocate, offload=true): SGLang's order is
+    # release -> train -> resume(["weights"]) -> update weights -> resume(["kv_cache"])
+    def release_memory(self) -> None:
+        """Free the engine's weights and KV cache for the colocated trainer (SGLang: offload())."""
+        if hasattr(self.engine, "offload"):
+            self.engine.offload()
+        else:
+            self.engine.release_memory()
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None = both)."""
+        self.engine.resume_memory(list(tags) if tags is not None else None)
 
     def weight_prefixes(self, names: list[str], n: int) -> dict[str, list[float]]:
         """First `n` values of the named tensors as the engine holds them (SGLang: /get_weights_by_name)."""
