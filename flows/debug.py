@@ -19,7 +19,7 @@ from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
 from flows.exports import copy_to_dump, dump_uri, side_exports
-from flows.group import TRAINER, connect_ray, require, start_engine, start_trainer, stop_all
+from flows.group import TRAINER, connect_ray, require, start_engine, start_placement, start_trainer, stop_all
 from flows.iteration import committed_or_generate, eval_metrics
 from tasks.train.checkpoint import state_exists
 from tasks.train.replay import infer_group_size
@@ -54,9 +54,10 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
     connect_ray(cfg)
     RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     ids = rollout_ids if rollout_ids is not None else list(range(cfg.iterations))
-    engine = start_engine(cfg, checkpoint)
-    out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.call("weight_version")}
+    start_placement(cfg)  # GPUs only (resources.num_gpus > 0); released by stop_all
     try:
+        engine = start_engine(cfg, checkpoint)
+        out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.call("weight_version")}
         for rollout_id in ids:
             reporting.stage("start", rollout_id)
             ref = committed_or_generate(cfg, rollout_id, weight_version=checkpoint or 0)
@@ -144,10 +145,11 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     source_run = source_run or cfg.run
     refs = pinned_refs(cfg, rollout_ids, source_run)
     store = RolloutStore(cfg.store.root)
-    start_trainer(cfg, None)
     rows: list[dict] = []
     start_state, start_key = None, "initial"
+    start_placement(cfg)  # GPUs only (resources.num_gpus > 0); released by stop_all
     try:
+        start_trainer(cfg, None)
         for ref in refs:
             art = ArtifactRef.from_dict(ref)
             reporting.stage("start", art.rollout_id)

@@ -77,6 +77,23 @@ def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
     return require(cfg, TRAINER).call("save_checkpoint", iteration, extra={"data": data_state(cfg.data, iteration)})
 
 
+def offloads(cfg: RunConfig) -> bool:
+    """placement=colocate with offload=true: the engine frees its GPU memory while the trainer runs."""
+    return cfg.placement == "colocate" and cfg.offload
+
+
+@task(name="release-engine-memory", cache_policy=NO_CACHE)
+def release_memory_task(cfg: RunConfig) -> None:
+    """Colocation, before training: the engine frees its weights and KV cache."""
+    require(cfg, ENGINE).call("release_memory")
+
+
+@task(name="resume-engine-memory", cache_policy=NO_CACHE)
+def resume_memory_task(cfg: RunConfig, tags: list[str]) -> None:
+    """Colocation, around the sync: weights back before the update, KV cache after it."""
+    require(cfg, ENGINE).call("resume_memory", tags)
+
+
 @task(name="sync", cache_policy=NO_CACHE)
 def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     """Trainer weights -> engine (actor to actor), then every tensor's checksum compared."""
@@ -130,10 +147,18 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     ref = committed_or_generate(cfg, rollout_id)
     side_exports(cfg, ref)
     reporting.stage("train")
+    offload = offloads(cfg)
+    if offload:
+        # SGLang's colocation order: release -> train -> resume weights -> update weights -> resume KV cache.
+        release_memory_task(cfg)
     load_task(cfg, ref)
     row.update(train_task(cfg, ref))
     reporting.stage("sync")
+    if offload:
+        resume_memory_task(cfg, ["weights"])
     parity = sync_task(cfg, iteration)
+    if offload:
+        resume_memory_task(cfg, ["kv_cache"])
     row["sync/weight_version"] = parity["weight_version"]
     row["sync/parity_ok"] = float(parity["ok"])
     row["perf/iteration_s"] = time.perf_counter() - started

@@ -7,7 +7,7 @@ from prefect import flow, get_run_logger
 from artifacts.store import RolloutStore
 from flows import reporting
 from flows.config import RunConfig
-from flows.group import connect_ray, start_engine, start_trainer, stop_all
+from flows.group import connect_ray, start_engine, start_placement, start_trainer, stop_all
 from flows.iteration import eval_metrics, rl_iteration
 from tasks.train.checkpoint import latest_checkpoint
 
@@ -48,9 +48,12 @@ def rl_train(cfg: RunConfig) -> dict:
         where = f", data epoch {cursor['epoch']} offset {cursor['offset']}" if "epoch" in cursor else ""
         get_run_logger().warning(f"resuming run {cfg.run!r} at iteration {start + 1} (checkpoint {start}{where})")
     # Detached actors: they outlive any task that restarts them and are stopped at the end of the run.
-    start_trainer(cfg, start)
-    start_engine(cfg, start)
+    # With GPUs (resources.num_gpus > 0) the run's placement group is reserved once, here; the actors
+    # (and any restart of them) go into its bundles, and stop_all releases it.
+    start_placement(cfg)
     try:
+        start_trainer(cfg, start)
+        start_engine(cfg, start)
         for rollout_id in range(start, cfg.iterations):
             row = rl_iteration(cfg, rollout_id)
             get_run_logger().info(reporting.metrics_line(row))

@@ -50,3 +50,56 @@ class CrashOnceRolloutWorker(RolloutWorker):
 
             self.engine._generate_batch = dying_batch
         return super().rollout(rollout_id, split, greedy=greedy)
+
+
+# ---------------------------------------------------------------------------- placement / colocation
+def calls_file(run: str) -> Path:
+    """Where the recording workers below log their calls for run `run` (one line per call)."""
+    return DRILL_DIR / f"{run}-calls.log"
+
+
+def _log_call(what: str) -> None:
+    DRILL_DIR.mkdir(parents=True, exist_ok=True)
+    with calls_file(_run_name()).open("a") as fh:
+        fh.write(what + "\n")
+
+
+def _placement_line(role: str, **extra) -> str:
+    import ray
+
+    pg = ray.util.get_current_placement_group()
+    fields = {"pg": pg.id.hex() if pg else "none", "pid": os.getpid(), **extra}
+    return f"start {role} " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+class RecordingRolloutWorker(RolloutWorker):
+    """Logs its start (placement group, base GPU id) and the colocation calls, in order."""
+
+    def __init__(self, *args, base_gpu_id: int | None = None, **kwargs):
+        super().__init__(*args, base_gpu_id=base_gpu_id, **kwargs)
+        _log_call(_placement_line("engine", base_gpu_id=base_gpu_id))
+
+    def release_memory(self) -> None:
+        _log_call("release")
+        super().release_memory()
+
+    def resume_memory(self, tags=None) -> None:
+        _log_call("resume " + ",".join(tags or ["all"]))
+        super().resume_memory(tags)
+
+    def update_weights(self, named, weight_version: int) -> int:
+        _log_call(f"update {weight_version}")
+        return super().update_weights(named, weight_version)
+
+
+from tasks.train.worker import TrainWorker  # noqa: E402
+
+
+class RecordingTrainWorker(TrainWorker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _log_call(_placement_line("trainer"))
+
+    def train_on_artifact(self, *args, **kwargs):
+        _log_call("train")
+        return super().train_on_artifact(*args, **kwargs)

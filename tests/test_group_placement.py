@@ -1,0 +1,145 @@
+"""The run's actors inside its placement group (fake GPUs: the `fake_gpu` custom resource of
+`ray_local`), and the colocation memory sequence of `rl_iteration` (placement=colocate, offload=true).
+
+The recording workers (tests/drill_workers.py) log, from inside the actors, the placement group they
+run in and every colocation call, in order, to a file per run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import small_config
+
+FAKE = "fake_gpu"
+
+
+def _use_recording_workers(monkeypatch):
+    import tasks.rollout.worker as worker_module
+    import tasks.train.worker as train_module
+    from tests.drill_workers import RecordingRolloutWorker, RecordingTrainWorker
+
+    # flows.group imports both classes at call time: the actors (and restarts) are the recording ones.
+    monkeypatch.setattr(worker_module, "RolloutWorker", RecordingRolloutWorker)
+    monkeypatch.setattr(train_module, "TrainWorker", RecordingTrainWorker)
+
+
+def _calls(run: str) -> list[str]:
+    from tests.drill_workers import calls_file
+
+    path = calls_file(run)
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _starts(run: str) -> list[dict[str, str]]:
+    return _starts_from(_calls(run))
+
+
+def _bundle_use(pg) -> dict[int, float]:
+    import ray
+
+    hexid = pg.id.hex()
+    avail = ray.available_resources()
+    return {i: round(1.0 - avail.get(f"{FAKE}_group_{i}_{hexid}", 0.0), 3) for i in range(len(pg.bundle_specs))}
+
+
+def _wait_use(pg, expected: dict[int, float], timeout: float = 15.0) -> dict[int, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        use = _bundle_use(pg)
+        if use == expected or time.monotonic() > deadline:
+            return use
+        time.sleep(0.2)
+
+
+def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_path, ray_local, monkeypatch):
+    import ray
+
+    from flows.group import (ENGINE, _lookup_placement_group, ensure_engine, start_engine, start_placement,
+                             start_trainer, stop_all)
+    from infra.workers import stop_actor
+    from tests.drill_workers import calls_file
+
+    _use_recording_workers(monkeypatch)
+    run = f"pg-{uuid.uuid4().hex[:8]}"
+    # disaggregated: trainer 1 + engines 1 x 2 = 3 bundles (budget 4): trainer on 0, engine on 1 (+2 for its TP)
+    cfg = small_config(tmp_path, run=run, resources={"num_gpus": 4, "trainer_gpus": 1, "num_engines": 1,
+                                                     "gpus_per_engine": 2, "gpu_resource": FAKE})
+    pg = start_placement(cfg)
+    try:
+        assert pg is not None and ray.util.placement_group_table(pg)["bundles"] == {i: {FAKE: 1.0} for i in range(3)}
+        start_trainer(cfg, None)
+        start_engine(cfg, None)
+        expected = {0: 1.0, 1: 1.0, 2: 0.0}
+        assert _wait_use(pg, expected) == expected
+        starts = _starts(run)
+        assert [s["role"] for s in starts] == ["trainer", "engine"]
+        assert {s["pg"] for s in starts} == {pg.id.hex()}
+        assert starts[1]["base_gpu_id"] == "1"  # the engine spans 2 GPUs: --base-gpu-id = its first bundle
+
+        # A task retry after the engine died restarts it in the same bundle.
+        stop_actor(run, ENGINE)
+        assert _wait_use(pg, {0: 1.0, 1: 0.0, 2: 0.0}) == {0: 1.0, 1: 0.0, 2: 0.0}
+        ensure_engine(cfg, 0)
+        assert _wait_use(pg, expected) == expected
+        restarted = _starts(run)[-1]
+        assert restarted["role"] == "engine" and restarted["pg"] == pg.id.hex() and restarted["pid"] != starts[1]["pid"]
+    finally:
+        stop_all(cfg)
+        calls_file(run).unlink(missing_ok=True)
+    assert _lookup_placement_group(cfg) is None  # released with the actors
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+def test_cpu_default_has_no_placement_group(tmp_path):
+    from flows.group import engine_base_gpu_id, placement_options, start_placement, uses_placement
+
+    cfg = small_config(tmp_path)
+    assert not uses_placement(cfg)
+    # nothing touches Ray on CPU: these answer without a cluster
+    assert start_placement(cfg) is None and placement_options(cfg, "engine") == {} and engine_base_gpu_id(cfg) is None
+
+
+@pytest.mark.parametrize("fake_gpus", [False, True], ids=["cpu", "fake-gpus"])
+def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, monkeypatch):
+    from flows.group import _lookup_placement_group
+    from flows.reporting import read_metrics
+    from flows.train import rl_train
+    from tests.drill_workers import calls_file
+
+    _use_recording_workers(monkeypatch)
+    run = f"colo-{uuid.uuid4().hex[:8]}"
+    resources = {"num_gpus": 1, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1,
+                 "gpu_resource": FAKE} if fake_gpus else {}
+    cfg = small_config(tmp_path, run=run, iterations=1, placement="colocate", offload=True, resources=resources,
+                       data={"prompts_per_rollout": 8}, eval_every=0)
+    try:
+        rl_train(cfg)
+        calls = _calls(run)
+    finally:
+        calls_file(run).unlink(missing_ok=True)
+    steps = [c for c in calls if not c.startswith("start ")]
+    # SGLang's colocation order: release -> train -> resume weights -> update weights -> resume KV cache
+    assert steps == ["release", "train", "resume weights", "update 1", "resume kv_cache"], calls
+    starts = _starts_from(calls)
+    if fake_gpus:
+        # trainer and engine share the one bundle of the run's placement group
+        assert [s["role"] for s in starts] == ["trainer", "engine"] and len({s["pg"] for s in starts}) == 1
+        assert starts[0]["pg"] != "none"
+        assert _lookup_placement_group(cfg) is None  # removed at the end of the flow
+    else:
+        assert {s["pg"] for s in starts} == {"none"}
+    rows = read_metrics(cfg)
+    assert rows[-1]["sync/parity_ok"] == 1.0 and rows[-1]["sync/weight_version"] == 1
+
+
+def _starts_from(calls: list[str]) -> list[dict[str, str]]:
+    out = []
+    for line in calls:
+        if line.startswith("start "):
+            _, role, *fields = line.split()
+            out.append({"role": role, **dict(f.split("=", 1) for f in fields)})
+    return out
