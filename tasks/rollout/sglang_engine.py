@@ -499,21 +499,18 @@ class SGLangEngine:
 
     def model_info(self, url: str | None = None) -> dict[str, Any]:
         """GET /model_info (SGLang >= 0.5.x; falls back to the deprecated /get_model_info)."""
-        url = url or self.urls[0]
-        r = self.client.get(f"{url}/model_info", timeout=30.0)
-        if r.status_code == 404:
-            return self._get(url, "/get_model_info")
-        if r.status_code != 200:
-            raise SGLangRequestError(f"{url}/model_info answered {r.status_code}: {r.text[:500]}")
-        return r.json()
+        return self._get_info(url or self.urls[0], "/model_info", "/get_model_info")
 
     def server_info(self, url: str | None = None) -> dict[str, Any]:
-        url = url or self.urls[0]
-        r = self.client.get(f"{url}/server_info", timeout=30.0)
+        """GET /server_info (falls back to the deprecated /get_server_info)."""
+        return self._get_info(url or self.urls[0], "/server_info", "/get_server_info")
+
+    def _get_info(self, url: str, path: str, legacy_path: str) -> dict[str, Any]:
+        r = self.client.get(f"{url}{path}", timeout=30.0)
         if r.status_code == 404:
-            return self._get(url, "/get_server_info")
+            return self._get(url, legacy_path)
         if r.status_code != 200:
-            raise SGLangRequestError(f"{url}/server_info answered {r.status_code}: {r.text[:500]}")
+            raise SGLangRequestError(f"{url}{path} answered {r.status_code}: {r.text[:500]}")
         return r.json()
 
     def flush_cache(self) -> None:

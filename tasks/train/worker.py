@@ -16,7 +16,7 @@ from tasks.train.checkpoint import load_checkpoint, load_state, save_checkpoint,
 from tasks.train.dump import train_dump_bytes
 from tasks.train.replay import infer_group_size, subsample_groups
 from tasks.train.settings import AlgoConfig, OptimConfig
-from tasks.train.step import TrainResult, train_on_samples
+from tasks.train.step import train_on_samples
 from tasks.train.torch_backend import TorchBackend
 
 
@@ -45,7 +45,6 @@ class TrainWorker:
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
         self.backend = build_backend(model_spec, optim, temperature=temperature)
-        self.last_result: TrainResult | None = None
         # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
         self._initial_state = self.backend.checkpoint_bytes()
         if resume_iteration is not None:
@@ -91,7 +90,6 @@ class TrainWorker:
             )
         result = train_on_samples(self.backend, samples, self.algo, group_size=group_size,
                                   compute_ref=self.optim.compute_ref_log_probs)
-        self.last_result = result
         if dump_uri is not None:
             self._write(dump_uri, train_dump_bytes(result.batch, artifact.manifest.rollout_id))
         metrics = result.metrics | {"train/n_samples": float(len(samples))}
