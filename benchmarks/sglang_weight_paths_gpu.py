@@ -15,7 +15,6 @@ installed on the machines here). Needs torch and CUDA GPUs: 2 for the NCCL check
 from __future__ import annotations
 
 import base64
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,10 @@ def engine_side(port: int, inbox, outbox, nccl: bool) -> None:
         torch.cuda.synchronize()
         outbox.put(sums)
     payload = inbox.get()
-    named = pickle.loads(base64.b64decode(payload))  # CUDA IPC handles -> tensors on the producer's GPU
+    from tasks.sync.ipc import deserialize_named_tensors
+
+    # CUDA IPC handles (device named by UUID) -> tensors on the producer's GPU
+    named = deserialize_named_tensors(base64.b64decode(payload))
     outbox.put([(n, float(t.double().sum()), str(t.device), t.data_ptr() != 0) for n, t in named])
     inbox.get()  # hold the handles until the producer says done
     if pg is not None:

@@ -69,6 +69,10 @@ class DebugConfig(_Strict):
         None, gt=0, le=1, description="keep this fraction of prompt groups (first and last halves)")
     dump_details: Optional[str] = Field(
         None, description="folder for rollout artifacts + per-token train dumps (log-probs, advantages)")
+    check_weight_update_equal: bool = Field(
+        False, description="SGLang engines, at startup: snapshot the engine's weights, randomise them, sync the "
+                           "trainer's, and require every tensor back bit for bit (the whole name mapping, fusing "
+                           "and sharding checked at once)")
 
     @field_validator("save_debug_rollout_data", "load_debug_rollout_data")
     @classmethod
@@ -165,12 +169,19 @@ class RunConfig(_Strict):
         # The GPU budget fails here, at config time, with the arithmetic (infra/placement.py).
         plan_placement(self.placement, self.resources, train=not self.debug.rollout_only,
                        rollout=not self.debug.train_only)
+        if self.rollout.engine != "sglang" and self.resources.num_engines > 1:
+            raise ValueError(f"resources.num_engines={self.resources.num_engines} with rollout.engine="
+                             f"{self.rollout.engine!r}: the in-process engine runs once per run; use "
+                             "rollout.engine='sglang' for several engines, or resources.num_engines=1")
         if self.rollout.engine == "sglang":
             sg = self.rollout.sglang
             gpe = self.resources.gpus_per_engine
             if sg.tp_size and gpe and sg.tp_size != gpe:
                 raise ValueError(f"rollout.sglang.tp_size={sg.tp_size} differs from resources.gpus_per_engine={gpe}: "
                                  "an engine's tensor parallel size is its GPU count; set one of them")
+            if sg.tp_size is None and gpe > 1:
+                sg.tp_size = gpe
+                self._notices.append(f"rollout.sglang.tp_size set to resources.gpus_per_engine={gpe}")
             if sg.dtype is None and self.rollout.dtype == "float64":
                 raise ValueError("rollout.dtype='float64' is not an SGLang dtype; set rollout.dtype or rollout.sglang.dtype")
             if self.offload and not sg.memory_saver:

@@ -19,7 +19,7 @@ from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
 from flows.exports import copy_to_dump, dump_uri, side_exports
-from flows.group import TRAINER, connect_ray, require, start_engine, start_placement, start_trainer, stop_all
+from flows.group import call_all_ranks, connect_ray, start_engine, start_placement, start_trainer, stop_all
 from flows.iteration import committed_or_generate, eval_metrics
 from tasks.train.checkpoint import state_exists
 from tasks.train.replay import infer_group_size
@@ -99,8 +99,8 @@ def replay_cache_key(context, parameters: dict) -> str:
 def replay_train_task(cfg: RunConfig, ref: dict, *, cache_key: str, start_state_uri: str | None,
                       out_state_uri: str) -> dict[str, float]:
     """Train on one pinned artifact from a fixed starting state; cached on `cache_key`."""
-    return require(cfg, TRAINER).call(
-        "replay_step", ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
+    return call_all_ranks(
+        cfg, "replay_step", ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
         subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref["rollout_id"]),
     )
 

@@ -17,7 +17,7 @@ from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
 from flows.exports import dump_uri, side_exports
-from flows.group import ENGINE, TRAINER, ensure_engine, require
+from flows.group import ENGINE, TRAINER, call_all_ranks, ensure_engine, require
 from flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
 from tasks.rollout.dataset import data_state
 from tasks.rollout.evaluation import eval_summary
@@ -61,13 +61,14 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
       retry_delay_seconds=STORAGE_RETRY_DELAYS, retry_condition_fn=retry_if_transient)
 def load_task(cfg: RunConfig, ref: dict) -> int:
     """The trainer loads (and checksums) the artifact; transient storage failures retry here."""
-    return require(cfg, TRAINER).call("load_artifact", ref)
+    return call_all_ranks(cfg, "load_artifact", ref)
 
 
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
     """No retries: a failure after the optimizer stepped must not step it twice (load_task retries)."""
-    return require(cfg, TRAINER).call("train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
+    # every data-parallel rank trains on its share of the same artifact (rank 0's metrics are global)
+    return call_all_ranks(cfg, "train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
@@ -96,20 +97,57 @@ def resume_memory_task(cfg: RunConfig, tags: list[str]) -> None:
 
 @task(name="sync", cache_policy=NO_CACHE)
 def sync_task(cfg: RunConfig, weight_version: int) -> dict:
-    """Trainer weights -> engine (actor to actor), then every tensor's checksum compared."""
+    """Trainer weights -> engine by the engine's path (flows/weight_sync.py), then parity checked."""
+    from flows.weight_sync import push_weights
+
     trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
-    version = engine.call("update_weights", trainer.submit("named_weights"), weight_version)
+    pushed = push_weights(cfg, trainer, engine, weight_version)
     # The engine may hold another dtype (e.g. bf16): compare what it should hold, bit for bit.
     cast = cfg.rollout.dtype if cfg.rollout.dtype != cfg.train.dtype else None
+    notes: list[str] = []
     if cfg.rollout.engine == "sglang":
-        # SGLang exports no whole tensors: compare the head of every tensor it serves by name.
+        # SGLang exports no whole tensors: compare the head of every tensor on every server (a server
+        # that disagrees with the first shows up as a mismatch), every server's weight_version, and the
+        # servers' whole-tensor checksums with each other; debug.check_weight_update_equal adds the
+        # whole-tensor trainer-vs-engine check at startup.
         trainer_heads = trainer.call("weight_prefixes", PARITY_PREFIX, cast)
-        report = compare_prefixes(trainer_heads, engine.call("weight_prefixes", sorted(trainer_heads), PARITY_PREFIX))
+        engine_heads = engine.call("weight_prefixes", sorted(trainer_heads), PARITY_PREFIX)
+        if engine_heads is None:
+            notes.append("the served model has no /get_weights_by_name: tensor heads not compared")
+            report = compare_prefixes({}, {})
+        else:
+            report = compare_prefixes(trainer_heads, engine_heads)
+        checks = engine.call("engine_checks", pushed.weight_version)
+        report.mismatched.extend(checks["mismatched"])
+        notes += checks["notes"]
     else:
         report = compare(trainer.call("weight_checksums", cast), engine.call("weight_checksums"))
     if not report.ok:
         raise RuntimeError(report.summary())
-    return report.to_dict() | {"weight_version": version}
+    if notes:
+        from prefect import get_run_logger
+
+        for note in notes:
+            get_run_logger().warning(note)
+    return report.to_dict() | {"weight_version": pushed.weight_version, "sync_mode": pushed.mode,
+                               "sync_buckets": pushed.buckets, "notes": notes}
+
+
+@task(name="check-weight-update", cache_policy=NO_CACHE)
+def check_weight_update_task(cfg: RunConfig, weight_version: int) -> dict:
+    """slime's --check-weight-update-equal: the engine snapshots its weights (loaded from the same
+    checkpoint the trainer holds now), randomises them, takes the trainer's by the configured path, and
+    every tensor must come back bit for bit. Fails the run before its first step otherwise."""
+    from flows.weight_sync import push_weights
+
+    trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
+    engine.call("prepare_overwrite_check")
+    push_weights(cfg, trainer, engine, weight_version)  # a re-sync of the version the engine holds
+    result = engine.call("finish_overwrite_check")
+    if not result["ok"]:
+        raise RuntimeError(f"weight update check FAILED (the engine now holds random values for those tensors): "
+                           f"{result['summary']}")
+    return result
 
 
 def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,

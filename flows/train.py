@@ -8,7 +8,7 @@ from artifacts.store import RolloutStore
 from flows import reporting
 from flows.config import RunConfig
 from flows.group import connect_ray, start_engine, start_placement, start_trainer, stop_all
-from flows.iteration import eval_metrics, rl_iteration
+from flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
 from tasks.train.checkpoint import latest_checkpoint
 
 
@@ -54,6 +54,9 @@ def rl_train(cfg: RunConfig) -> dict:
     try:
         start_trainer(cfg, start)
         start_engine(cfg, start)
+        if cfg.debug.check_weight_update_equal and cfg.rollout.engine == "sglang":
+            reporting.stage("check weight update")
+            check_weight_update_task(cfg, start)
         for rollout_id in range(start, cfg.iterations):
             row = rl_iteration(cfg, rollout_id)
             get_run_logger().info(reporting.metrics_line(row))

@@ -150,3 +150,57 @@ def actor_options(plan: PlacementPlan, pg, role: str, index: int = 0, *, gpu_res
     else:
         options["resources"] = {gpu_resource: fraction}
     return options
+
+
+class _GpuProbe:
+    """Reports where Ray put it: node IP and the GPU ids assigned to its bundle."""
+
+    def where(self) -> tuple[str, list[str]]:
+        import ray
+
+        return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now (a rendezvous point for processes placed here)."""
+        from tasks.net import free_port, node_ip
+
+        return node_ip(), free_port()
+
+
+def bundle_address(pg, bundle: int, timeout_s: float = 60.0) -> tuple[str, int]:
+    """(node IP, free port) on the node of `bundle`: where a process placed there can listen."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe = ray.remote(_GpuProbe).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=bundle)).remote()
+    try:
+        return tuple(ray.get(probe.address.remote(), timeout=timeout_s))  # type: ignore[return-value]
+    finally:
+        ray.kill(probe, no_restart=True)
+
+
+def bundle_gpus(pg, bundles: list[int], *, gpu_resource: str = "GPU", timeout_s: float = 60.0
+                ) -> list[tuple[str, str]] | None:
+    """(node IP, GPU id) of each bundle, as Ray assigned them (a tiny probe actor per bundle takes a
+    sliver of its GPU and reports `ray.get_gpu_ids()`). None for a custom GPU resource: Ray gives
+    those no device ids."""
+    if gpu_resource != "GPU" or not bundles:
+        return None
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe_cls = ray.remote(_GpuProbe)
+    probes = [probe_cls.options(num_cpus=0, num_gpus=0.001, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=b)).remote() for b in bundles]
+    try:
+        found = ray.get([p.where.remote() for p in probes], timeout=timeout_s)
+    finally:
+        for p in probes:
+            ray.kill(p, no_restart=True)
+    out = []
+    for b, (node, gpus) in zip(bundles, found):
+        if len(gpus) != 1:
+            raise PlacementError(f"bundle {b} reports GPUs {gpus}; expected exactly one (one GPU per bundle)")
+        out.append((node, gpus[0]))
+    return out

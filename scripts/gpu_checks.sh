@@ -31,6 +31,7 @@ if [ "${SKIP_PYTEST:-0}" != 1 ]; then
   timeout "${PYTEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py \
     > "$OUT/pytest_gpu.log" 2>&1 || rc=1
   tail -3 "$OUT/pytest_gpu.log"
+  timeout "${PYTEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ipc_sync.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1; tail -3 "$OUT/pytest_ipc.log"
 fi
 # 3. train throughput, ~0.9B Llama, megatron vs torch backend in one process
 timeout "${THROUGHPUT_TIMEOUT:-270}" python3 benchmarks/train_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} \

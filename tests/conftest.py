@@ -122,8 +122,9 @@ def ray_local(_loopback_s3_environment):
 
     from infra.workers import ensure_ray
 
-    # fake_gpu: a custom resource standing in for GPUs in the placement tests (tests/test_placement.py)
-    ensure_ray(None, num_cpus=2, resources={"fake_gpu": 8})
+    # fake_gpu: a custom resource standing in for GPUs in the placement tests (tests/test_placement.py);
+    # num_gpus=4: Ray-only GPUs (ids 0-3, no CUDA behind them) for the bundle -> GPU id mapping tests
+    ensure_ray(None, num_cpus=2, num_gpus=4, resources={"fake_gpu": 8})
     yield
     ray.shutdown()
 

@@ -11,10 +11,21 @@ weight-update endpoints record what they received; with `backend: "gloo"` the di
 really joins the process group and receives the broadcast tensors (CPU), so the trainer half of
 the NCCL path is exercised for real.
 
+Weights: the fake holds real CPU tensors (`weights`, HF names, unfused and unsharded), loaded at
+startup from `model_path` when it is a directory with *.safetensors (else empty), and replaced by
+name by the three update paths (disk: the directory's safetensors; tensor: TP rank 0's payload;
+distributed: the broadcast tensors, when the gloo group is real). Unlike SGLang it neither checks
+shapes nor refuses unknown names on update: a wrong tensor is stored as sent, and the weight checks
+below report it. `/get_weights_by_name` serves them as SGLang's Llama-family models do, and
+`/weights_checker` implements SGLang's `WeightChecker` actions (snapshot, reset_tensors, compare,
+checksum) over them.
+
 Use in-process (`with FakeSGLang() as fake: fake.url`) or as a process launched like SGLang
 (`python tests/fake_sglang_server.py --model-path M --port P ...`), with test switches
 `--die-after N` (exit mid-request on the (N+1)-th /generate), `--die-once-marker PATH` (die only
-when PATH does not exist yet, and create it) and `--startup-delay S`.
+when PATH does not exist yet, and create it), `--startup-delay S`, `--ignore-update-of NAME`
+(repeatable: drop that tensor from every weight update, as an engine whose name mapping misses it
+would) and `--disable-endpoint PATH` (repeatable: answer 404 there, as an SGLang without it).
 """
 
 from __future__ import annotations
@@ -108,7 +119,8 @@ class FakeSGLang:
     def __init__(self, *, port: int = 0, model_path: str = "fake-model", tp_size: int = 1, vocab_size: int = 15,
                  eos_token_id: int = 2, weight_version: str = "default", step_delay_s: float = 0.0,
                  die_after: int | None = None, die_once_marker: str | None = None, extra_args: list[str] | None = None,
-                 exit_fn=None):
+                 exit_fn=None, ignore_update_of: str | list[str] | tuple[str, ...] = (),
+                 disable_endpoints: list[str] | tuple[str, ...] = ()):
         self.model_path = model_path
         self.tp_size = tp_size
         self.vocab_size = vocab_size
@@ -129,6 +141,12 @@ class FakeSGLang:
         self.disk_updates: list[dict] = []
         self.groups: dict[str, Any] = {}
         self.received: list[tuple[str, tuple, str]] = []  # distributed: (name, shape, sha) in arrival order
+        self.ignore_update_of = {ignore_update_of} if isinstance(ignore_update_of, str) else set(ignore_update_of)
+        self.disable_endpoints = set(disable_endpoints)
+        self.weights: dict[str, Any] = _load_safetensors_dir(model_path)  # name -> CPU torch.Tensor
+        # SGLang's tied-embedding models skip lm_head.weight when loading (the head IS the embedding)
+        self.tied = _tied_embeddings(model_path)
+        self.snapshot: dict[str, Any] | None = None  # /weights_checker snapshot
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
@@ -208,7 +226,8 @@ class FakeSGLang:
                 if path == "/_fake/state" and method == "GET":  # test-only introspection, not SGLang's
                     return self._send(200, fake.state())
                 spec = ENDPOINTS.get(path)
-                if spec is None or path.startswith("_") or path == "sampling_params":
+                if (spec is None or path.startswith("_") or path == "sampling_params"
+                        or path in fake.disable_endpoints):
                     return self._send(404, {"detail": "Not Found"})
                 if method not in spec["methods"]:
                     return self._send(405, {"detail": "Method Not Allowed"})
@@ -230,7 +249,25 @@ class FakeSGLang:
             return {"paths": [c[1] for c in self.log], "calls": [[m, p, b] for m, p, b in self.log],
                     "received": [list(r) for r in self.received], "tensor_updates": self.tensor_updates,
                     "disk_updates": self.disk_updates, "weight_version": self.weight_version,
-                    "memory": dict(self.memory), "generated": self.generated, "extra_args": self.extra_args}
+                    "memory": dict(self.memory), "generated": self.generated, "extra_args": self.extra_args,
+                    "weights": {n: [list(t.shape), _sha(t)] for n, t in self.weights.items()}}
+
+    # -- weights held (test helpers, not SGLang's) ----------------------------------------------
+    def _apply_update(self, named) -> list[str]:
+        """Store `(name, tensor)` pairs by name (CPU copies), except the names told to ignore.
+        Returns the names dropped."""
+        dropped = []
+        with self.lock:
+            for name, tensor in named:
+                if self.tied and name == "lm_head.weight":
+                    continue
+                if name in self.ignore_update_of:
+                    dropped.append(name)
+                    continue
+                self.weights[name] = tensor.detach().to("cpu").clone()
+        if dropped:
+            print(f"fake-sglang: ignored the update of {dropped} (--ignore-update-of)", flush=True)
+        return dropped
 
     # -- endpoints -------------------------------------------------------------------------------
     def ep_health(self, _):
@@ -276,6 +313,7 @@ class FakeSGLang:
             return 400, {"success": False, "message": f"{path}: no config.json + *.safetensors",
                          "num_paused_requests": 0}
         self.disk_updates.append({"model_path": str(path), "files": sorted(p.name for p in path.iterdir())})
+        self._apply_update(_load_safetensors_dir(path).items())
         if payload.get("weight_version") is not None:
             self.weight_version = payload["weight_version"]
         return 200, ENDPOINTS["/update_weights_from_disk"]["example_response"]
@@ -288,11 +326,13 @@ class FakeSGLang:
         ranks = payload["serialized_named_tensors"]
         if len(ranks) != self.tp_size:
             return 400, {"success": False, "message": f"{len(ranks)} payloads for tp_size {self.tp_size}"}
-        per_rank = []
+        per_rank, rank0 = [], None
         for data in ranks:
             named = pickle.loads(base64.b64decode(data))  # test-only: the sender is this test process
             per_rank.append([(n, tuple(t.shape), _sha(t)) for n, t in named])
+            rank0 = named if rank0 is None else rank0
         self.tensor_updates.append(per_rank)
+        self._apply_update(rank0 or [])
         if payload.get("weight_version") is not None:
             self.weight_version = payload["weight_version"]
         return 200, ENDPOINTS["/update_weights_from_tensor"]["example_response"]
@@ -324,6 +364,7 @@ class FakeSGLang:
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 dist.broadcast(t, src=0, group=pg)
                 self.received.append((name, tuple(shape), _sha(t)))
+                self._apply_update([(name, t)])
             else:
                 self.received.append((name, tuple(shape), ""))
         if payload.get("weight_version") is not None:
@@ -338,6 +379,92 @@ class FakeSGLang:
 
             dist.destroy_process_group(entry["pg"])
         return 200, ENDPOINTS["/destroy_weights_update_group"]["example_response"]
+
+    def ep_get_weights_by_name(self, payload):
+        """SGLang's Llama-family `get_weights_by_name` at tp 1: the tensor as float32 `.tolist()`, cut to
+        the first `truncate_size` entries of its first dimension (rows of a 2-D tensor); an unknown
+        name is the handler's 400 "Get parameter by name failed"."""
+        import torch
+
+        with self.lock:
+            t = self.weights.get(payload.get("name"))
+        if t is None:
+            return 400, {"error": {"message": "Get parameter by name failed"}}
+        values = t.to(torch.float32).reshape(-1 if t.dim() == 0 else t.shape).tolist()
+        return 200, values[:payload.get("truncate_size", 100)]
+
+    def ep_weights_checker(self, payload):
+        """SGLang's `WeightChecker.handle` over the held weights; a failure is HTTP 400 with
+        success false and the exception text as message (http_server.py: check_weights)."""
+        action = payload.get("action", "checksum")
+        skip = payload.get("skip_tensor_list") or ()
+        try:
+            with self.lock:
+                if action == "snapshot":
+                    self.snapshot = {n: t.clone() for n, t in self.weights.items()}
+                    extra = {}
+                elif action == "reset_tensors":
+                    for name in list(self.weights):
+                        if not any(p in name for p in skip):
+                            self.weights[name] = _random_like(self.weights[name])
+                    extra = {}
+                elif action == "compare":
+                    self._compare(skip)
+                    extra = {}
+                elif action == "checksum":
+                    extra = self._checksum(skip)
+                else:
+                    raise Exception(f"Unsupported {action=}")
+        except Exception as exc:  # noqa: BLE001 - SGLang answers with str(exception)
+            return 400, {"success": False, "message": f"{exc}"}
+        return 200, {"success": True, "message": "Success.", **extra}
+
+    def _compare(self, skip) -> None:
+        """Every snapshot tensor against the current one, value-exact; SGLang's message format. A
+        compare that passes consumes the snapshot (0.5.23); without one it is SGLang's bare assert."""
+        assert self.snapshot is not None
+        errors = []
+        names = list(self.snapshot) + [n for n in self.weights if n not in self.snapshot]
+        for name in names:
+            if any(p in name for p in skip):
+                continue
+            expect, actual = self.snapshot.get(name), self.weights.get(name)
+            if expect is not None and actual is not None and expect.shape == actual.shape:
+                diff = (actual.float() - expect.float()).abs()  # SGLang: equal iff every |diff| is 0
+                exceed = int((~(diff <= 0)).sum())  # `~(diff <= tol)`: NaN counts too
+                if exceed == 0:
+                    continue
+                max_err, mean_err = diff.max().item(), diff.sum().item() / max(diff.numel(), 1)
+            else:  # SGLang fails an assert here (name order or shape); the fake names the tensor instead
+                max_err, mean_err, exceed = float("nan"), float("nan"), -1
+            errors.append(f"name={name} max_abs_err={max_err} mean_abs_err={mean_err} num_exceed={exceed} "
+                          f"expect={_raw_repr(expect)} actual={_raw_repr(actual)} ")
+        if errors:
+            raise Exception("check tensor equality failed:\n" + "\n".join(errors))
+        self.snapshot = None
+
+    def _checksum(self, skip) -> dict:
+        """SGLang 0.5.23's body: `ranks` (one ChecksumInfo per TP rank) and `per_engine_checksum`. The
+        fake cuts every tensor along dim 0 into tp_size shards, so TP ranks hash different bytes."""
+        ranks = []
+        for tp_rank in range(self.tp_size):
+            sums = {}
+            for name, t in self.weights.items():
+                if any(p in name for p in skip):
+                    continue
+                shard = t.chunk(self.tp_size)[tp_rank] if t.dim() and t.shape[0] >= self.tp_size else t
+                sums[name] = _sha(shard)
+            overall = hashlib.sha256()
+            for name in sorted(sums):
+                overall.update(name.encode())
+                overall.update(sums[name].encode())
+            info = {"role": "target", "tp_rank": tp_rank, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
+                    "pp_rank": 0, "pp_size": 1, "rank": tp_rank, "size": self.tp_size}
+            ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [info]})
+        engine = hashlib.sha256()
+        for info in ranks:
+            engine.update(info["per_gpu_checksum"].encode())
+        return {"ranks": ranks, "per_engine_checksum": engine.hexdigest()}
 
     def ep_generate(self, payload):
         if not all(self.memory.values()):
@@ -403,8 +530,49 @@ class FakeSGLang:
         return {"output_ids": tokens, "meta_info": meta}
 
 
+def _tied_embeddings(model_path: str) -> bool:
+    try:
+        return bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings"))
+    except (OSError, ValueError):
+        return False
+
+
 def _sha(t) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+    """First 16 hex of sha256 over the raw bytes (any dtype, bf16 included)."""
+    import torch
+
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+
+
+def _load_safetensors_dir(path) -> dict[str, Any]:
+    """All tensors of `path`/*.safetensors (sorted file order), or {} when it is not such a directory."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return {}
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _random_like(t):
+    """SGLang's `_random_like`: uniform [0, 1) for floats, random bits for bool/int tensors."""
+    import torch
+
+    if t.dtype.is_floating_point:
+        return torch.rand(t.shape, dtype=torch.float32).to(t.dtype)
+    if t.dtype == torch.bool:
+        return torch.rand(t.shape) > 0.5
+    info = torch.iinfo(t.dtype)
+    return torch.randint(int(info.min), int(info.max), t.shape, dtype=t.dtype)
+
+
+def _raw_repr(t) -> str:
+    return "missing" if t is None else f"raw(shape={tuple(t.shape)} dtype={t.dtype})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--die-once-marker", default=None)
     ap.add_argument("--startup-delay", type=float, default=0.0)
     ap.add_argument("--step-delay", type=float, default=0.0)
+    ap.add_argument("--ignore-update-of", action="append", default=[], metavar="NAME")
+    ap.add_argument("--disable-endpoint", action="append", default=[], metavar="PATH")
     args, extra = ap.parse_known_args(argv)
     if args.host != "127.0.0.1":
         print(f"fake-sglang: refusing host {args.host}: loopback only", flush=True)
@@ -441,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(args.startup_delay)
     fake = FakeSGLang(port=args.port, model_path=args.model_path, tp_size=args.tp_size, vocab_size=vocab,
                       eos_token_id=eos, weight_version=args.weight_version, step_delay_s=args.step_delay,
-                      die_after=args.die_after, die_once_marker=args.die_once_marker, extra_args=extra)
+                      die_after=args.die_after, die_once_marker=args.die_once_marker, extra_args=extra,
+                      ignore_update_of=args.ignore_update_of, disable_endpoints=args.disable_endpoint)
     print(f"fake-sglang: serving on {fake.url}", flush=True)
     try:
         fake.httpd.serve_forever()

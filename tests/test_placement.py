@@ -72,9 +72,12 @@ def test_budget_is_checked_at_config_time():
     with pytest.raises(ConfigError, match="rollout.sglang.tp_size=4 differs from resources.gpus_per_engine=2"):
         load_config(None, ["rollout.engine=sglang", "rollout.sglang.tp_size=4", "resources.num_gpus=8",
                            "resources.trainer_gpus=4", "resources.num_engines=2", "resources.gpus_per_engine=2"])
-    cfg = load_config(None, ["debug.rollout_only=true", "resources.num_gpus=4", "resources.trainer_gpus=8",
-                             "resources.num_engines=2", "resources.gpus_per_engine=2"])
+    cfg = load_config(None, ["rollout.engine=sglang", "debug.rollout_only=true", "resources.num_gpus=4",
+                             "resources.trainer_gpus=8", "resources.num_engines=2", "resources.gpus_per_engine=2"])
     assert cfg.debug.rollout_only  # no trainer: its 8 GPUs are not counted
+    # the in-process hf engine cannot be several engines
+    with pytest.raises(ConfigError, match=r"resources.num_engines=2 with rollout.engine='hf'.*use rollout.engine='sglang'"):
+        load_config(None, ["resources.num_engines=2"])
 
 
 def _bundle_use(pg) -> dict[int, float]:

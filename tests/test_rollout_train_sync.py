@@ -198,9 +198,24 @@ def test_sglang_weight_prefixes_flatten_nested_lists():
     assert _flatten([[1.0, 2.0], [3.0]]) == [1.0, 2.0, 3.0]
 
     class FakeSGLang:
-        def get_weights_by_name(self, name, truncate_size=100):
-            return [[0.5, 0.25], [0.125, 1.0]] if name == "w" else None
+        urls = ["http://a", "http://b"]
+
+        def __init__(self, stale_url=None):
+            self.stale_url = stale_url
+
+        def get_weights_by_name(self, name, truncate_size=100, url=None):
+            if name != "w":
+                return None
+            return [[9.0, 0.25], [0.125, 1.0]] if url == self.stale_url else [[0.5, 0.25], [0.125, 1.0]]
 
     worker = RolloutWorker.__new__(RolloutWorker)
     worker.engine = FakeSGLang()
     assert worker.weight_prefixes(["w", "missing"], 3) == {"w": [0.5, 0.25, 0.125]}
+    # a second server holding other values shows up under name@url (parity then reports it)
+    worker.engine = FakeSGLang(stale_url="http://b")
+    heads = worker.weight_prefixes(["w"], 3)
+    assert heads == {"w": [0.5, 0.25, 0.125], "w@http://b": [9.0, 0.25, 0.125]}
+    from tasks.sync.parity import compare_prefixes
+
+    report = compare_prefixes({"w": [0.5, 0.25, 0.125]}, heads)
+    assert not report.ok and report.mismatched == ["w@http://b"]

@@ -14,7 +14,7 @@ from tasks.rollout.sglang_flags import load_flags, validate_args
 # ServerArgs fields rollflow sets from its own settings: a passthrough may not set them a second way.
 MANAGED_FIELDS = {
     "model_path": "model.path",
-    "host": "(always 127.0.0.1)",
+    "host": "rollout.sglang.host",
     "port": "rollout.sglang.port",
     "tp_size": "rollout.sglang.tp_size (or resources.gpus_per_engine)",
     "mem_fraction_static": "rollout.sglang.mem_fraction_static",
@@ -36,6 +36,11 @@ class SGLangConfig(BaseModel):
         description="program that replaces `{python} -m sglang.launch_server` (a wrapper such as nsys, or a test "
                     "double); the server flags are appended")
     python: Optional[str] = Field(None, description="interpreter that has SGLang (default: this one)")
+    host: str = Field(
+        "127.0.0.1",
+        description="address launched servers bind; 127.0.0.1 keeps them private to their node (the rollout worker "
+                    "must then run there too); 0.0.0.0 lets engines on other nodes of the Ray cluster be reached at "
+                    "their node's IP")
     tp_size: Optional[int] = Field(None, ge=1, description="tensor parallel size (default: resources.gpus_per_engine, or 1)")
     port: Optional[int] = Field(None, ge=1, le=65535, description="server port on 127.0.0.1 (default: a free one)")
     mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1, description="--mem-fraction-static (default: SGLang's)")
@@ -56,6 +61,9 @@ class SGLangConfig(BaseModel):
         "repeat", description="repeat: one request per sample (abortable one by one); native: sampling_params.n")
     weight_sync: Literal["auto", "disk", "tensor", "distributed"] = Field(
         "auto", description="auto: tensor when colocated, disk when disaggregated")
+    weight_sync_backend: Literal["nccl", "gloo"] = Field(
+        "nccl", description="process-group backend of weight_sync=distributed (gloo: CPU-only test setups)")
+    bucket_mb: int = Field(512, ge=1, description="weights per update request / broadcast bucket, in MiB")
     weight_dir: Optional[str] = Field(None, description="where disk weight updates are written (default: a temp dir)")
     seeded: bool = Field(False, description="send sampling_seed (SGLang honours it with --enable-deterministic-inference)")
     log_tail_lines: int = Field(40, ge=1, description="server log lines quoted when the server dies")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import dataclasses
-import io
 import itertools
 import json
 import os
@@ -128,15 +127,11 @@ def buckets_by_bytes(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Ite
 
 
 def serialize_named_tensors(named: list[tuple[str, Any]]) -> bytes:
-    """`[(name, tensor), ...]` pickled with torch's multiprocessing reductions (SGLang's
-    `MultiprocessingSerializer` format): CUDA tensors become CUDA IPC handles, not data."""
-    from multiprocessing.reduction import ForkingPickler
+    """`[(name, tensor), ...]` in SGLang's `MultiprocessingSerializer` format: CUDA tensors become CUDA
+    IPC handles naming their GPU by UUID, CPU tensors carry their bytes (see tasks/sync/ipc.py)."""
+    from tasks.sync.ipc import serialize_named_tensors as ipc_serialize
 
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions with ForkingPickler
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return buf.getvalue()
+    return ipc_serialize(named)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,10 +306,18 @@ class SGLangEngine:
         self.client = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=10.0),
                                    limits=httpx.Limits(max_connections=max_inflight + 16,
                                                        max_keepalive_connections=max_inflight + 16))
+        self.weight_group: str | None = None  # the trainer's weight-update group these servers joined
         self._abort = threading.Event()
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
         self._call = 0
+
+    def _target_version(self, weight_version: int) -> int:
+        """The next version; or the current one again (a re-sync of the same weights, e.g. the startup
+        weight-update check), which cannot lose or double an update."""
+        if weight_version == self.weight_version:
+            return weight_version
+        return next_weight_version(self.weight_version, weight_version)
 
     # -- RolloutEngine ---------------------------------------------------------------------------
     def describe(self) -> dict[str, str]:
@@ -577,7 +580,7 @@ class SGLangEngine:
 
     def update_weights_from_disk(self, model_path: str | Path, weight_version: int, *, load_format: str | None = None,
                                  flush_cache: bool = True, abort_all_requests: bool = False) -> None:
-        version = next_weight_version(self.weight_version, weight_version)
+        version = self._target_version(weight_version)
         payload: dict[str, Any] = {"model_path": str(model_path), "weight_version": str(version),
                                    "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if load_format is not None:
@@ -592,7 +595,7 @@ class SGLangEngine:
         """Bucketed POST /update_weights_from_tensor; one serialized payload per TP rank of each server.
         Tensors move to `device` first (colocated: the engine's GPU, so they travel as IPC handles).
         Returns the number of requests per server."""
-        version = next_weight_version(self.weight_version, weight_version)
+        version = self._target_version(weight_version)
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         device = device or self.tensor_device
         if device is not None:
@@ -650,6 +653,8 @@ class SGLangEngine:
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         for url in self.urls:
             self._post(url, "/destroy_weights_update_group", {"group_name": group_name})
+        if self.weight_group == group_name:
+            self.weight_group = None
 
     def sync_weights_distributed(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], weight_version: int,
                                  *, broadcast: Callable[[Any], None], join_group: Callable[[], Any] | None = None,
@@ -663,7 +668,7 @@ class SGLangEngine:
            while `broadcast(tensor)` sends each tensor of the bucket in the same order.
         Returns the number of buckets.
         """
-        version = next_weight_version(self.weight_version, weight_version)
+        version = self._target_version(weight_version)
         if join_group is not None:
             if master_port is None:
                 raise ValueError("init of the weight group needs master_port")
@@ -685,6 +690,43 @@ class SGLangEngine:
         self.weight_version = version
         return len(buckets)
 
+    # -- trainer-driven paths: the payloads / broadcasts come from the trainer actor -------------------
+    def apply_serialized_bucket(self, payloads: Sequence[str], *, last: bool, weight_version: int) -> None:
+        """One bucket of `/update_weights_from_tensor` already serialized by the trainer (CUDA IPC handles
+        of its own GPU tensors: tasks/sync/ipc.py), `payloads[r]` for TP rank r; the last bucket
+        flushes the cache and sets the version."""
+        need = max(self.tp_sizes)
+        if len(payloads) < need:
+            raise ValueError(f"{len(payloads)} serialized payloads for a server with tp_size {need}: the trainer "
+                             "must serialize one per TP rank")
+        version = self._target_version(weight_version) if last else None
+        for url, tp in zip(self.urls, self.tp_sizes):
+            payload: dict[str, Any] = {"serialized_named_tensors": list(payloads[:tp]), "flush_cache": last}
+            if version is not None:
+                payload["weight_version"] = str(version)
+            self._post(url, "/update_weights_from_tensor", payload)
+        if version is not None:
+            self.weight_version = version
+
+    def join_weight_group(self, master_address: str, master_port: int, *, group_name: str = DEFAULT_GROUP,
+                          backend: str = "nccl", timeout_s: float = 600.0) -> None:
+        """Every server joins the trainer's group (returns once the trainer, rank 0, has joined too)."""
+        for fut in self.init_weights_update_group(master_address, master_port, group_name=group_name, backend=backend):
+            fut.result(timeout=timeout_s)
+        self.weight_group = group_name
+
+    def receive_bucket(self, metas: Sequence[Mapping[str, Any]], *, last: bool, weight_version: int,
+                       group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0) -> None:
+        """Receive one bucket the trainer broadcasts (`metas`: name, dtype, shape in sending order)."""
+        version = self._target_version(weight_version) if last else None
+        futures = self.update_weights_from_distributed(
+            [m["name"] for m in metas], [m["dtype"] for m in metas], [list(m["shape"]) for m in metas],
+            group_name=group_name, weight_version=version, flush_cache=last)
+        for fut in futures:
+            fut.result(timeout=timeout_s)
+        if version is not None:
+            self.weight_version = version
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100, url: str | None = None):
         return self._post(url or self.urls[0], "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
@@ -704,16 +746,8 @@ class SGLangEngine:
 # ----------------------------------------------------------------------------------------------
 
 
-def engine_from_config(model_dir: str | Path, rollout, *, model_name: str, weight_version: int = 0,
-                       base_gpu_id: int | None = None, log_dir: str | Path | None = None) -> SGLangEngine:
-    """An SGLangEngine over `rollout.sglang.urls`, or over a server launched here on loopback.
-
-    `rollout` is a RolloutConfig (its `sglang` section holds the launch settings). SGLang itself is
-    needed only to launch the default `python -m sglang.launch_server`; a missing install is reported
-    here, at use time, with the install hint.
-    """
-    from tasks.rollout.sglang_server import LaunchSpec, free_port
-
+def engine_options(model_dir: str | Path, rollout, *, model_name: str, weight_version: int = 0) -> dict[str, Any]:
+    """SGLangEngine keyword arguments from a RolloutConfig (everything but the servers)."""
     cfg = rollout.sglang
     weight_sync = "disk" if cfg.weight_sync == "auto" else cfg.weight_sync
     tensor_device = None
@@ -721,21 +755,35 @@ def engine_from_config(model_dir: str | Path, rollout, *, model_name: str, weigh
         import torch
 
         tensor_device = "cuda" if torch.cuda.is_available() else None
-    common = dict(model_name=model_name, weight_version=weight_version, tp_sizes=cfg.tp_size or 1,
-                  request_timeout=cfg.request_timeout_s, max_inflight=cfg.max_inflight, load_balance=cfg.load_balance,
-                  n_mode=cfg.n_mode, seeded=cfg.seeded, weight_sync=weight_sync, weight_dir=cfg.weight_dir,
-                  config_dir=model_dir, tensor_device=tensor_device)
-    if cfg.urls:
-        return SGLangEngine(cfg.urls, **common)
-    spec = LaunchSpec(model_path=str(model_dir), port=cfg.port or free_port(), tp_size=cfg.tp_size or 1,
-                      mem_fraction_static=cfg.mem_fraction_static, dtype=cfg.dtype or rollout.dtype,
-                      skip_tokenizer_init=cfg.skip_tokenizer_init, enable_memory_saver=cfg.memory_saver,
-                      base_gpu_id=base_gpu_id, weight_version=weight_version, args=cfg.args,
-                      launcher=tuple(cfg.launcher), python=cfg.python)
+    return dict(model_name=model_name, weight_version=weight_version, tp_sizes=cfg.tp_size or 1,
+                request_timeout=cfg.request_timeout_s, max_inflight=cfg.max_inflight, load_balance=cfg.load_balance,
+                n_mode=cfg.n_mode, seeded=cfg.seeded, weight_sync=weight_sync, weight_dir=cfg.weight_dir,
+                config_dir=model_dir, tensor_device=tensor_device, bucket_bytes=cfg.bucket_mb * 2**20)
+
+
+def engine_from_config(model_dir: str | Path, rollout, *, model_name: str, weight_version: int = 0,
+                       base_gpu_id: int | None = None, log_dir: str | Path | None = None,
+                       servers: Sequence[Any] | None = None) -> SGLangEngine:
+    """An SGLangEngine over `servers` (already launched, e.g. one Ray actor per engine: objects with the
+    SGLangServer interface), over `rollout.sglang.urls`, or over one server launched here on loopback.
+
+    `rollout` is a RolloutConfig (its `sglang` section holds the launch settings). SGLang itself is
+    needed only to launch the default `python -m sglang.launch_server`; a missing install is reported
+    here, at use time, with the install hint.
+    """
+    from tasks.rollout.server_worker import launch_spec_for, server_env
+
+    common = engine_options(model_dir, rollout, model_name=model_name, weight_version=weight_version)
+    if servers:
+        return SGLangEngine([s.url for s in servers], servers=servers, **common)
+    if rollout.sglang.urls:
+        return SGLangEngine(rollout.sglang.urls, **common)
+    spec = launch_spec_for(model_dir, rollout, base_gpu_id=base_gpu_id, weight_version=weight_version)
     log_path = Path(log_dir) / f"sglang-{spec.port}.log" if log_dir else None
-    server = SGLangServer(spec, log_path=log_path, env=cfg.env, tail_lines=cfg.log_tail_lines).start()
+    server = SGLangServer(spec, log_path=log_path, env=server_env(rollout, None),
+                          tail_lines=rollout.sglang.log_tail_lines).start()
     try:
-        server.wait_healthy(cfg.startup_timeout_s)
+        server.wait_healthy(rollout.sglang.startup_timeout_s)
     except BaseException:
         server.stop(timeout=10)
         raise

@@ -24,15 +24,16 @@ from tasks.train.torch_backend import DTYPES
 
 
 def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,
-                 base_gpu_id: int | None = None):
-    """`base_gpu_id`: the engine's first GPU (SGLang `--base-gpu-id`, set by the placement group when an
-    engine spans several GPUs); the hf engine ignores it."""
+                 base_gpu_id: int | None = None, servers: list | None = None):
+    """`servers`: SGLang servers already launched (one actor per engine, see flows/group.py), else
+    this worker launches one itself. `base_gpu_id`: that one's first GPU (SGLang `--base-gpu-id`);
+    the hf engine ignores both."""
     if rollout.engine == "sglang":
         from tasks.rollout.sglang_engine import engine_from_config
 
         path = resolve_model_path(model_spec)
         engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version,
-                                    base_gpu_id=base_gpu_id)
+                                    base_gpu_id=base_gpu_id, servers=servers)
         return engine, load_tokenizer(path)
     if rollout.engine != "hf":
         raise NotImplementedError(
@@ -63,10 +64,10 @@ def extra_stop_ids(model_spec: str, tokenizer) -> tuple[int, ...]:
 class RolloutWorker:
     def __init__(self, model_spec: str, rollout: RolloutConfig, data: DataConfig, *,
                  weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0,
-                 base_gpu_id: int | None = None):
+                 base_gpu_id: int | None = None, servers: list | None = None):
         self.rollout_cfg = rollout
         self.data_cfg = data
-        self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id)
+        self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers)
         self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
         if weights is not None:
             # Start from a checkpoint's weights: the engine is at that checkpoint's version.
@@ -100,6 +101,19 @@ class RolloutWorker:
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
         return self.engine.generate(requests, params)
 
+    # -- control: infra runs these in the actor's "control" concurrency group, so they answer while a
+    # rollout is running in the default group
+    def abort(self, rids: list[str] | None = None) -> int:
+        """Abort the running rollout's requests (all, or these rids); aborted samples come back with
+        status aborted. Returns the number of abort calls sent (0 for engines that cannot abort)."""
+        abort = getattr(self.engine, "abort", None)
+        return int(abort(rids) or 0) if abort is not None else 0
+
+    def inflight(self) -> list[str]:
+        """Request ids in flight now (SGLang engines; empty for in-process engines)."""
+        inflight = getattr(self.engine, "inflight", None)
+        return list(inflight()) if inflight is not None else []
+
     def update_weights(self, named: dict[str, torch.Tensor], weight_version: int) -> int:
         self.engine.update_weights(named, weight_version)
         return self.engine.weight_version
@@ -120,19 +134,95 @@ class RolloutWorker:
         """Bring back `tags` ("weights", "kv_cache"; None = both)."""
         self.engine.resume_memory(list(tags) if tags is not None else None)
 
-    def weight_prefixes(self, names: list[str], n: int) -> dict[str, list[float]]:
-        """First `n` values of the named tensors as the engine holds them (SGLang: /get_weights_by_name)."""
+    def weight_prefixes(self, names: list[str], n: int) -> dict[str, list[float]] | None:
+        """First `n` values of the named tensors as the engine holds them (SGLang: /get_weights_by_name
+        on every server; a server disagreeing with the first one reports the name as `name@url`, so
+        parity fails on an engine that missed an update). None when the served model cannot answer
+        (SGLang implements /get_weights_by_name per model class; e.g. not for Qwen2 in 0.5.23)."""
         from tasks.sync.parity import tensor_prefix
 
-        if hasattr(self.engine, "get_weights_by_name"):
-            out = {}
-            for name in names:
-                values = self.engine.get_weights_by_name(name, truncate_size=n)
-                if values is not None:
-                    out[name] = [float(v) for v in _flatten(values)][:n]
-            return out
-        own = self.engine.named_weights()
-        return {name: tensor_prefix(own[name], n) for name in names if name in own}
+        if not hasattr(self.engine, "get_weights_by_name"):
+            own = self.engine.named_weights()
+            return {name: tensor_prefix(own[name], n) for name in names if name in own}
+        from tasks.rollout.sglang_engine import SGLangRequestError
+
+        out: dict[str, list[float]] = {}
+        for i, url in enumerate(getattr(self.engine, "urls", [None])):
+            for j, name in enumerate(names):
+                try:
+                    values = self.engine.get_weights_by_name(name, truncate_size=n, url=url)
+                except SGLangRequestError:
+                    if i == 0 and j == 0:
+                        return None  # the model class has no get_weights_by_name at all
+                    raise
+                if values is None:
+                    continue
+                head = [float(v) for v in _flatten(values)][:n]
+                if i == 0:
+                    out[name] = head
+                elif out.get(name) != head:
+                    out[f"{name}@{url}"] = head
+        return out
+
+    def engine_checks(self, weight_version: int) -> dict:
+        """After a sync, engine-side checks needing no trainer data: every server reports the expected
+        weight_version, and (several servers) all hold identical tensors by SGLang's /weights_checker
+        checksums. Empty for in-process engines."""
+        if not hasattr(self.engine, "model_info"):
+            return {"mismatched": [], "notes": []}
+        from tasks.rollout.sglang_weights_check import WeightsCheckerMissing, compare_engines, engine_checksums
+
+        mismatched, notes = [], []
+        for url in self.engine.urls:
+            served = str(self.engine.model_info(url).get("weight_version"))
+            if served != str(weight_version):
+                mismatched.append(f"weight_version@{url}: serves {served}, expected {weight_version}")
+        if len(self.engine.urls) > 1:
+            try:
+                check = compare_engines(engine_checksums(self.engine))
+                mismatched += [f"{name}@{url}" for url, names in check.by_url.items() for name in names]
+            except WeightsCheckerMissing as exc:
+                notes.append(f"servers not compared with each other: {exc}")
+        return {"mismatched": mismatched, "notes": notes}
+
+    # -- whole-tensor check (debug.check_weight_update_equal, slime's --check-weight-update-equal) --------
+    def prepare_overwrite_check(self) -> None:
+        """Snapshot every server's weights, then randomise them (the next sync must overwrite all)."""
+        from tasks.rollout.sglang_weights_check import prepare_overwrite_check
+
+        prepare_overwrite_check(self.engine)
+
+    def finish_overwrite_check(self) -> dict:
+        """Compare every server's weights with its snapshot, value for value."""
+        from tasks.rollout.sglang_weights_check import finish_overwrite_check
+
+        return finish_overwrite_check(self.engine).to_dict()
+
+    # -- weight sync driven by the trainer (flows/weight_sync.py) -----------------------------------
+    def weight_sync_mode(self) -> str:
+        """How this engine takes weights: object_store (in-process engines), disk, tensor or distributed."""
+        return getattr(self.engine, "weight_sync", "object_store")
+
+    def tp_size(self) -> int:
+        """The largest TP size of the engine's servers (payloads the trainer serializes per bucket)."""
+        return max(getattr(self.engine, "tp_sizes", [1]))
+
+    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int) -> int:
+        self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version)
+        return self.engine.weight_version
+
+    def in_weight_group(self, group_name: str) -> bool:
+        return getattr(self.engine, "weight_group", None) == group_name
+
+    def weight_group_world_size(self) -> int:
+        return self.engine.weight_group_world_size
+
+    def join_weight_group(self, master_address: str, master_port: int, group_name: str, backend: str) -> None:
+        self.engine.join_weight_group(master_address, master_port, group_name=group_name, backend=backend)
+
+    def receive_weight_bucket(self, metas: list[dict], last: bool, weight_version: int, group_name: str) -> int:
+        self.engine.receive_bucket(metas, last=last, weight_version=weight_version, group_name=group_name)
+        return self.engine.weight_version
 
     def weight_checksums(self) -> dict[str, str]:
         return checksums(self.engine.named_weights())

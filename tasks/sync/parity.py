@@ -19,7 +19,7 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     """sha256 over dtype, shape and raw bytes (so a reshape or a cast is a mismatch too)."""
     t = tensor.detach().cpu().contiguous()
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -80,9 +80,11 @@ def compare_prefixes(trainer: dict[str, list[float]], engine: dict[str, list[flo
     still catches unmapped names, swapped layers, a wrong pipeline-stage offset and dtype mistakes.
     """
     names = sorted(trainer)
+    # `name@url`: a further server of the engine whose head differs from the first server's.
+    other_servers = sorted(k for k in engine if "@" in k and k.split("@", 1)[0] in trainer)
     return ParityReport(
         n_tensors=len(names),
-        mismatched=[n for n in names if n in engine and engine[n] != trainer[n]],
+        mismatched=[n for n in names if n in engine and engine[n] != trainer[n]] + other_servers,
         missing_in_engine=[n for n in names if n not in engine],
         unexpected_in_engine=[],
     )

@@ -7,6 +7,7 @@ micro-batches leaves the gradient unchanged.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -72,28 +73,49 @@ def micro_batch_objective(log_probs: torch.Tensor, entropy: torch.Tensor, micro:
     return loss, {k: float(v.detach()) for k, v in stats.items()}
 
 
+def minibatch_slices(n_rows: int, steps_per_rollout: int) -> list[slice]:
+    """Rows of each optimizer step's mini-batch: consecutive, ceil(n / steps) rows each (the last ones
+    may be short or empty). Data parallel ranks derive their shares from these same slices."""
+    steps = min(steps_per_rollout, n_rows)
+    if steps == 0:
+        return []
+    mini_size = -(-n_rows // steps)
+    return [slice(step * mini_size, min((step + 1) * mini_size, n_rows)) for step in range(steps)]
+
+
 def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size: int, *,
-                    zero_grad, micro_step, optimizer_step) -> dict[str, float]:
+                    zero_grad, micro_step, optimizer_step,
+                    local_rows: Callable[[int], slice] | None = None,
+                    sum_stats: Callable[[dict[str, float]], dict[str, float]] | None = None) -> dict[str, float]:
     """The optimizer loop every backend shares: consecutive mini-batches, one optimizer step each.
 
     `micro_step(micro, denom) -> stats` runs forward + objective + backward of one micro-batch;
     `optimizer_step() -> grad_norm` clips and steps. Returns the mean of the step statistics as
     `train/*`, plus the first step's ppo_kl / pg_clipfrac / grad_norm (exactly 0, 0, finite at step 1).
+
+    Data parallel (both None on one rank): `local_rows(mini_size) -> slice` picks this rank's rows of
+    each mini-batch, and `sum_stats(stats) -> stats` sums the ranks' shares of the statistics. The
+    denominators stay those of the whole mini-batch (every rank holds the whole batch), so the ranks'
+    losses add up to the single-rank loss and their gradients must be summed, not averaged.
     """
-    steps = min(steps_per_rollout, batch.size)
-    mini_size = -(-batch.size // steps)
+    slices = minibatch_slices(batch.size, steps_per_rollout)
+    steps = len(slices)
     totals: dict[str, float] = {}
     first: dict[str, float] = {}
-    for step in range(steps):
-        mini = batch.select(slice(step * mini_size, (step + 1) * mini_size))
+    for rows in slices:
+        mini = batch.select(rows)
         if mini.size == 0:
             continue
         denom = Denominators.of(mini)
+        if local_rows is not None:
+            mini = mini.select(local_rows(mini.size))  # may be empty: the rank still joins the collectives
         zero_grad()
         acc: dict[str, float] = {}
         for start in range(0, mini.size, micro_batch_size):
             for key, value in micro_step(mini.select(slice(start, start + micro_batch_size)), denom).items():
                 acc[key] = acc.get(key, 0.0) + value
+        if sum_stats is not None:
+            acc = sum_stats(acc)
         acc["grad_norm"] = float(optimizer_step())
         if not first:
             first = dict(acc)

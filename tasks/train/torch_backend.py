@@ -1,15 +1,25 @@
-"""The `torch` TrainBackend: a plain PyTorch model + AdamW, one process, CPU or one GPU."""
+"""The `torch` TrainBackend: a plain PyTorch model + AdamW, CPU or GPU; one process, or one process per
+data-parallel rank (`tasks/train/data_parallel.py`)."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 
 import torch
 
 from tasks.train.batch import TrainBatch
 from tasks.train.losses import entropy_from_logits
-from tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
+from tasks.train.data_parallel import (
+    DataParallel,
+    all_reduce_grads,
+    broadcast_module,
+    init_data_parallel,
+    shard_rows,
+    sum_stats,
+)
+from tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
 from tasks.train.settings import AlgoConfig, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -38,18 +48,39 @@ def split_rows(batch: TrainBatch, size: int) -> list[TrainBatch]:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model, optim: OptimConfig, *, temperature: float = 1.0, keep_ref: bool = True):
+    def __init__(self, model, optim: OptimConfig, *, temperature: float = 1.0, keep_ref: bool = True,
+                 dp: DataParallel | None = None):
         torch.set_num_threads(optim.threads)
-        torch.manual_seed(optim.seed)
+        torch.manual_seed(optim.seed)  # the same seed on every rank
         self.optim_cfg = optim
         self.temperature = temperature if temperature > 0 else 1.0
+        self.dp = dp
+        if dp is not None and dp.enabled and dp.backend == "nccl":
+            device = torch.device(optim.device)
+            if device.type != "cuda":
+                raise ValueError(f"DataParallel.backend='nccl' needs train.device=cuda (got {optim.device!r}); "
+                                 "use backend='gloo' on CPU")
+            if device.index is not None:
+                torch.cuda.set_device(device)  # NCCL binds each rank to its current device
+        # None on one rank: then nothing below runs a collective and the numerics are the single-rank ones.
+        self.group = init_data_parallel(dp) if dp is not None else None
         self.model = model.to(device=optim.device, dtype=DTYPES[optim.dtype])
+        if self.group is not None:
+            broadcast_module(self.model, self.group)
         # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if keep_ref else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
             betas=(optim.adam_beta1, optim.adam_beta2),
         )
+
+    @property
+    def rank(self) -> int:
+        return self.dp.rank if self.group is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp.world_size if self.group is not None else 1
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:
@@ -59,6 +90,9 @@ class TorchBackend:
         was_training = model.training
         model.eval()
         # Same micro-batch split as the training forward: numerics then match bit for bit.
+        # Data parallel: every rank scores the whole batch, no collective. Advantages need every row
+        # anyway, the old/ref log-probs are then bitwise the single-rank ones on every rank, and this
+        # method can be called on one rank alone (alignment checks). The cost is redundant forwards.
         parts = [response_log_probs(model, mb, self.temperature, False)[0]
                  for mb in split_rows(batch, self.optim_cfg.micro_batch_size)]
         model.train(was_training)
@@ -75,14 +109,24 @@ class TorchBackend:
             loss.backward()
             return stats
 
+        local_rows = stats_sum = None
+        if self.group is not None:
+            # This rank's share of each (single-rank) mini-batch; statistics are summed across ranks.
+            local_rows = functools.partial(shard_rows, rank=self.dp.rank, world=self.dp.world_size)
+            stats_sum = functools.partial(sum_stats, group=self.group, names=STAT_NAMES)
+
         def optimizer_step() -> float:
+            if self.group is not None:
+                # Before clipping, so the norm (and the clip) is that of the global gradient.
+                all_reduce_grads(self.model.parameters(), self.group)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
             self.optimizer.step()
             return float(grad_norm)
 
         return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
                                zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
-                               micro_step=micro_step, optimizer_step=optimizer_step)
+                               micro_step=micro_step, optimizer_step=optimizer_step,
+                               local_rows=local_rows, sum_stats=stats_sum)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -2,6 +2,10 @@
 
 A plain class; `infra/` runs it as a Ray actor, GPU scripts and tests may call it directly. It reads
 its inputs from the artifact store by reference, so nothing big crosses the orchestrator.
+
+Data parallel (`dp`, torch backend only): one TrainWorker per rank. Construction, `train_on_artifact`
+and `replay_step` run collectives, so they must be called on EVERY rank concurrently with the same
+arguments; everything else is local (and the ranks' weights are identical, so rank 0 answers for all).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from artifacts.store import ArtifactRef, RolloutStore
 from tasks.model.source import resolve_model_path
 from tasks.model.tiny import load_model
 from tasks.sync.parity import checksums
-from tasks.train.checkpoint import load_checkpoint, load_state, save_checkpoint, save_state
+from tasks.train.checkpoint import checkpoint_dir, load_checkpoint, load_state, save_checkpoint, save_state
+from tasks.train.data_parallel import DataParallel
 from tasks.train.dump import train_dump_bytes
 from tasks.train.replay import infer_group_size, subsample_groups
 from tasks.train.settings import AlgoConfig, OptimConfig
@@ -20,7 +25,16 @@ from tasks.train.step import train_on_samples
 from tasks.train.torch_backend import TorchBackend
 
 
-def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float):
+MEGATRON_DP_REFUSED = ("multi-rank Megatron (TP/PP/DP across GPUs) is not available in this build; use "
+                       "train.backend=torch for data parallel or trainer_gpus=1")
+
+
+def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp: DataParallel | None = None):
+    """The backend of `optim.backend`; `dp` makes the torch backend one rank of a data-parallel group."""
+    multi_rank = dp is not None and dp.enabled
+    if optim.backend == "megatron" and multi_rank:
+        # Refused before anything loads or joins a group: the megatron backend is one process, one GPU.
+        raise NotImplementedError(f"{MEGATRON_DP_REFUSED} (got world_size={dp.world_size})")
     if optim.backend == "megatron":
         from tasks.train.megatron_backend import build_megatron_backend  # imports megatron-core lazily
 
@@ -31,20 +45,23 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float):
 
     # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
     model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
-    return TorchBackend(model, optim, temperature=temperature)
+    return TorchBackend(model, optim, temperature=temperature, dp=dp)
 
 
 class TrainWorker:
     def __init__(self, model_spec: str, optim: OptimConfig, algo: AlgoConfig, *, store_root: str, run: str,
                  temperature: float = 1.0, resume_iteration: int | None = None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, dp: DataParallel | None = None):
+        """`dp`: this worker is one rank of a data-parallel trainer (one TrainWorker per rank, all built
+        concurrently: construction blocks until every rank has joined)."""
         self.optim = optim
+        self.dp = dp
         self.algo = algo
         self.run = run
         self.store_root = store_root
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
-        self.backend = build_backend(model_spec, optim, temperature=temperature)
+        self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp)
         # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
         self._initial_state = self.backend.checkpoint_bytes()
         if resume_iteration is not None:
@@ -53,6 +70,17 @@ class TrainWorker:
 
     def ping(self) -> bool:
         return True
+
+    @property
+    def is_primary(self) -> bool:
+        """Rank 0 (or the only rank): the one that writes checkpoints, states and dumps."""
+        return self.dp is None or self.dp.is_primary
+
+    def describe(self) -> dict:
+        """Backend and data-parallel placement of this worker (small JSON, for logs and checks)."""
+        return {"backend": self.backend.name, "rank": self.dp.rank if self.dp else 0,
+                "world_size": self.dp.world_size if self.dp else 1,
+                "dp_backend": self.dp.backend if self.dp and self.dp.enabled else None}
 
     def load_artifact(self, ref: dict) -> int:
         """Load (and checksum) a rollout artifact ahead of `train_on_artifact`; returns its sample count.
@@ -90,7 +118,7 @@ class TrainWorker:
             )
         result = train_on_samples(self.backend, samples, self.algo, group_size=group_size,
                                   compute_ref=self.optim.compute_ref_log_probs)
-        if dump_uri is not None:
+        if dump_uri is not None and self.is_primary:
             self._write(dump_uri, train_dump_bytes(result.batch, artifact.manifest.rollout_id))
         metrics = result.metrics | {"train/n_samples": float(len(samples))}
         if missing:
@@ -106,7 +134,8 @@ class TrainWorker:
             else self._initial_state
         self.backend.load_checkpoint_bytes(start)
         metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri)
-        save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
+        if self.is_primary:  # every rank holds the same state after the step
+            save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
         return metrics
 
     def _write(self, uri: str, data: bytes) -> None:
@@ -120,7 +149,15 @@ class TrainWorker:
             f.write(data)
 
     def save_checkpoint(self, iteration: int, extra: dict | None = None) -> str:
-        """`extra` (JSON) goes into the checkpoint's meta.json, e.g. the data source's cursor."""
+        """`extra` (JSON) goes into the checkpoint's meta.json, e.g. the data source's cursor.
+
+        Data parallel: rank 0 writes; the other ranks hold the same state and only return the folder.
+        No collective, so calling it on rank 0 alone or on every rank are both fine.
+        """
+        if not self.is_primary:
+            from artifacts.storage import open_fs
+
+            return checkpoint_dir(open_fs(self.store_root, self.storage_options)[1], self.run, iteration)
         return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
                                extra=extra, storage_options=self.storage_options)
 
@@ -143,3 +180,41 @@ class TrainWorker:
 
             named = {k: v.to(DTYPES[as_dtype]) for k, v in named.items()}
         return checksums(named)
+
+    # -- weight sync into SGLang engines, driven by flows/weight_sync.py (rank 0 only) -------------------
+    def _sender(self):
+        from tasks.train.weight_sender import WeightSender
+
+        if getattr(self, "_weight_sender", None) is None:
+            self._weight_sender = WeightSender(self._device_weights)
+        return self._weight_sender
+
+    def _device_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named tensors where they live (the trainer's GPU): IPC handles and broadcasts need no copy."""
+        model = getattr(self.backend, "model", None)
+        if isinstance(self.backend, TorchBackend) and model is not None:
+            return {k: v.detach() for k, v in model.state_dict().items()}
+        return self.backend.named_weights()
+
+    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None) -> int:
+        device = self.optim.device if str(self.optim.device).startswith("cuda") else None
+        return self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device)
+
+    def ipc_next(self) -> dict:
+        return self._sender().ipc_next()
+
+    def ipc_end(self) -> None:
+        self._sender().ipc_end()
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return self._sender().group_address()
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str = "nccl") -> None:
+        self._sender().join_group(master_address, master_port, world_size, group_name, backend)
+
+    def weight_bucket_plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict]]:
+        return self._sender().plan(bucket_bytes, dtype)
+
+    def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
+        return self._sender().broadcast_bucket(index, device)

@@ -1,0 +1,64 @@
+"""`RemoteServer`: an SGLang server run by its own Ray actor (tasks/rollout/server_worker.py), seen
+through the interface `SGLangEngine` uses for a local `SGLangServer` (url, poll, alive, check_alive,
+log_tail, stop). Picklable: the rollout worker actor receives a list of these.
+
+A dead server process and a dead server actor both read as "died", with the last log lines when
+the actor can still give them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ACTOR_GONE = -255  # poll() of a server whose actor is gone (no exit code to report)
+
+
+@dataclasses.dataclass
+class RemoteServer:
+    actor: Any  # Ray actor handle of an SGLangServerWorker
+    url: str
+    name: str = ""
+    timeout_s: float = 60.0
+
+    def _get(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+
+    def poll(self) -> int | None:
+        try:
+            return self._get("poll")
+        except Exception:  # noqa: BLE001 - an unreachable actor is a dead server
+            return ACTOR_GONE
+
+    def alive(self) -> bool:
+        return self.poll() is None
+
+    def check_alive(self, during: str = "rollout") -> None:
+        from ray.exceptions import RayTaskError
+
+        from tasks.rollout.sglang_server import EngineDiedError
+
+        try:
+            self._get("check_alive", during)
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, EngineDiedError):
+                raise cause from None  # the server's own report: exit code and log tail
+            raise
+        except Exception as exc:  # noqa: BLE001 - the actor itself died (node lost, killed, OOM)
+            raise EngineDiedError(f"SGLang server actor {self.name or self.url} died during {during} "
+                                  f"({type(exc).__name__}: {exc})", returncode=ACTOR_GONE) from None
+
+    def log_tail(self, n: int | None = None) -> list[str]:
+        try:
+            return self._get("log_tail", n)
+        except Exception:  # noqa: BLE001
+            return []
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        try:
+            return self._get("stop", timeout)
+        except Exception:  # noqa: BLE001 - already gone
+            return ACTOR_GONE

@@ -1,0 +1,215 @@
+"""Colocated weight sync payloads: CUDA tensors travel as IPC handles, SGLang-compatible.
+
+The trainer pickles `[(name, tensor), ...]` the way SGLang's `MultiprocessingSerializer` does (torch's
+multiprocessing reductions: a CUDA tensor becomes `(rebuild_cuda_tensor, args)` holding an IPC handle,
+not data), base64-encodes one copy per TP rank, and POSTs them to `/update_weights_from_tensor`.
+
+Device identity: torch puts the sender's *local* device index into slot `DEVICE_SLOT` of the rebuild
+args. Ray gives the trainer actor `CUDA_VISIBLE_DEVICES=k` (so its GPU is index 0) while the SGLang
+server sees several GPUs, so an index means a different GPU on each side. SGLang's workers patch
+torch's reductions (`monkey_patch_torch_reductions`) so that slot carries the device UUID string,
+which they map back to their own index; an int is used as-is. We write the UUID without patching
+torch: our pickler reduces tensors itself, and our unpickler (`deserialize_named_tensors`, used by the
+hf engine and tests) maps the UUID in `find_class` instead of replacing torch's functions.
+
+Only torch, collections and builtins globals appear in a payload: SGLang's receiving `SafeUnpickler`
+allows nothing else (a rollflow function in the pickle would be refused there).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import os
+import pickle
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch.multiprocessing import reductions
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+# Position of `storage_device` in the args of torch.multiprocessing.reductions.rebuild_cuda_tensor
+# (the same index SGLang's patch rewrites).
+DEVICE_SLOT = 6
+_REBUILD_CUDA = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+
+
+class IpcDeviceError(RuntimeError):
+    """A CUDA IPC handle names a GPU that this process cannot see."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Device slot: pure functions (tested without a GPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def replace_device_slot(args: tuple, device: int | str) -> tuple:
+    """`args` of rebuild_cuda_tensor with the device slot replaced."""
+    if len(args) <= DEVICE_SLOT:
+        raise ValueError(f"rebuild_cuda_tensor args have {len(args)} items; the device is item {DEVICE_SLOT}")
+    return (*args[:DEVICE_SLOT], device, *args[DEVICE_SLOT + 1:])
+
+
+def _norm_uuid(uuid: str) -> str:
+    # torch prints a bare UUID; nvidia-smi and CUDA_VISIBLE_DEVICES use "GPU-<uuid>"
+    return uuid.strip().lower().removeprefix("gpu-")
+
+
+def local_device_index(device: int | str, visible_uuids: Sequence[str]) -> int:
+    """The local index of `device` (a UUID string, or an index used as-is) among `visible_uuids`."""
+    if isinstance(device, bool) or not isinstance(device, (int, str)):
+        raise TypeError(f"CUDA IPC device slot holds {device!r} ({type(device).__name__}): expected int or UUID str")
+    if isinstance(device, int):
+        return device
+    wanted = _norm_uuid(device)
+    for index, uuid in enumerate(visible_uuids):
+        if _norm_uuid(uuid) == wanted:
+            return index
+    visible = ", ".join(f"{i}={u}" for i, u in enumerate(visible_uuids)) or "no CUDA device"
+    raise IpcDeviceError(
+        f"CUDA IPC handle is on GPU {device}, which this process does not see (visible: {visible}; "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): colocated weight sync needs "
+        f"the receiver to see the sender's GPU")
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_device_uuids() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+# ----------------------------------------------------------------------------------------------
+# Sending side
+# ----------------------------------------------------------------------------------------------
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """Detached, plain `torch.Tensor` (Parameters and subclasses reduce like tensors)."""
+    if is_traceable_wrapper_subclass(tensor):
+        raise TypeError(f"{type(tensor).__name__} is a wrapper tensor subclass (e.g. DTensor): gather it to a "
+                        f"plain local tensor before a weight sync")
+    t = tensor.detach()
+    return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> tuple:
+    t = _plain(tensor)
+    if t.is_cuda:
+        rebuild, args = reductions.reduce_tensor(t)
+        return rebuild, replace_device_slot(args, device_uuid(args[DEVICE_SLOT]))
+    # CPU (and other non-CUDA) tensors travel by value. torch's shared-memory reduction for CPU
+    # (the default `file_descriptor` strategy) hands the fd over through multiprocessing's resource
+    # sharer, authenticated with the parent's authkey: an unrelated receiver (an HTTP server, a Ray
+    # actor) cannot fetch it. Tensor.__reduce_ex__ embeds the bytes (torch._utils / torch.storage
+    # globals only); a view of a larger storage is compacted first so only its own bytes travel.
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.__reduce_ex__(2)
+
+
+class _TensorPickler(pickle.Pickler):
+    """A pickler whose tensor reduction is ours; torch's global reducers stay untouched."""
+
+    def reducer_override(self, obj: Any):
+        if isinstance(obj, torch.Tensor):
+            return _reduce_tensor(obj)
+        return NotImplemented
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
+    """SGLang's `update_weights_from_tensor` payload: a pickled list of (name, tensor).
+
+    CUDA tensors become IPC handles naming their GPU by UUID (the sender must keep them alive until
+    the receiver is done); other tensors carry their bytes."""
+    buf = io.BytesIO()
+    _TensorPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump([(str(n), t) for n, t in named])
+    return buf.getvalue()
+
+
+def encode_payloads(named: list[tuple[str, torch.Tensor]], *, tp_size: int = 1) -> list[str]:
+    """`serialized_named_tensors`: one base64 payload per TP rank. Each rank gets its own serialization
+    because CUDA IPC ref-counts are per serialization (a rank releasing its copy must not free another's)."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    return [base64.b64encode(serialize_named_tensors(named)).decode("ascii") for _ in range(tp_size)]
+
+
+@dataclasses.dataclass
+class IpcBucket:
+    """One request's payloads plus the tensors they point into: keep `keepalive` referenced until the
+    receiver answered, or the IPC handles may name freed (and reused) memory."""
+
+    payloads: list[str]
+    keepalive: list[torch.Tensor]
+    names: list[str]
+    nbytes: int
+
+
+def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, tp_size: int = 1,
+                device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Iterator[IpcBucket]:
+    """Consecutive tensors up to `bucket_bytes` per bucket (a larger tensor alone), each first moved to
+    `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time."""
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    size = 0
+
+    def bucket() -> IpcBucket:
+        pairs = list(zip(names, tensors))
+        return IpcBucket(payloads=encode_payloads(pairs, tp_size=tp_size), keepalive=list(tensors),
+                         names=list(names), nbytes=size)
+
+    for name, tensor in named:
+        t = tensor.detach().to(device=device, dtype=dtype)
+        nbytes = t.numel() * t.element_size()
+        if tensors and size + nbytes > bucket_bytes:
+            yield bucket()
+            names, tensors, size = [], [], 0
+        names.append(name)
+        tensors.append(t)
+        size += nbytes
+    if tensors:
+        yield bucket()
+
+
+# ----------------------------------------------------------------------------------------------
+# Receiving side (ours: the hf engine and tests; SGLang has its own)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rebuild_cuda_tensor_here(*args):
+    device = args[DEVICE_SLOT]
+    if isinstance(device, str):
+        args = replace_device_slot(args, local_device_index(device, visible_device_uuids()))
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+_SAFE_BUILTINS = frozenset({"list", "tuple", "dict", "set", "frozenset", "str", "bytes", "bytearray",
+                            "int", "float", "bool", "complex", "slice", "range"})
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Loads payloads of `serialize_named_tensors` (and SGLang's). Only torch, collections and plain
+    builtins may be named, as in SGLang's SafeUnpickler: a payload arrives over HTTP."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == _REBUILD_CUDA:
+            return _rebuild_cuda_tensor_here
+        if module == "torch" or module.startswith("torch.") or module == "collections" or (
+                module == "builtins" and name in _SAFE_BUILTINS):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"weight payload names {module}.{name}: only torch, collections and plain "
+                                     f"builtins are allowed")
+
+
+def deserialize_named_tensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of `serialize_named_tensors` in another process: IPC handles open on the local index
+    of the GPU whose UUID they carry."""
+    named = _TensorUnpickler(io.BytesIO(data)).load()
+    if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
+        raise ValueError(f"weight payload is {type(named).__name__}, expected a list of (name, tensor)")
+    return [(str(n), t) for n, t in named]
