@@ -17,7 +17,7 @@ from artifacts.store import ArtifactRef, RolloutStore
 from flows import reporting
 from flows.config import RunConfig
 from flows.exports import dump_uri, side_exports
-from flows.group import ENGINE, TRAINER, call_all_ranks, ensure_engine, require
+from flows.group import ENGINE, TRAINER, call_all_ranks, ensure_engine, require, trainer_world_size
 from flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
 from tasks.rollout.dataset import data_state
 from tasks.rollout.evaluation import eval_summary
@@ -25,6 +25,13 @@ from tasks.rollout.rewards import reward_fn_from_config, score_samples
 from tasks.sync.parity import compare, compare_prefixes
 
 PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export whole tensors
+
+
+def on_trainer(cfg: RunConfig, method: str, *args, **kwargs):
+    """`method` on the trainer: on every data-parallel rank at once when there are several."""
+    if trainer_world_size(cfg) > 1:
+        return call_all_ranks(cfg, method, *args, **kwargs)
+    return require(cfg, TRAINER).call(method, *args, **kwargs)
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
@@ -61,14 +68,14 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
       retry_delay_seconds=STORAGE_RETRY_DELAYS, retry_condition_fn=retry_if_transient)
 def load_task(cfg: RunConfig, ref: dict) -> int:
     """The trainer loads (and checksums) the artifact; transient storage failures retry here."""
-    return call_all_ranks(cfg, "load_artifact", ref)
+    return on_trainer(cfg, "load_artifact", ref)
 
 
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
     """No retries: a failure after the optimizer stepped must not step it twice (load_task retries)."""
     # every data-parallel rank trains on its share of the same artifact (rank 0's metrics are global)
-    return call_all_ranks(cfg, "train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
+    return on_trainer(cfg, "train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
