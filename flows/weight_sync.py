@@ -56,8 +56,8 @@ def push_weights(cfg: RunConfig, trainer: Handle, engine: Handle, weight_version
 def push_ipc(cfg: RunConfig, trainer: Handle, engine: Handle, weight_version: int) -> SyncResult:
     """Bucket by bucket: the trainer serializes (and holds) a bucket, the engine loads it, next one.
     On GPUs the tensors go to the trainer's own device first, so they travel as IPC handles."""
-    tp = engine.call("tp_size")
-    n = trainer.call("ipc_begin", bucket_bytes(cfg), tp, engine_dtype(cfg))
+    copies = engine.call("payloads_per_bucket")
+    n = trainer.call("ipc_begin", bucket_bytes(cfg), copies, engine_dtype(cfg))
     version, nbytes = weight_version - 1, 0
     try:
         for i in range(n):

@@ -7,12 +7,12 @@ run in and every colocation call, in order, to a file per run.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 from tests.conftest import small_config
+from tests.test_placement import _wait_use
 
 FAKE = "fake_gpu"
 
@@ -36,23 +36,6 @@ def _calls(run: str) -> list[str]:
 
 def _starts(run: str) -> list[dict[str, str]]:
     return _starts_from(_calls(run))
-
-
-def _bundle_use(pg) -> dict[int, float]:
-    import ray
-
-    hexid = pg.id.hex()
-    avail = ray.available_resources()
-    return {i: round(1.0 - avail.get(f"{FAKE}_group_{i}_{hexid}", 0.0), 3) for i in range(len(pg.bundle_specs))}
-
-
-def _wait_use(pg, expected: dict[int, float], timeout: float = 15.0) -> dict[int, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        use = _bundle_use(pg)
-        if use == expected or time.monotonic() > deadline:
-            return use
-        time.sleep(0.2)
 
 
 def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_path, ray_local, monkeypatch):

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from tasks.rollout.sglang_server import EngineDiedError, SGLangServer  # noqa: F401 - EngineDiedError re-exported
+from tasks.sync.buckets import buckets_by_bytes  # noqa: F401 - re-exported
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -109,21 +110,6 @@ def aborted_output() -> GenerationOutput:
 
 def torch_dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def buckets_by_bytes(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterable[list[tuple[str, Any]]]:
-    """Consecutive groups of (name, tensor) of at most `bucket_bytes` (a larger tensor is alone)."""
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def serialize_named_tensors(named: list[tuple[str, Any]]) -> bytes:
@@ -595,27 +581,16 @@ class SGLangEngine:
         """Bucketed POST /update_weights_from_tensor; one serialized payload per TP rank of each server.
         Tensors move to `device` first (colocated: the engine's GPU, so they travel as IPC handles).
         Returns the number of requests per server."""
-        version = self._target_version(weight_version)
+        self._target_version(weight_version)  # a skipped or repeated version fails before anything is sent
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         device = device or self.tensor_device
         if device is not None:
             items = [(name, t.to(device)) for name, t in items]
         buckets = list(buckets_by_bytes(items, self.bucket_bytes)) or [[]]
         for b, bucket in enumerate(buckets):
-            last = b == len(buckets) - 1
-            for url, tp in zip(self.urls, self.tp_sizes):
-                payload: dict[str, Any] = {
-                    # each rank deserializes its own copy: CUDA IPC refcounts are per serialization
-                    "serialized_named_tensors": [base64.b64encode(serializer(bucket)).decode("ascii")
-                                                 for _ in range(tp)],
-                    "flush_cache": last,
-                }
-                if load_format is not None:
-                    payload["load_format"] = load_format
-                if last:
-                    payload["weight_version"] = str(version)
-                self._post(url, "/update_weights_from_tensor", payload)
-        self.weight_version = version
+            payloads = [base64.b64encode(serializer(bucket)).decode("ascii") for _ in range(self.payloads_per_bucket)]
+            self.apply_serialized_bucket(payloads, last=b == len(buckets) - 1, weight_version=weight_version,
+                                         load_format=load_format)
         return len(buckets)
 
     @property
@@ -691,17 +666,28 @@ class SGLangEngine:
         return len(buckets)
 
     # -- trainer-driven paths: the payloads / broadcasts come from the trainer actor -------------------
-    def apply_serialized_bucket(self, payloads: Sequence[str], *, last: bool, weight_version: int) -> None:
-        """One bucket of `/update_weights_from_tensor` already serialized by the trainer (CUDA IPC handles
-        of its own GPU tensors: tasks/sync/ipc.py), `payloads[r]` for TP rank r; the last bucket
-        flushes the cache and sets the version."""
-        need = max(self.tp_sizes)
-        if len(payloads) < need:
-            raise ValueError(f"{len(payloads)} serialized payloads for a server with tp_size {need}: the trainer "
-                             "must serialize one per TP rank")
+    @property
+    def payloads_per_bucket(self) -> int:
+        """Serialized copies one tensor bucket needs: one per TP rank of every server (CUDA IPC
+        refcounts are per serialization, so no two ranks may share one)."""
+        return sum(self.tp_sizes)
+
+    def apply_serialized_bucket(self, payloads: Sequence[str], *, last: bool, weight_version: int,
+                                load_format: str | None = None) -> None:
+        """One bucket of `/update_weights_from_tensor`, serialized `payloads_per_bucket` times (by the
+        trainer: CUDA IPC handles of its own GPU tensors, tasks/sync/ipc.py); server k's ranks get the
+        next tp_k payloads. The last bucket flushes the cache and sets the version."""
+        if len(payloads) != self.payloads_per_bucket:
+            raise ValueError(f"{len(payloads)} serialized payloads for servers with tp sizes {self.tp_sizes}: "
+                             f"one per TP rank of every server ({self.payloads_per_bucket}) is needed")
         version = self._target_version(weight_version) if last else None
+        offset = 0
         for url, tp in zip(self.urls, self.tp_sizes):
-            payload: dict[str, Any] = {"serialized_named_tensors": list(payloads[:tp]), "flush_cache": last}
+            payload: dict[str, Any] = {"serialized_named_tensors": list(payloads[offset:offset + tp]),
+                                       "flush_cache": last}
+            offset += tp
+            if load_format is not None:
+                payload["load_format"] = load_format
             if version is not None:
                 payload["weight_version"] = str(version)
             self._post(url, "/update_weights_from_tensor", payload)

@@ -203,9 +203,9 @@ class RolloutWorker:
         """How this engine takes weights: object_store (in-process engines), disk, tensor or distributed."""
         return getattr(self.engine, "weight_sync", "object_store")
 
-    def tp_size(self) -> int:
-        """The largest TP size of the engine's servers (payloads the trainer serializes per bucket)."""
-        return max(getattr(self.engine, "tp_sizes", [1]))
+    def payloads_per_bucket(self) -> int:
+        """Serialized copies of each bucket the trainer makes: one per TP rank of every server."""
+        return getattr(self.engine, "payloads_per_bucket", 1)
 
     def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int) -> int:
         self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version)

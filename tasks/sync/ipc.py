@@ -154,26 +154,13 @@ def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Iterator[IpcBucket]:
     """Consecutive tensors up to `bucket_bytes` per bucket (a larger tensor alone), each first moved to
     `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time."""
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    size = 0
+    from tasks.sync.buckets import buckets_by_bytes
 
-    def bucket() -> IpcBucket:
-        pairs = list(zip(names, tensors))
-        return IpcBucket(payloads=encode_payloads(pairs, tp_size=tp_size), keepalive=list(tensors),
-                         names=list(names), nbytes=size)
-
-    for name, tensor in named:
-        t = tensor.detach().to(device=device, dtype=dtype)
-        nbytes = t.numel() * t.element_size()
-        if tensors and size + nbytes > bucket_bytes:
-            yield bucket()
-            names, tensors, size = [], [], 0
-        names.append(name)
-        tensors.append(t)
-        size += nbytes
-    if tensors:
-        yield bucket()
+    converted = ((name, t.detach().to(device=device, dtype=dtype)) for name, t in named)
+    for pairs in buckets_by_bytes(converted, bucket_bytes):
+        tensors = [t for _, t in pairs]
+        yield IpcBucket(payloads=encode_payloads(pairs, tp_size=tp_size), keepalive=tensors,
+                        names=[n for n, _ in pairs], nbytes=sum(t.numel() * t.element_size() for t in tensors))
 
 
 # ----------------------------------------------------------------------------------------------

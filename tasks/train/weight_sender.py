@@ -41,18 +41,13 @@ def _cast(t: torch.Tensor, dtype: str | None, device: str | None) -> torch.Tenso
 
 
 def bucket_plan(named: dict[str, torch.Tensor], bucket_bytes: int, dtype: str | None = None) -> list[list[TensorMeta]]:
-    """Consecutive tensors up to `bucket_bytes` per bucket (a larger tensor alone), as sent."""
-    plan: list[list[TensorMeta]] = []
-    size = 0
-    for name, t in named.items():
-        target = DTYPES[dtype] if dtype else t.dtype
-        nbytes = t.numel() * torch.empty((), dtype=target).element_size()
-        if not plan or (plan[-1] and size + nbytes > bucket_bytes):
-            plan.append([])
-            size = 0
-        plan[-1].append(TensorMeta(name, str(target).removeprefix("torch."), tuple(t.shape)))
-        size += nbytes
-    return plan
+    """The buckets as sent (sizes in the sent dtype; meta tensors: nothing is allocated)."""
+    from tasks.sync.buckets import buckets_by_bytes
+
+    sent = ((name, torch.empty(t.shape, dtype=DTYPES[dtype] if dtype else t.dtype, device="meta"))
+            for name, t in named.items())
+    return [[TensorMeta(name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for name, m in bucket]
+            for bucket in buckets_by_bytes(sent, bucket_bytes)]
 
 
 class WeightSender:
@@ -61,7 +56,6 @@ class WeightSender:
         self._ipc: Iterator | None = None
         self._held = None  # the current IPC bucket: its tensors must outlive the engine's load
         self._group = None
-        self._group_key: tuple | None = None
         self._plan: list[list[TensorMeta]] | None = None
         self._plan_dtype: str | None = None
         self._plan_tensors: dict[str, torch.Tensor] | None = None
@@ -111,7 +105,6 @@ class WeightSender:
         self.leave_group()
         self._group = init_weight_group(master_address, master_port, rank=0, world_size=world_size,
                                         group_name=group_name, backend=backend, timeout_s=timeout_s)
-        self._group_key = (master_address, master_port, world_size, group_name, backend)
 
     def plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict]]:
         """The buckets' (name, dtype, shape) lists, in the order `broadcast_bucket` sends them."""
@@ -146,4 +139,3 @@ class WeightSender:
         except Exception:  # noqa: BLE001 - a group whose peers are gone cannot be torn down cleanly
             pass
         self._group = None
-        self._group_key = None
