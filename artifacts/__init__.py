@@ -1,7 +1,7 @@
 """Rollout artifacts: the `Sample` data contract, its parquet codec and the fsspec store.
 
 Importable without torch, Prefect, Ray or transformers (DESIGN.md section 1). Names load lazily, so
-`from artifacts.sample import Sample` on a GPU box needs neither pyarrow nor fsspec.
+`from rollflow.artifacts.sample import Sample` on a GPU box needs neither pyarrow nor fsspec.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 1. Log-prob parity: one Llama-shaped model, the same weights loaded into HF (torch backend) and into
    Megatron (through tasks/sync/megatron_names.py); response-token log-probs compared in fp32 (conversion
    exactness) and bf16 (max / mean abs diff, bf16 tolerance), per Megatron layer spec.
-2. One train iteration through `tasks.train.step.train_on_samples` with the megatron backend on a fixed
+2. One train iteration through `rollflow.tasks.train.step.train_on_samples` with the megatron backend on a fixed
    rollout: step-1 `rollout/log_probs_equal_ref == 1`, `rollout/kl == 0`, `train/ppo_kl == 0`; then the
-   HF-named export synced into an HF engine model passes `tasks.sync.parity.compare`, and a checkpoint
+   HF-named export synced into an HF engine model passes `rollflow.tasks.sync.parity.compare`, and a checkpoint
    round trip reproduces the log-probs. Per optimizer (Megatron's, and torch AdamW on fp32 masters).
 
 Writes gpu_checks.json (every figure) under --out; prints a summary last. Exit status 1 if a check fails.
@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from artifacts.sample import Sample  # noqa: E402
-from tasks.sync.parity import checksums, compare  # noqa: E402
-from tasks.train.batch import batch_from_samples  # noqa: E402
-from tasks.train.settings import AlgoConfig, OptimConfig  # noqa: E402
-from tasks.train.step import train_on_samples  # noqa: E402
-from tasks.train.torch_backend import TorchBackend  # noqa: E402
+from rollflow.artifacts.sample import Sample  # noqa: E402
+from rollflow.tasks.sync.parity import checksums, compare  # noqa: E402
+from rollflow.tasks.train.batch import batch_from_samples  # noqa: E402
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig  # noqa: E402
+from rollflow.tasks.train.step import train_on_samples  # noqa: E402
+from rollflow.tasks.train.torch_backend import TorchBackend  # noqa: E402
 
 BF16_MAX_TOL = 0.5  # bf16 forward of a 8-layer model, log-probs around -10: rounding-level differences
 BF16_MEAN_TOL = 0.03
@@ -100,7 +100,7 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
 
 
 def check_log_prob_parity(results: dict, specs: list[str]) -> None:
-    from tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron_backend import MegatronBackend
 
     config = llama_config()
     samples = fixed_samples(config.vocab_size)
@@ -135,7 +135,7 @@ def check_log_prob_parity(results: dict, specs: list[str]) -> None:
 def check_train_step(results: dict, optimizers: list[str], spec: str) -> None:
     from transformers import LlamaForCausalLM
 
-    from tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron_backend import MegatronBackend
 
     config = llama_config(layers=4)
     samples = fixed_samples(config.vocab_size, n=16)
@@ -210,7 +210,7 @@ def torch_backend_reference(results: dict) -> None:
 
 
 def environment() -> dict:
-    from tasks.train.megatron_backend import have_transformer_engine, megatron_version
+    from rollflow.tasks.train.megatron_backend import have_transformer_engine, megatron_version
 
     import transformers
 

@@ -24,7 +24,7 @@ export PATH=$PATH:/usr/local/cuda/bin PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 cat "$OUT/versions.txt"
 CONFIG=${IMA_CONFIG:-'{"run":"h200-ima","data":{"prompts_per_rollout":8},"rollout":{"device":"cuda","n_samples_per_prompt":2}}'}
 rm -rf /tmp/ima-run
-timeout "${IMA_TIMEOUT:-360}" python3 -m tasks.rollout.ima --matrix --config "$CONFIG" \
+timeout "${IMA_TIMEOUT:-360}" python3 -m rollflow.tasks.rollout.ima --matrix --config "$CONFIG" \
   --crash-when "${CRASH_WHEN:-cuda_graph=on}" --fault "${FAULT:-triton_oob}" --parallel "${PARALLEL:-4}" \
   --timeout-s "${CELL_TIMEOUT:-150}" --run-dir /tmp/ima-run --out "$OUT" > "$OUT/ima.log" 2>&1
 rc=$?

@@ -56,7 +56,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 def synthetic_samples(n: int, prompt_len: int, response_len: int, vocab: int, *, group: int = 4, seed: int = 0):
     """Samples shaped like a rollout (full-length responses, 0/1 rewards), without generating them."""
-    from artifacts.sample import Sample, Status
+    from rollflow.artifacts.sample import Sample, Status
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, vocab, (n, prompt_len + response_len), generator=g).tolist()
@@ -69,8 +69,8 @@ def synthetic_samples(n: int, prompt_len: int, response_len: int, vocab: int, *,
 
 def save_model_dir(model, directory: Path) -> Path:
     """A local HF model directory the rollflow workers load (weights + the built-in char tokenizer)."""
-    from tasks.model.source import resolve_model_path
-    from tasks.model.tokenizer import CHAR_TOKENIZER_FILE
+    from rollflow.tasks.model.source import resolve_model_path
+    from rollflow.tasks.model.tokenizer import CHAR_TOKENIZER_FILE
 
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)

@@ -21,7 +21,7 @@ def free_port() -> int:
 
 def isolate_env(workdir: Path) -> None:
     """Environment for Prefect / Ray / boto in this process and its children; call before importing them."""
-    os.environ["ROLLFLOW_HOME"] = str(workdir / "rollflow-home")  # pid files of infra.local_stack
+    os.environ["ROLLFLOW_HOME"] = str(workdir / "rollflow-home")  # pid files of rollflow.infra.local_stack
     os.environ["PREFECT_HOME"] = str(workdir / "prefect-home")
     port = free_port()
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
@@ -50,7 +50,7 @@ class Services:
 
     def prefect(self) -> str:
         if self.prefect_api is None:
-            from infra.local_stack import start_prefect
+            from rollflow.infra.local_stack import start_prefect
 
             start = time.perf_counter()
             self.prefect_api = start_prefect(int(os.environ["BENCH_PREFECT_PORT"]), timeout=120)
@@ -83,7 +83,7 @@ class Services:
 
         if ray.is_initialized():
             return
-        from infra.workers import ensure_ray
+        from rollflow.infra.workers import ensure_ray
 
         start = time.perf_counter()
         ensure_ray(None, num_cpus=os.cpu_count() or 2)
@@ -100,7 +100,7 @@ class Services:
             self._moto.stop()
             self._moto = None
         if self.prefect_api is not None:
-            from infra.local_stack import stop
+            from rollflow.infra.local_stack import stop
 
             stop("prefect")
             self.prefect_api = None

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.rollout.sglang_engine import init_weight_group, serialize_named_tensors, torch_dtype_name  # noqa: E402
+from rollflow.tasks.rollout.sglang_engine import init_weight_group, serialize_named_tensors, torch_dtype_name  # noqa: E402
 
 
 def engine_side(port: int, inbox, outbox, nccl: bool) -> None:
@@ -44,7 +44,7 @@ def engine_side(port: int, inbox, outbox, nccl: bool) -> None:
         torch.cuda.synchronize()
         outbox.put(sums)
     payload = inbox.get()
-    from tasks.sync.ipc import deserialize_named_tensors
+    from rollflow.tasks.sync.ipc import deserialize_named_tensors
 
     # CUDA IPC handles (device named by UUID) -> tensors on the producer's GPU
     named = deserialize_named_tensors(base64.b64decode(payload))

@@ -28,9 +28,9 @@ def params_for(ctx: BenchContext) -> dict:
 def run(ctx: BenchContext) -> SuiteResult:
     from fsspec.core import url_to_fs
 
-    from artifacts.codec import samples_from_parquet_bytes, samples_to_parquet_bytes
-    from artifacts.manifest import EngineInfo
-    from artifacts.store import RolloutStore
+    from rollflow.artifacts.codec import samples_from_parquet_bytes, samples_to_parquet_bytes
+    from rollflow.artifacts.manifest import EngineInfo
+    from rollflow.artifacts.store import RolloutStore
     from benchmarks.models import synthetic_samples
 
     res = SuiteResult("artifact_io", TITLE)
@@ -120,7 +120,7 @@ def run(ctx: BenchContext) -> SuiteResult:
 
 def _without_codec(fn, payload: bytes, samples):
     """Run a store call with the parquet codec replaced by precomputed results (I/O path only)."""
-    import artifacts.store as store_mod
+    import rollflow.artifacts.store as store_mod
 
     enc, dec = store_mod.samples_to_parquet_bytes, store_mod.samples_from_parquet_bytes
     store_mod.samples_to_parquet_bytes = lambda _samples: payload

@@ -3,7 +3,7 @@
 Same model (builtin:addition), batch, seeds and thread counts in both:
 - bare: `RolloutWorker.rollout` -> `score_samples` -> `train_on_samples` -> `update_weights`, plain
   calls in this process (as tests/test_rollout_train_sync.py does);
-- rollflow: `flows.train.rl_train` against a local Prefect server: one `rl_iteration` sub-flow run
+- rollflow: `rollflow.flows.train.rl_train` against a local Prefect server: one `rl_iteration` sub-flow run
   per iteration, engine and trainer as Ray actors, every rollout persisted as an artifact and read
   back by the trainer, weight parity checked after each sync.
 An iteration of the flow is the time between the starts of consecutive `rl_iteration` runs (so the
@@ -40,7 +40,7 @@ def sizes_for(ctx: BenchContext) -> list[tuple[int, int, int]]:
 
 
 def _config(ctx: BenchContext, prompts: int, n: int, iterations: int):
-    from flows.config import RunConfig
+    from rollflow.flows.config import RunConfig
 
     return RunConfig.model_validate({
         "run": f"orch-{prompts}x{n}-{uuid.uuid4().hex[:6]}",
@@ -55,13 +55,13 @@ def _config(ctx: BenchContext, prompts: int, n: int, iterations: int):
 
 def bare_loop(cfg, count: int) -> dict:
     """`count` iterations as plain calls; extras the flow adds are timed apart (not in `iteration_s`)."""
-    from artifacts.manifest import EngineInfo
-    from artifacts.store import RolloutStore
-    from tasks.rollout.rewards import resolve_reward_fn, score_samples
-    from tasks.rollout.worker import RolloutWorker
-    from tasks.sync.parity import checksums, compare
-    from tasks.train.step import train_on_samples
-    from tasks.train.worker import build_backend
+    from rollflow.artifacts.manifest import EngineInfo
+    from rollflow.artifacts.store import RolloutStore
+    from rollflow.tasks.rollout.rewards import resolve_reward_fn, score_samples
+    from rollflow.tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.sync.parity import checksums, compare
+    from rollflow.tasks.train.step import train_on_samples
+    from rollflow.tasks.train.worker import build_backend
 
     worker = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data)
     backend = build_backend(cfg.model.path, cfg.train, temperature=cfg.rollout.temperature or 1.0)
@@ -113,11 +113,11 @@ def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = Fa
     itself since this suite measured what Prefect's walk over them costs.)"""
     import contextlib
 
-    import flows.iteration as iteration_mod
-    import flows.train as train_mod
-    from flows import reporting
-    from flows.reporting import read_metrics
-    from flows.train import rl_train
+    import rollflow.flows.iteration as iteration_mod
+    import rollflow.flows.train as train_mod
+    from rollflow.flows import reporting
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
 
     stamps: dict[int, float] = {}
 

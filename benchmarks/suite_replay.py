@@ -1,7 +1,7 @@
 """Suite 6: `rollflow replay` from process start to its first train step, vs one full iteration.
 
 A source rollout (256 prompts x 8 samples by default) is generated once and committed. Each repeat
-launches `python -m flows.cli replay --ids 0 --no-cache` as a fresh process against the benchmark's
+launches `python -m rollflow.flows.cli replay --ids 0 --no-cache` as a fresh process against the benchmark's
 Prefect server and times, from the launch, the moment its first train step has finished (the replay
 state file appears) and the process exit. The reference iteration is rl_train's, from the
 orchestration suite when it ran in this command, else a bare-loop iteration measured here.
@@ -32,20 +32,20 @@ def run(ctx: BenchContext) -> SuiteResult:
     root = str(ctx.workdir / "replay")
     cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": root})})
     res.params = {"size": f"{prompts}x{n}", "repeats": repeats, "prefect_api": api,
-                  "command": "python -m flows.cli replay --source-run SRC --ids 0 --no-cache"}
+                  "command": "python -m rollflow.flows.cli replay --source-run SRC --ids 0 --no-cache"}
 
     # The source rollout, and a bare iteration of the same size as a fallback reference.
     bare = _source_rollout(cfg)
     env = {**os.environ, "PREFECT_API_URL": api, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import flows.cli, flows.debug, torch, transformers"], cwd=REPO, env=env,
+    subprocess.run([sys.executable, "-c", "import rollflow.flows.cli, rollflow.flows.debug, torch, transformers"], cwd=REPO, env=env,
                    check=True, capture_output=True)
     import_s = time.perf_counter() - t0
 
     first, total = [], []
     for i in range(repeats):
         run_name = f"replay-{uuid.uuid4().hex[:6]}"
-        cmd = [sys.executable, "-m", "flows.cli", "replay", "--source-run", cfg.run, "--ids", "0", "--no-cache",
+        cmd = [sys.executable, "-m", "rollflow.flows.cli", "replay", "--source-run", cfg.run, "--ids", "0", "--no-cache",
                "--set", f"run={run_name}", "--set", f"store.root={root}",
                "--set", f"data.prompts_per_rollout={prompts}", "--set", f"rollout.n_samples_per_prompt={n}"]
         pattern = os.path.join(root, run_name, "replay_states", "*", "trainer.pt")
@@ -81,11 +81,11 @@ def run(ctx: BenchContext) -> SuiteResult:
 
 def _source_rollout(cfg) -> list[float]:
     """Commit rollout 0 of `cfg.run` (what `rollflow rollout` would write); returns bare iteration times."""
-    from artifacts.manifest import EngineInfo
-    from artifacts.store import RolloutStore
+    from rollflow.artifacts.manifest import EngineInfo
+    from rollflow.artifacts.store import RolloutStore
     from benchmarks.suite_orchestration import bare_loop
-    from tasks.rollout.rewards import resolve_reward_fn, score_samples
-    from tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.rollout.rewards import resolve_reward_fn, score_samples
+    from rollflow.tasks.rollout.worker import RolloutWorker
 
     import torch
 

@@ -28,8 +28,8 @@ def params_for(ctx: BenchContext) -> dict:
 
 
 def run(ctx: BenchContext) -> SuiteResult:
-    from tasks.rollout.engine import GenerationRequest, SamplingParams
-    from tasks.rollout.hf_engine import HFEngine
+    from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
+    from rollflow.tasks.rollout.hf_engine import HFEngine
 
     res = SuiteResult("rollout", TITLE)
     p = params_for(ctx)

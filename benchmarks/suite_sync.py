@@ -33,10 +33,10 @@ def params_for(ctx: BenchContext) -> dict:
 
 
 def run(ctx: BenchContext) -> SuiteResult:
-    from tasks.rollout.hf_engine import HFEngine
-    from tasks.sync.parity import checksums, compare
-    from tasks.train.settings import OptimConfig
-    from tasks.train.torch_backend import TorchBackend
+    from rollflow.tasks.rollout.hf_engine import HFEngine
+    from rollflow.tasks.sync.parity import checksums, compare
+    from rollflow.tasks.train.settings import OptimConfig
+    from rollflow.tasks.train.torch_backend import TorchBackend
 
     res = SuiteResult("sync", TITLE)
     p = params_for(ctx)
@@ -123,11 +123,11 @@ def run(ctx: BenchContext) -> SuiteResult:
 
 
 def _ray_path(ctx: BenchContext, res: SuiteResult, model, repeats: int) -> list[float]:
-    from infra.workers import start_actor, stop_actor
-    from tasks.rollout.settings import DataConfig, RolloutConfig
-    from tasks.rollout.worker import RolloutWorker
-    from tasks.train.settings import AlgoConfig, OptimConfig
-    from tasks.train.worker import TrainWorker
+    from rollflow.infra.workers import start_actor, stop_actor
+    from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+    from rollflow.tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+    from rollflow.tasks.train.worker import TrainWorker
 
     ctx.services.ray()
     model_dir = save_model_dir(model, ctx.workdir / "sync-model")

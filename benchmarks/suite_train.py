@@ -38,9 +38,9 @@ def flops_per_token(model, seq_len: int) -> float:
 
 
 def run(ctx: BenchContext) -> SuiteResult:
-    from tasks.train.settings import AlgoConfig, OptimConfig
-    from tasks.train.step import prepare_batch, train_on_samples
-    from tasks.train.torch_backend import TorchBackend
+    from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+    from rollflow.tasks.train.step import prepare_batch, train_on_samples
+    from rollflow.tasks.train.torch_backend import TorchBackend
 
     res = SuiteResult("train", TITLE)
     p = params_for(ctx)
@@ -72,7 +72,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                 backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device=ctx.device,
                                              max_positions=max(4096, seq)), optim)
             else:
-                from tasks.train.megatron_backend import build_megatron_backend
+                from rollflow.tasks.train.megatron_backend import build_megatron_backend
 
                 model_dir = save_model_dir(qwen2(p["shape"], dtype="float32", max_positions=max(4096, seq)),
                                            ctx.workdir / "train-model")

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tasks.train.batch import TrainBatch  # noqa: E402
-from tasks.train.objective import Denominators, micro_batch_objective  # noqa: E402
-from tasks.train.settings import AlgoConfig, OptimConfig  # noqa: E402
-from tasks.train.torch_backend import TorchBackend, response_log_probs  # noqa: E402
+from rollflow.tasks.train.batch import TrainBatch  # noqa: E402
+from rollflow.tasks.train.objective import Denominators, micro_batch_objective  # noqa: E402
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig  # noqa: E402
+from rollflow.tasks.train.torch_backend import TorchBackend, response_log_probs  # noqa: E402
 
 PEAK = 790e12
 DEVICE = "cuda"
@@ -131,7 +131,7 @@ FALLBACKS: list[str] = []
 
 
 def build_megatron(shape: dict, **settings):
-    from tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron_backend import MegatronBackend
 
     try:
         be = MegatronBackend(llama_config(shape), None, optim("megatron", **settings), keep_ref=False)
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     if args.small:
         shape.update(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=256, vocab=1000)
     fl = flops(shape)
-    from tasks.train.megatron_backend import megatron_version
+    from rollflow.tasks.train.megatron_backend import megatron_version
 
     import transformers
 

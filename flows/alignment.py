@@ -1,7 +1,7 @@
 """`alignment_check`: the precision-alignment checks as a Prefect flow, and its nightly deployment.
 
 The flow starts its own engine and trainer actors (run `{run}-align`, fresh weights, one optimizer
-step per rollout), runs `tasks.alignment.run_alignment` on them (each phase a task), publishes a
+step per rollout), runs `rollflow.tasks.alignment.run_alignment` on them (each phase a task), publishes a
 markdown and a table artifact, writes `{store.root}/{run}/alignment/{timestamp}.json` and ends
 Failed when any check fails.
 
@@ -21,13 +21,13 @@ from uuid import UUID
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows import reporting
-from flows.config import RunConfig
-from flows.group import ENGINE, TRAINER, connect_ray, start_engine, start_trainer, stop_all
-from infra.workers import Handle, get_actor
-from tasks.alignment import WorkerRunner, run_alignment
-from tasks.checks import AlignmentReport, AlignmentThresholds
-from tasks.faults import AlignmentFaults
+from rollflow.flows import reporting
+from rollflow.flows.config import RunConfig
+from rollflow.flows.group import ENGINE, TRAINER, connect_ray, start_engine, start_trainer, stop_all
+from rollflow.infra.workers import Handle, get_actor
+from rollflow.tasks.alignment import WorkerRunner, run_alignment
+from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds
+from rollflow.tasks.faults import AlignmentFaults
 
 NIGHTLY = "nightly-alignment"
 NIGHTLY_CRON = "0 2 * * *"

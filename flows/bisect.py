@@ -9,7 +9,7 @@
    JSON report under `{store.root}/{run}/coredumps/` (logs under `{run}/ima_logs/`).
 
 The plain steps live in `tasks/rollout/ima.py` (the GPU box runs them without Prefect:
-`python -m tasks.rollout.ima --matrix`).
+`python -m rollflow.tasks.rollout.ima --matrix`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import fsspec
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows import reporting
-from flows.config import RunConfig
-from tasks.rollout.ima import (
+from rollflow.flows import reporting
+from rollflow.flows.config import RunConfig
+from rollflow.tasks.rollout.ima import (
     COREDUMP,
     ERROR,
     LAUNCH_BLOCKING,

@@ -38,7 +38,7 @@ def ensure_prefect_api(port: int = 4200) -> str:
     """Use PREFECT_API_URL if set; else start (or reuse) a local server so runs show in the UI."""
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"]
-    from infra.local_stack import start_prefect
+    from rollflow.infra.local_stack import start_prefect
 
     console.print(f"starting a local Prefect server on 127.0.0.1:{port} (stop it with `rollflow server stop`)")
     api = start_prefect(port)
@@ -47,7 +47,7 @@ def ensure_prefect_api(port: int = 4200) -> str:
 
 
 def build_config(config: Optional[str], sets: Optional[List[str]], base: dict | None = None):
-    from flows.config import ConfigError, load_config
+    from rollflow.flows.config import ConfigError, load_config
 
     try:
         return load_config(config, sets or [], base=base)
@@ -58,8 +58,8 @@ def build_config(config: Optional[str], sets: Optional[List[str]], base: dict | 
 def run_training(cfg) -> dict:
     quiet_prefect_console()
     api = ensure_prefect_api()
-    from flows.progress import iteration_progress
-    from flows.train import rl_train
+    from rollflow.flows.progress import iteration_progress
+    from rollflow.flows.train import rl_train
 
     console.print(f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under {cfg.store.root}/{cfg.run}; "
                   f"Prefect UI at {api.removesuffix('/api')}")
@@ -69,7 +69,7 @@ def run_training(cfg) -> dict:
 
 
 def print_summary(cfg, summary: dict) -> None:
-    from flows.reporting import run_file
+    from rollflow.flows.reporting import run_file
 
     console.print_json(json.dumps(summary))
     if summary.get("first_reward") is not None:
@@ -110,7 +110,7 @@ def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt)
 def run_flow(cfg, flow_fn, **kwargs) -> dict:
     quiet_prefect_console()
     api = ensure_prefect_api()
-    from flows.progress import iteration_progress
+    from rollflow.flows.progress import iteration_progress
 
     for notice in cfg.notices:
         err_console.print(f"[yellow]notice:[/] {notice}")
@@ -121,7 +121,7 @@ def run_flow(cfg, flow_fn, **kwargs) -> dict:
 
 
 def ids_option(spec: Optional[str]) -> Optional[list[int]]:
-    from flows.debug import parse_ids
+    from rollflow.flows.debug import parse_ids
 
     try:
         return parse_ids(spec)
@@ -167,7 +167,7 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
 
 
 def _flow(name: str):
-    import flows.debug as debug
+    import rollflow.flows.debug as debug
 
     return getattr(debug, name)
 
@@ -183,7 +183,7 @@ def show_config(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = S
 def warmstart(out: str = typer.Option("tasks/model/builtin/addition-sft", help="output model directory"),
               target_accuracy: float = typer.Option(0.30), seed: int = typer.Option(0)) -> None:
     """Rebuild the built-in tiny model: SFT on addition until held-out greedy accuracy >= target."""
-    from tasks.train.sft import warm_start
+    from rollflow.tasks.train.sft import warm_start
 
     result = warm_start(out, target_accuracy=target_accuracy, seed=seed, eval_every=20, log=console.print)
     console.print(f"saved {out}: {result.steps} steps, {result.seconds:.0f}s, accuracy {result.accuracy:.3f}")
@@ -192,7 +192,7 @@ def warmstart(out: str = typer.Option("tasks/model/builtin/addition-sft", help="
 @server_app.command("start")
 def server_start(port: int = typer.Option(4200)) -> None:
     """Start (or reuse) the local Prefect server; prints the API URL to export."""
-    from infra.local_stack import start_prefect
+    from rollflow.infra.local_stack import start_prefect
 
     api = start_prefect(port)
     console.print(f"export PREFECT_API_URL={api}   # UI: {api.removesuffix('/api')}")
@@ -200,13 +200,13 @@ def server_start(port: int = typer.Option(4200)) -> None:
 
 @server_app.command("stop")
 def server_stop() -> None:
-    from infra.local_stack import stop
+    from rollflow.infra.local_stack import stop
 
     console.print("stopped" if stop("prefect") else "no server started by rollflow is running")
 
 
 def _register_subcommands() -> None:
-    from flows import cli_align, cli_bench, cli_bisect, cli_tools
+    from rollflow.flows import cli_align, cli_bench, cli_bisect, cli_tools
 
     cli_tools.register(app)
     cli_align.register(app)
@@ -218,7 +218,7 @@ _register_subcommands()
 
 
 def main() -> None:
-    from tasks.rollout.sglang_flags import CLI_PREFIX, rewrite_cli_args
+    from rollflow.tasks.rollout.sglang_flags import CLI_PREFIX, rewrite_cli_args
 
     if any(arg.startswith(CLI_PREFIX) for arg in sys.argv[1:]):
         try:  # --sglang-<flag>[=value] -> --set rollout.sglang.args.<flag>=value (checked against SGLang's flags)

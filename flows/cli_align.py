@@ -20,10 +20,10 @@ def _config_options():
 
 def run_align(cfg, memory_budget_mb: float | None = None, *, local: bool = False) -> dict:
     """The report dict of one alignment run (through Prefect + Ray, or in this process with `local`)."""
-    from flows.alignment import AlignmentFailed, alignment_check, write_report_json
+    from rollflow.flows.alignment import AlignmentFailed, alignment_check, write_report_json
 
     if local:
-        from tasks.alignment import run_alignment_local
+        from rollflow.tasks.alignment import run_alignment_local
 
         report = run_alignment_local(cfg, memory_budget_mb=memory_budget_mb)
         return report.to_dict() | {"json_path": write_report_json(cfg, report)}
@@ -47,8 +47,8 @@ def register(app: typer.Typer) -> None:
               local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server, no Ray"),
               ) -> None:
         """Precision alignment checks on fresh workers; prints the report, exit code 1 if a check fails."""
-        from flows.cli import build_config, ensure_prefect_api, err_console, fail, quiet_prefect_console
-        from tasks.checks import AlignmentReport
+        from rollflow.flows.cli import build_config, ensure_prefect_api, err_console, fail, quiet_prefect_console
+        from rollflow.tasks.checks import AlignmentReport
 
         cfg = build_config(config, sets)
         # Everything but the report goes to stderr, so `--json` output can be piped.
@@ -77,13 +77,13 @@ def register(app: typer.Typer) -> None:
               config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
               memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb")) -> None:
         """Serve the `nightly-alignment` deployment (alignment_check on a cron schedule); blocks."""
-        from flows.cli import build_config, console, ensure_prefect_api, quiet_prefect_console
+        from rollflow.flows.cli import build_config, console, ensure_prefect_api, quiet_prefect_console
 
         base = {"run": "nightly"} if not config and not any(s.startswith("run=") for s in sets or []) else None
         cfg = build_config(config, sets, base)
         quiet_prefect_console()
         api = ensure_prefect_api()
-        from flows.alignment import FLOW_NAME, NIGHTLY, register_nightly, serve_nightly
+        from rollflow.flows.alignment import FLOW_NAME, NIGHTLY, register_nightly, serve_nightly
 
         if register_only:
             dep_id = register_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)

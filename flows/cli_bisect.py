@@ -15,8 +15,8 @@ import typer
 def run_local(cfg, *, crash_when: Optional[str], timeout_s: float, coredump: bool, fault: Optional[str],
               parallel: int, log=print) -> dict:
     """The same triage in this process, no Prefect server: the store root must be a local folder."""
-    from flows.bisect import REPORT_NAME, _store_location
-    from tasks.rollout.ima import run_matrix
+    from rollflow.flows.bisect import REPORT_NAME, _store_location
+    from rollflow.tasks.rollout.ima import run_matrix
 
     fs, run_path, local = _store_location(cfg)
     if not local:
@@ -52,8 +52,8 @@ def register(app: typer.Typer) -> None:
                ) -> None:
         """Illegal-memory-access triage: CUDA graph x speculative x DeepEP matrix, each cell in its own process;
         a launch-blocking rerun and a CUDA core-dump rerun of a crashing cell; one table and a verdict."""
-        from flows.cli import build_config, console, ensure_prefect_api, err_console, fail, quiet_prefect_console
-        from tasks.rollout.ima import parse_toggles
+        from rollflow.flows.cli import build_config, console, ensure_prefect_api, err_console, fail, quiet_prefect_console
+        from rollflow.tasks.rollout.ima import parse_toggles
 
         cfg = build_config(config, sets)
         try:
@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
             api = ensure_prefect_api()
             err_console.print(f"IMA bisect of run [bold]{cfg.run}[/] ({cfg.rollout.engine} engine); Prefect UI at "
                               f"{api.removesuffix('/api')}")
-            from flows.bisect import ima_bisect
+            from rollflow.flows.bisect import ima_bisect
 
             out = ima_bisect(cfg, **kwargs)
             markdown = Path(out["json_path"]).with_name("ima_report.md").read_text() \

@@ -2,7 +2,7 @@
 import-slime. `flows/cli.py` calls `register(app)`; each command only parses, calls `artifacts/` or
 `tasks/rollout/`, and prints.
 
-Locations (ARTIFACT_URI) are anything `artifacts.display.discover` accepts: a run
+Locations (ARTIFACT_URI) are anything `rollflow.artifacts.display.discover` accepts: a run
 (`runs/myrun`, `s3://bucket/root/myrun`), one artifact folder, or a slime template with
 `{rollout_id}`. `--split` / `--id` pick one rollout; the default is the latest train rollout.
 """
@@ -37,8 +37,8 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _discover(uri: str):
-    from artifacts.display import discover
-    from artifacts.errors import ArtifactError
+    from rollflow.artifacts.display import discover
+    from rollflow.artifacts.errors import ArtifactError
 
     try:
         return discover(uri)
@@ -47,7 +47,7 @@ def _discover(uri: str):
 
 
 def _select(found, split: Optional[str], rollout_id: Optional[int]):
-    from artifacts.display import SelectionError, select_rollout
+    from rollflow.artifacts.display import SelectionError, select_rollout
 
     try:
         return select_rollout(found, split, rollout_id)
@@ -56,7 +56,7 @@ def _select(found, split: Optional[str], rollout_id: Optional[int]):
 
 
 def _load_table(item):
-    from artifacts.errors import ArtifactError
+    from rollflow.artifacts.errors import ArtifactError
 
     try:
         return item.loader.table()
@@ -65,7 +65,7 @@ def _load_table(item):
 
 
 def _load_samples(item) -> list:
-    from artifacts.errors import ArtifactError
+    from rollflow.artifacts.errors import ArtifactError
 
     try:
         return item.loader()
@@ -93,7 +93,7 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="one JSON document instead of tables"),
 ) -> None:
     """Show a rollout: discovered ids, recomputed metrics, then a page of samples (filters apply)."""
-    from artifacts.display import (
+    from rollflow.artifacts.display import (
         describe_ids,
         filter_samples,
         ids_by_split,
@@ -158,8 +158,8 @@ def replay_reward_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
     """Rerun a reward function over a rollout and diff old vs new rewards."""
-    from tasks.rollout.replay_reward import replay_reward
-    from tasks.rollout.rewards import resolve_reward_fn
+    from rollflow.tasks.rollout.replay_reward import replay_reward
+    from rollflow.tasks.rollout.rewards import resolve_reward_fn
 
     # Console scripts do not put the working directory on sys.path; `python -m` does. Match it, so
     # `--reward my_rewards:score` finds ./my_rewards.py.
@@ -182,7 +182,7 @@ def replay_reward_cmd(
         from rich.table import Table
         from rich.text import Text
 
-        from artifacts.display import shorten
+        from rollflow.artifacts.display import shorten
 
         console = _console()
         console.print(f"replayed {reward} over {item.split} rollout {item.rollout_id} ({item.loader.uri})")
@@ -227,9 +227,9 @@ def send_cmd(
     """Send an artifact's prompt token ids to an engine, compare responses and log-probs."""
     from pydantic import ValidationError
 
-    from tasks.rollout.engine import SamplingParams
-    from tasks.rollout.send import send_samples
-    from tasks.rollout.settings import RolloutConfig
+    from rollflow.tasks.rollout.engine import SamplingParams
+    from rollflow.tasks.rollout.send import send_samples
+    from rollflow.tasks.rollout.settings import RolloutConfig
 
     item = _select(_discover(uri), split, rollout_id)
     samples = _load_samples(item)
@@ -245,7 +245,7 @@ def send_cmd(
     longest = max(s.response_length for s in samples)
     params = SamplingParams(temperature=0.0 if greedy else temperature, max_new_tokens=max_new_tokens or max(1, longest),
                             seed=seed)
-    from tasks.rollout.worker import build_engine
+    from rollflow.tasks.rollout.worker import build_engine
 
     try:
         engine, _ = build_engine(model, cfg)
@@ -291,7 +291,7 @@ def export_slime_cmd(
     all_ids: bool = typer.Option(False, "--all", help="export every discovered rollout (of --split if given)"),
 ) -> None:
     """Write rollouts as slime `--save-debug-rollout-data` files (.pt, plain data)."""
-    from artifacts.slime import export_slime_pt, has_rollout_id
+    from rollflow.artifacts.slime import export_slime_pt, has_rollout_id
 
     found = _discover(uri)
     if all_ids:
@@ -330,9 +330,9 @@ def import_slime_cmd(
     import hashlib
     from collections import Counter
 
-    from artifacts import EngineInfo, RolloutStore
-    from artifacts.errors import ArtifactError
-    from artifacts.slime import import_slime_pt
+    from rollflow.artifacts import EngineInfo, RolloutStore
+    from rollflow.artifacts.errors import ArtifactError
+    from rollflow.artifacts.slime import import_slime_pt
 
     found = _discover(source)
     if all_ids:

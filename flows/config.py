@@ -10,9 +10,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from infra.placement import ResourcesConfig, plan_placement
-from tasks.rollout.settings import DataConfig, RolloutConfig
-from tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.infra.placement import ResourcesConfig, plan_placement
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 
 class _Strict(BaseModel):

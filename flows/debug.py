@@ -14,15 +14,15 @@ import json
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from artifacts.manifest import EngineInfo
-from artifacts.store import ArtifactRef, RolloutStore
-from flows import reporting
-from flows.config import RunConfig
-from flows.exports import copy_to_dump, dump_uri, side_exports
-from flows.group import call_all_ranks, connect_ray, start_engine, start_placement, start_trainer, stop_all
-from flows.iteration import committed_or_generate, eval_metrics
-from tasks.train.checkpoint import state_exists
-from tasks.train.replay import infer_group_size
+from rollflow.artifacts.manifest import EngineInfo
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.flows import reporting
+from rollflow.flows.config import RunConfig
+from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
+from rollflow.flows.group import call_all_ranks, connect_ray, start_engine, start_placement, start_trainer, stop_all
+from rollflow.flows.iteration import committed_or_generate, eval_metrics
+from rollflow.tasks.train.checkpoint import state_exists
+from rollflow.tasks.train.replay import infer_group_size
 
 
 def parse_ids(spec: str | None) -> list[int] | None:
@@ -77,7 +77,7 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
 @task(name="import-slime", cache_policy=NO_CACHE)
 def import_slime_task(cfg: RunConfig, rollout_id: int) -> dict:
     """A slime `.pt` dump becomes a committed artifact of this run (so replay reads one format)."""
-    from artifacts.slime import expand_template, import_slime_pt
+    from rollflow.artifacts.slime import expand_template, import_slime_pt
 
     store = RolloutStore(cfg.store.root)
     if store.exists(cfg.run, "train", rollout_id):
@@ -114,7 +114,7 @@ def artifact_digest(store: RolloutStore, ref: ArtifactRef) -> str:
 
 def pinned_refs(cfg: RunConfig, rollout_ids: list[int] | None, source_run: str) -> list[dict]:
     if cfg.debug.load_debug_rollout_data:
-        from artifacts.slime import discover_template_ids
+        from rollflow.artifacts.slime import discover_template_ids
 
         if rollout_ids is None:
             rollout_ids = discover_template_ids(cfg.debug.load_debug_rollout_data).get("train", [])

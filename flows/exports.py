@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from artifacts.store import ArtifactRef, RolloutStore
-from flows.config import RunConfig
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.flows.config import RunConfig
 
 
 def dump_uri(cfg: RunConfig, rollout_id: int) -> str | None:
@@ -31,7 +31,7 @@ def export_slime(cfg: RunConfig, ref: dict) -> None:
     """`--save-debug-rollout-data T`: every committed rollout is also written in slime's `.pt` format."""
     if not cfg.debug.save_debug_rollout_data:
         return
-    from artifacts.slime import expand_template, export_slime_pt
+    from rollflow.artifacts.slime import expand_template, export_slime_pt
 
     art_ref = ArtifactRef.from_dict(ref)
     artifact = RolloutStore(cfg.store.root).load_uri(art_ref.uri)

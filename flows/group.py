@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.config import RunConfig
-from infra.workers import Handle, actor_name, ensure_ray, get_actor, start_actor, stop_actor
+from rollflow.flows.config import RunConfig
+from rollflow.infra.workers import Handle, actor_name, ensure_ray, get_actor, start_actor, stop_actor
 
 ENGINE, TRAINER = "engine", "trainer"
 
@@ -28,7 +28,7 @@ def placement_group_name(cfg: RunConfig) -> str:
 
 
 def _plan(cfg: RunConfig):
-    from infra.placement import plan_placement
+    from rollflow.infra.placement import plan_placement
 
     return plan_placement(cfg.placement, cfg.resources, train=not cfg.debug.rollout_only,
                           rollout=not cfg.debug.train_only)
@@ -56,7 +56,7 @@ def start_placement(cfg: RunConfig):
     stale = _lookup_placement_group(cfg)
     if stale is not None:
         ray.util.remove_placement_group(stale)
-    from infra.placement import create_placement_group
+    from rollflow.infra.placement import create_placement_group
 
     return create_placement_group(plan, name=placement_group_name(cfg), gpu_resource=cfg.resources.gpu_resource)
 
@@ -75,7 +75,7 @@ def placement_options(cfg: RunConfig, role: str, index: int = 0) -> dict[str, An
     """The `.options()` putting `role`'s actor in its bundle of the run's placement group ({} on CPU)."""
     if not uses_placement(cfg):
         return {}
-    from infra.placement import actor_options
+    from rollflow.infra.placement import actor_options
 
     plan = _plan(cfg)
     pg = _lookup_placement_group(cfg)
@@ -101,7 +101,7 @@ def engine_gpu_ids(cfg: RunConfig, index: int = 0) -> list[str] | None:
     plan = _plan(cfg)
     if pg is None or plan.empty:
         return None
-    from infra.placement import bundle_gpus
+    from rollflow.infra.placement import bundle_gpus
 
     located = bundle_gpus(pg, plan.engine_bundles[index], gpu_resource=cfg.resources.gpu_resource)
     if located is None:
@@ -124,8 +124,8 @@ def start_servers(cfg: RunConfig, weight_version: int) -> list:
     bundle seeing exactly its GPUs; returns RemoteServers for the rollout worker."""
     import ray
 
-    from infra.remote_server import RemoteServer
-    from tasks.rollout.server_worker import SGLangServerWorker
+    from rollflow.infra.remote_server import RemoteServer
+    from rollflow.tasks.rollout.server_worker import SGLangServerWorker
 
     handles = []
     for k in range(cfg.resources.num_engines):
@@ -157,7 +157,7 @@ def start_engine(cfg: RunConfig, resume_iteration: int | None, *, weights=None) 
     engine in its bundle(s), and a rollout worker (tokenizer, HTTP, load balancing; no GPU) over them.
     A restart starts everything again in the same bundles.
     """
-    from tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.rollout.worker import RolloutWorker
 
     if weights is None and resume_iteration:
         weights = _checkpoint_weights(cfg, resume_iteration)
@@ -200,8 +200,8 @@ def trainer_role(rank: int) -> str:
 
 def _rendezvous(cfg: RunConfig) -> tuple[str, int]:
     """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
-    from infra.placement import bundle_address
-    from tasks.net import free_port, node_ip
+    from rollflow.infra.placement import bundle_address
+    from rollflow.tasks.net import free_port, node_ip
 
     if uses_placement(cfg):
         pg = _lookup_placement_group(cfg)
@@ -219,8 +219,8 @@ def start_trainer(cfg: RunConfig, resume_iteration: int | None) -> Handle:
     """
     import ray
 
-    from tasks.train.data_parallel import DataParallel
-    from tasks.train.worker import TrainWorker
+    from rollflow.tasks.train.data_parallel import DataParallel
+    from rollflow.tasks.train.worker import TrainWorker
 
     world = trainer_world_size(cfg)
     dps: list[DataParallel | None] = [None]
@@ -273,7 +273,7 @@ def _checkpoint_weights(cfg: RunConfig, iteration: int):
 
     import torch
 
-    from tasks.train.checkpoint import load_checkpoint
+    from rollflow.tasks.train.checkpoint import load_checkpoint
 
     payload = load_checkpoint(cfg.store.root, cfg.run, iteration)
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)["model"]

@@ -11,18 +11,18 @@ from prefect import flow, task
 from prefect.utilities.annotations import quote
 from prefect.cache_policies import NO_CACHE
 
-from artifacts.manifest import EngineInfo
-from artifacts.sample import Sample
-from artifacts.store import ArtifactRef, RolloutStore
-from flows import reporting
-from flows.config import RunConfig
-from flows.exports import dump_uri, side_exports
-from flows.group import ENGINE, TRAINER, call_all_ranks, ensure_engine, require, trainer_world_size
-from flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
-from tasks.rollout.dataset import data_state
-from tasks.rollout.evaluation import eval_summary
-from tasks.rollout.rewards import reward_fn_from_config, score_samples
-from tasks.sync.parity import compare, compare_prefixes
+from rollflow.artifacts.manifest import EngineInfo
+from rollflow.artifacts.sample import Sample
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.flows import reporting
+from rollflow.flows.config import RunConfig
+from rollflow.flows.exports import dump_uri, side_exports
+from rollflow.flows.group import ENGINE, TRAINER, call_all_ranks, ensure_engine, require, trainer_world_size
+from rollflow.flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
+from rollflow.tasks.rollout.dataset import data_state
+from rollflow.tasks.rollout.evaluation import eval_summary
+from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
+from rollflow.tasks.sync.parity import compare, compare_prefixes
 
 PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export whole tensors
 
@@ -105,7 +105,7 @@ def resume_memory_task(cfg: RunConfig, tags: list[str]) -> None:
 @task(name="sync", cache_policy=NO_CACHE)
 def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     """Trainer weights -> engine by the engine's path (flows/weight_sync.py), then parity checked."""
-    from flows.weight_sync import push_weights
+    from rollflow.flows.weight_sync import push_weights
 
     trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
     pushed = push_weights(cfg, trainer, engine, weight_version)
@@ -145,7 +145,7 @@ def check_weight_update_task(cfg: RunConfig, weight_version: int) -> dict:
     """slime's --check-weight-update-equal: the engine snapshots its weights (loaded from the same
     checkpoint the trainer holds now), randomises them, takes the trainer's by the configured path, and
     every tensor must come back bit for bit. Fails the run before its first step otherwise."""
-    from flows.weight_sync import push_weights
+    from rollflow.flows.weight_sync import push_weights
 
     trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
     engine.call("prepare_overwrite_check")

@@ -8,7 +8,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from flows import reporting
+from rollflow.flows import reporting
 
 STAGES = ("start", "eval", "generate", "reward", "persist", "train", "sync", "checkpoint", "done")
 

@@ -11,8 +11,8 @@ from typing import Callable
 
 import fsspec
 
-from artifacts.storage import open_fs
-from flows.config import RunConfig
+from rollflow.artifacts.storage import open_fs
+from rollflow.flows.config import RunConfig
 
 # Set by the caller that draws the terminal progress bar; flows call it between their tasks.
 STAGE_HOOK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("stage_hook", default=None)

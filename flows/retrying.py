@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from artifacts.storage import is_permanent, is_transient
+from rollflow.artifacts.storage import is_permanent, is_transient
 
 # Backoff of the storage tasks: ~7 s of waiting in all covers an endpoint restart or a network blip.
 STORAGE_RETRIES = 3

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from artifacts.store import RolloutStore
-from flows import reporting
-from flows.config import RunConfig
-from flows.group import connect_ray, start_engine, start_placement, start_trainer, stop_all
-from flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
-from tasks.train.checkpoint import latest_checkpoint
+from rollflow.artifacts.store import RolloutStore
+from rollflow.flows import reporting
+from rollflow.flows.config import RunConfig
+from rollflow.flows.group import connect_ray, start_engine, start_placement, start_trainer, stop_all
+from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
+from rollflow.tasks.train.checkpoint import latest_checkpoint
 
 
 class RunExistsError(RuntimeError):
@@ -80,8 +80,8 @@ def check_data_resume(cfg: RunConfig, start: int) -> dict:
     Raises `DataResumeMismatch` (before any actor starts) when resuming would continue at another
     sample than the interrupted run would have: changed data file, batch size, seed or shuffle.
     """
-    from tasks.rollout.dataset import check_resume, data_state
-    from tasks.train.checkpoint import load_checkpoint_meta
+    from rollflow.tasks.rollout.dataset import check_resume, data_state
+    from rollflow.tasks.train.checkpoint import load_checkpoint_meta
 
     current = data_state(cfg.data, start)
     saved = load_checkpoint_meta(cfg.store.root, cfg.run, start).get("data")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from flows.config import RunConfig
-from infra.workers import Handle
+from rollflow.flows.config import RunConfig
+from rollflow.infra.workers import Handle
 
 
 @dataclasses.dataclass(frozen=True)

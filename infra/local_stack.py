@@ -111,10 +111,10 @@ def stop(name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m infra.local_stack start|stop prefect|s3` (used by .ci/run and the Makefile)."""
+    """`python -m rollflow.infra.local_stack start|stop prefect|s3` (used by .ci/run and the Makefile)."""
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 2 or args[0] not in ("start", "stop") or args[1] not in ("prefect", "s3"):
-        print("usage: python -m infra.local_stack start|stop prefect|s3", file=sys.stderr)
+        print("usage: python -m rollflow.infra.local_stack start|stop prefect|s3", file=sys.stderr)
         return 2
     action, name = args
     if action == "start":

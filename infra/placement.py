@@ -162,7 +162,7 @@ class _GpuProbe:
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it now (a rendezvous point for processes placed here)."""
-        from tasks.net import free_port, node_ip
+        from rollflow.tasks.net import free_port, node_ip
 
         return node_ip(), free_port()
 

@@ -38,7 +38,7 @@ class RemoteServer:
     def check_alive(self, during: str = "rollout") -> None:
         from ray.exceptions import RayTaskError
 
-        from tasks.rollout.sglang_server import EngineDiedError
+        from rollflow.tasks.rollout.sglang_server import EngineDiedError
 
         try:
             self._get("check_alive", during)

@@ -80,7 +80,7 @@ def start_actor(run_name: str, role: str, cls: type, *args, options: dict[str, A
     """Start the named actor of `role` for `run`, replacing a leftover one (a fresh start is a restart).
 
     `options`: extra Ray `.options(...)` (a placement group bundle and its GPU share, from
-    `infra.placement.actor_options`); they override the defaults below. `wait=False` returns before
+    `rollflow.infra.placement.actor_options`); they override the defaults below. `wait=False` returns before
     the constructor has run (start several, then `ray.get` their pings).
     """
     import ray

@@ -31,17 +31,17 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from artifacts.sample import Sample
-from tasks.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
-from tasks.faults import AlignmentFaults, apply_sync_fault, perturb_module, scramble_module
-from tasks.memory import peak_memory
-from tasks.rollout.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
-from tasks.rollout.generate import generate_samples
-from tasks.rollout.rewards import reward_fn_from_config, score_samples
-from tasks.rollout.settings import prompts_for
-from tasks.sync.alignment import NAME as SYNC, sync_check
-from tasks.sync.parity import NameMap, checksums, compare
-from tasks.train.alignment import (
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
+from rollflow.tasks.faults import AlignmentFaults, apply_sync_fault, perturb_module, scramble_module
+from rollflow.tasks.memory import peak_memory
+from rollflow.tasks.rollout.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
+from rollflow.tasks.rollout.generate import generate_samples
+from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
+from rollflow.tasks.rollout.settings import prompts_for
+from rollflow.tasks.sync.alignment import NAME as SYNC, sync_check
+from rollflow.tasks.sync.parity import NameMap, checksums, compare
+from rollflow.tasks.train.alignment import (
     FIRST_STEP, MISMATCH, REF_EQUAL, backend_of, first_step_check, first_step_figures, mismatch_check,
     ref_equal_check, train_step_figures,
 )
@@ -370,8 +370,8 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
 
 def alignment_workers(cfg: Any) -> tuple[Any, Any]:
     """Fresh `RolloutWorker` + `TrainWorker` for `cfg`, trainer at one optimizer step per rollout."""
-    from tasks.rollout.worker import RolloutWorker
-    from tasks.train.worker import TrainWorker
+    from rollflow.tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.train.worker import TrainWorker
 
     optim = cfg.train.model_copy(update={"num_steps_per_rollout": 1})
     rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data)

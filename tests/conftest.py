@@ -120,7 +120,7 @@ def ray_local(_loopback_s3_environment):
     # After the S3 environment: Ray's workers inherit the environment at ray.init.
     import ray
 
-    from infra.workers import ensure_ray
+    from rollflow.infra.workers import ensure_ray
 
     # fake_gpu: a custom resource standing in for GPUs in the placement tests (tests/test_placement.py);
     # num_gpus=4: Ray-only GPUs (ids 0-3, no CUDA behind them) for the bundle -> GPU id mapping tests
@@ -131,7 +131,7 @@ def ray_local(_loopback_s3_environment):
 
 def small_config(root, run: str = "t", **overrides):
     """A RunConfig sized for tests: 32 prompts x 4 samples, one optimizer step per rollout."""
-    from flows.config import RunConfig
+    from rollflow.flows.config import RunConfig
 
     data = {
         "run": run,

@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tasks.rollout.worker import RolloutWorker
+from rollflow.tasks.rollout.worker import RolloutWorker
 
 CRASH_ROLLOUT_ID = 1
 DRILL_DIR = Path(tempfile.gettempdir()) / "rollflow-drills"
@@ -92,7 +92,7 @@ class RecordingRolloutWorker(RolloutWorker):
         return super().update_weights(named, weight_version)
 
 
-from tasks.train.worker import TrainWorker  # noqa: E402
+from rollflow.tasks.train.worker import TrainWorker  # noqa: E402
 
 
 class RecordingTrainWorker(TrainWorker):

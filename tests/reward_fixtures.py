@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from artifacts.sample import Sample
+from rollflow.artifacts.sample import Sample
 
 
 def exact(sample: Sample) -> float:

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from artifacts.sample import Sample
-from tasks.alignment import CHECK_NAMES, alignment_workers, run_alignment, run_alignment_local
-from tasks.checks import AlignmentReport, AlignmentThresholds, CheckResult, worst
-from tasks.faults import AlignmentFaults
-from tasks.model.tokenizer import CharTokenizer
-from tasks.rollout.coherence import printable_units, repetition_fraction
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.alignment import CHECK_NAMES, alignment_workers, run_alignment, run_alignment_local
+from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds, CheckResult, worst
+from rollflow.tasks.faults import AlignmentFaults
+from rollflow.tasks.model.tokenizer import CharTokenizer
+from rollflow.tasks.rollout.coherence import printable_units, repetition_fraction
 from tests.conftest import small_config
 
 
@@ -173,7 +173,7 @@ def test_cli_align_local(cfg, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from flows.cli_align import register
+    from rollflow.flows.cli_align import register
 
     app = typer.Typer()
     register(app)

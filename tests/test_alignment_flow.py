@@ -30,7 +30,7 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
     from prefect import get_client
     from prefect.artifacts import Artifact
 
-    from flows.alignment import alignment_check, register_nightly
+    from rollflow.flows.alignment import alignment_check, register_nightly
 
     cfg = small_config(tmp_path, run="nightly-t")
     dep_id = register_nightly("0 2 * * *", cfg)
@@ -71,7 +71,7 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
 def test_tiny_memory_budget_fails_the_flow_run(tmp_path, prefect_api, ray_local):
     from prefect.artifacts import Artifact
 
-    from flows.alignment import AlignmentFailed, alignment_check
+    from rollflow.flows.alignment import AlignmentFailed, alignment_check
 
     cfg = small_config(tmp_path, run="budget-t")
     state = alignment_check(cfg, memory_budget_mb=1.0, return_state=True)
@@ -95,9 +95,9 @@ def test_prefect_yaml_declares_the_nightly_deployment():
     project = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
     (dep,) = [d for d in project["deployments"] if d["name"] == "nightly-alignment"]
     assert dep["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
-    flow = load_flow_from_entrypoint(str(REPO / dep["entrypoint"]))
+    flow = load_flow_from_entrypoint(dep["entrypoint"])  # a module path of the installed package
     assert flow.name == "alignment_check"
-    from flows.config import RunConfig
+    from rollflow.flows.config import RunConfig
 
     RunConfig.model_validate(dep["parameters"]["cfg"])  # the default parameters are a valid config
 
@@ -107,7 +107,7 @@ def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
     from prefect import get_client
     from typer.testing import CliRunner
 
-    from flows.cli_align import register
+    from rollflow.flows.cli_align import register
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # use the session's API, start no server
     app = typer.Typer()

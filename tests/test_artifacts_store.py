@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from artifacts import (
+from rollflow.artifacts import (
     ArtifactCorrupt,
     ArtifactExists,
     ArtifactNotFound,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.config import ConfigError, load_config
+from rollflow.flows.config import ConfigError, load_config
 
 
 def error_of(*overrides: str) -> str:
@@ -109,7 +109,7 @@ def test_steps_cannot_exceed_samples():
 def test_cli_prints_config_error(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from rollflow.flows.cli import app
 
     result = CliRunner().invoke(app, ["config", "--set", "algo.kl_coef=0.1", "--set", "algo.kl_loss_coef=0.1"])
     assert result.exit_code == 2

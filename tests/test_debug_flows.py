@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from artifacts import RolloutStore
+from rollflow.artifacts import RolloutStore
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow
@@ -20,21 +20,21 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def record_roles(monkeypatch):
     """Which actor roles the flows start (to prove rollout-only has no trainer, replay no engine)."""
-    import flows.group
+    import rollflow.flows.group
 
     roles: list[str] = []
-    real = flows.group.start_actor
+    real = rollflow.flows.group.start_actor
 
     def recording(run_name, role, cls, *args, **kwargs):
         roles.append(role)
         return real(run_name, role, cls, *args, **kwargs)
 
-    monkeypatch.setattr(flows.group, "start_actor", recording)
+    monkeypatch.setattr(rollflow.flows.group, "start_actor", recording)
     return roles
 
 
 def test_rollout_only_then_replay_pinned(tmp_path, prefect_api, ray_local, record_roles):
-    from flows.debug import replay_train, rollout_only
+    from rollflow.flows.debug import replay_train, rollout_only
 
     cfg = small_config(tmp_path, run="dbg", iterations=2, debug={"rollout_only": True})
     out = rollout_only(cfg)
@@ -85,8 +85,8 @@ def _metrics(result: dict) -> list[dict]:
 
 
 def test_replay_unknown_id_lists_existing(tmp_path, prefect_api, ray_local):
-    from artifacts import ArtifactNotFound
-    from flows.debug import replay_train, rollout_only
+    from rollflow.artifacts import ArtifactNotFound
+    from rollflow.flows.debug import replay_train, rollout_only
 
     rollout_only(small_config(tmp_path, run="few", iterations=1, debug={"rollout_only": True}))
     with pytest.raises(ArtifactNotFound) as err:
@@ -99,11 +99,11 @@ def test_cli_rollout_then_replay(tmp_path, prefect_api):
     common = ["--set", "run=cli", "--set", f"store.root={tmp_path}", "--set", "iterations=2",
               "--set", "data.prompts_per_rollout=16", "--set", "rollout.n_samples_per_prompt=4",
               "--set", "train.num_steps_per_rollout=1"]
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "rollout", *common], cwd=REPO, env=env,
+    out = subprocess.run([sys.executable, "-m", "rollflow.flows.cli", "rollout", *common], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert RolloutStore(str(tmp_path)).list_ids("cli", "train") == [0, 1]
-    rep = subprocess.run([sys.executable, "-m", "flows.cli", "replay", *common, "--ids", "0-1",
+    rep = subprocess.run([sys.executable, "-m", "rollflow.flows.cli", "replay", *common, "--ids", "0-1",
                           "--dump-details", str(tmp_path / "dump")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
@@ -117,7 +117,7 @@ def test_cli_rollout_then_replay(tmp_path, prefect_api):
     assert dump.num_rows == 16 * 4
 
     # `show` reads the dump folder: the copied rollout and the per-token train dump.
-    shown = subprocess.run([sys.executable, "-m", "flows.cli", "show", str(tmp_path / "dump" / "cli"), "--id", "0",
+    shown = subprocess.run([sys.executable, "-m", "rollflow.flows.cli", "show", str(tmp_path / "dump" / "cli"), "--id", "0",
                             "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     doc = json.loads(shown.stdout)
@@ -130,10 +130,10 @@ def test_replay_slime_dump_with_extra_fields(tmp_path, prefect_api, ray_local, r
     """A slime-format dump (string statuses, unknown fields) replays with no engine."""
     import torch
 
-    from flows.debug import replay_train
-    from tasks.rollout.worker import RolloutWorker
-    from tasks.rollout.rewards import resolve_reward_fn, score_samples
-    from tasks.rollout.settings import DataConfig, RolloutConfig
+    from rollflow.flows.debug import replay_train
+    from rollflow.tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.rollout.rewards import resolve_reward_fn, score_samples
+    from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 
     worker = RolloutWorker("builtin:addition", RolloutConfig(n_samples_per_prompt=4), DataConfig(prompts_per_rollout=8))
     for rid in (0, 1):

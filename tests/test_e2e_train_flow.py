@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from artifacts import ArtifactCorrupt, RolloutStore
+from rollflow.artifacts import ArtifactCorrupt, RolloutStore
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 def test_two_iterations_step1_exact_and_synced(tmp_path, prefect_api, ray_local):
     from prefect import get_client
 
-    from flows.reporting import read_metrics
-    from flows.train import rl_train
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
 
     cfg = small_config(tmp_path, run="e2e", iterations=2)
     summary = rl_train(cfg)

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pytest
 
-from artifacts import ArtifactCorrupt, ArtifactExists, ArtifactSchemaError, EngineInfo, RolloutStore
-from artifacts.errors import StorageAuthError, StorageBucketNotFound, StorageUnavailable
-from artifacts.storage import is_permanent, is_transient, open_fs, redact, storage_options_for
-from tasks.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from rollflow.artifacts import ArtifactCorrupt, ArtifactExists, ArtifactSchemaError, EngineInfo, RolloutStore
+from rollflow.artifacts.errors import StorageAuthError, StorageBucketNotFound, StorageUnavailable
+from rollflow.artifacts.storage import is_permanent, is_transient, open_fs, redact, storage_options_for
+from rollflow.tasks.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from tests.conftest import TEST_AWS_SECRET, small_config
 from tests.test_artifacts_store import make_samples
 
@@ -73,14 +73,14 @@ def _mutate(root: str, rel: str, change) -> None:
 
 @pytest.mark.slow
 def test_drill1_engine_killed_mid_rollout_task_retry_restarts_it(any_root, prefect_api, ray_local, monkeypatch):
-    import tasks.rollout.worker as worker_module
-    from flows.reporting import read_metrics
-    from flows.train import rl_train
+    import rollflow.tasks.rollout.worker as worker_module
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
     from tests.drill_workers import CRASH_ROLLOUT_ID, CrashOnceRolloutWorker, drill_files
 
     run = f"drill1-{uuid.uuid4().hex[:8]}"
     marker, pid_log = drill_files(run)
-    # flows.group.start_engine imports the class at call time: the engine (and its restart) is the
+    # rollflow.flows.group.start_engine imports the class at call time: the engine (and its restart) is the
     # crashing subclass. Two generation batches per rollout, so the crash lands between them.
     monkeypatch.setattr(worker_module, "RolloutWorker", CrashOnceRolloutWorker)
     cfg = small_config(any_root, run=run, iterations=2, rollout={"max_batch_size": 64})
@@ -113,7 +113,7 @@ def test_drill1_engine_killed_mid_rollout_task_retry_restarts_it(any_root, prefe
 def _train_cmd(root: str, run: str, iterations: int) -> list[str]:
     sets = [f"run={run}", f"iterations={iterations}", f"store.root={root}", "data.prompts_per_rollout=32",
             "rollout.n_samples_per_prompt=4", "train.num_steps_per_rollout=1"]
-    cmd = [sys.executable, "-m", "flows.cli", "train"]
+    cmd = [sys.executable, "-m", "rollflow.flows.cli", "train"]
     for item in sets:
         cmd += ["--set", item]
     return cmd
@@ -228,7 +228,7 @@ class _StubEngine:
 def _persist_flow():
     from prefect import flow
 
-    from flows.iteration import persist_task
+    from rollflow.flows.iteration import persist_task
 
     @flow(name="drill-persist")
     def drill_persist(cfg, samples, delays):
@@ -259,7 +259,7 @@ def _persist_run_and_logs(flow_run_id):
 
 
 def test_drill3_persist_retries_then_fails_clearly_and_rerun_completes(stoppable_s3, prefect_api, monkeypatch):
-    import flows.iteration as iteration
+    import rollflow.flows.iteration as iteration
 
     assert iteration.persist_task.retries >= 3 and iteration.persist_task.retry_delay_seconds == [1, 2, 4]
     monkeypatch.setattr(iteration, "require", lambda cfg, role: _StubEngine())
@@ -296,7 +296,7 @@ def test_drill3_persist_retries_then_fails_clearly_and_rerun_completes(stoppable
 
 def test_drill3_endpoint_lost_between_payload_and_manifest(stoppable_s3, prefect_api, monkeypatch):
     """The endpoint dies after the payload PUT, before the manifest PUT, and comes back in time."""
-    import flows.iteration as iteration
+    import rollflow.flows.iteration as iteration
 
     monkeypatch.setattr(iteration, "require", lambda cfg, role: _StubEngine())
     original_commit = RolloutStore._commit_manifest
@@ -329,7 +329,7 @@ def test_drill3_trainer_load_retries_but_a_train_step_never_does(prefect_api, mo
     has run (it may have stepped the optimizer) a failure is not retried."""
     from prefect import flow
 
-    import flows.iteration as iteration
+    import rollflow.flows.iteration as iteration
 
     calls: list[str] = []
     down = StorageUnavailable("cannot reach bucket 'b' at http://e", uri="s3://b/k", endpoint="http://e", bucket="b")
@@ -513,7 +513,7 @@ def test_drill5_endpoint_without_conditional_puts_falls_back_and_warns(s3_endpoi
         return original(method, *args, **kwargs)
 
     monkeypatch.setattr(store._fs, "call_s3", no_if_none_match)
-    with caplog.at_level(logging.WARNING, logger="artifacts.store"):
+    with caplog.at_level(logging.WARNING, logger="rollflow.artifacts.store"):
         write(store, 0)
         write(store, 1)
     warnings = [r for r in caplog.records if "conditional writes" in r.getMessage()]
@@ -542,7 +542,7 @@ def test_drill6_code_carrying_pt_is_refused_and_runs_nothing(any_root, tmp_path,
 
     import torch
 
-    from artifacts.slime import import_slime_pt
+    from rollflow.artifacts.slime import import_slime_pt
 
     def crafted(marker: Path) -> bytes:
         payload = {"rollout_id": 0, "samples": [_RunsCode(str(marker))]}
@@ -576,7 +576,7 @@ def test_drill6_code_carrying_pt_is_refused_and_runs_nothing(any_root, tmp_path,
 
 def test_drill7_config_errors_name_field_and_fix():
     """The config half (more in test_config.py): one error each, naming the field and the fix."""
-    from flows.config import ConfigError, load_config
+    from rollflow.flows.config import ConfigError, load_config
 
     cases = {
         "trian.lr=1e-4": ("trian", "unknown field"),
@@ -642,8 +642,8 @@ def test_drill7_bad_credentials_are_named_without_leaking_them(s3_endpoint, monk
 
 
 def test_drill7_preflight_fails_rl_train_before_any_actor(s3_endpoint, prefect_api, ray_local):
-    from flows.group import get_actor
-    from flows.train import rl_train
+    from rollflow.flows.group import get_actor
+    from rollflow.flows.train import rl_train
 
     cfg = small_config("s3://rollflow-no-such-bucket/x", run="drill7-preflight")
     with pytest.raises(StorageBucketNotFound, match="rollflow-no-such-bucket"):
@@ -657,7 +657,7 @@ def test_drill7_preflight_fails_rl_train_before_any_actor(s3_endpoint, prefect_a
 def test_secrets_are_redacted_and_retry_conditions_classify(monkeypatch):
     from prefect.states import Failed
 
-    from flows.retrying import retry_if_transient, retry_unless_permanent
+    from rollflow.flows.retrying import retry_if_transient, retry_unless_permanent
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_AWS_SECRET)
     assert redact(f"sig for {TEST_AWS_SECRET} failed") == "sig for *** failed"

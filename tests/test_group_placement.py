@@ -18,11 +18,11 @@ FAKE = "fake_gpu"
 
 
 def _use_recording_workers(monkeypatch):
-    import tasks.rollout.worker as worker_module
-    import tasks.train.worker as train_module
+    import rollflow.tasks.rollout.worker as worker_module
+    import rollflow.tasks.train.worker as train_module
     from tests.drill_workers import RecordingRolloutWorker, RecordingTrainWorker
 
-    # flows.group imports both classes at call time: the actors (and restarts) are the recording ones.
+    # rollflow.flows.group imports both classes at call time: the actors (and restarts) are the recording ones.
     monkeypatch.setattr(worker_module, "RolloutWorker", RecordingRolloutWorker)
     monkeypatch.setattr(train_module, "TrainWorker", RecordingTrainWorker)
 
@@ -41,9 +41,9 @@ def _starts(run: str) -> list[dict[str, str]]:
 def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_path, ray_local, monkeypatch):
     import ray
 
-    from flows.group import (ENGINE, _lookup_placement_group, ensure_engine, start_engine, start_placement,
+    from rollflow.flows.group import (ENGINE, _lookup_placement_group, ensure_engine, start_engine, start_placement,
                              start_trainer, stop_all)
-    from infra.workers import stop_actor
+    from rollflow.infra.workers import stop_actor
     from tests.drill_workers import calls_file
 
     _use_recording_workers(monkeypatch)
@@ -79,7 +79,7 @@ def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_p
 
 
 def test_cpu_default_has_no_placement_group(tmp_path):
-    from flows.group import engine_base_gpu_id, placement_options, start_placement, uses_placement
+    from rollflow.flows.group import engine_base_gpu_id, placement_options, start_placement, uses_placement
 
     cfg = small_config(tmp_path)
     assert not uses_placement(cfg)
@@ -89,9 +89,9 @@ def test_cpu_default_has_no_placement_group(tmp_path):
 
 @pytest.mark.parametrize("fake_gpus", [False, True], ids=["cpu", "fake-gpus"])
 def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, monkeypatch):
-    from flows.group import _lookup_placement_group
-    from flows.reporting import read_metrics
-    from flows.train import rl_train
+    from rollflow.flows.group import _lookup_placement_group
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
     from tests.drill_workers import calls_file
 
     _use_recording_workers(monkeypatch)
@@ -133,10 +133,10 @@ def _starts_from(calls: list[str]) -> list[dict[str, str]]:
 def test_two_data_parallel_trainer_ranks_train_through_the_flow(tmp_path, prefect_api, ray_local):
     """resources.trainer_gpus=2: two trainer actors (one per bundle) train every step together (gloo on
     CPU) and hold identical weights; rank 0 serves the sync, whose parity must hold."""
-    from flows.group import start_placement, start_trainer, stop_all, trainer_role
-    from flows.reporting import read_metrics
-    from flows.train import rl_train
-    from infra.workers import get_actor
+    from rollflow.flows.group import start_placement, start_trainer, stop_all, trainer_role
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
+    from rollflow.infra.workers import get_actor
 
     run = f"dp-{uuid.uuid4().hex[:8]}"
     cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 8},

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.model.tiny import build_tiny_model
-from tasks.rollout.engine import GenerationRequest, SamplingParams
-from tasks.rollout.hf_engine import HFEngine, _StepLogProbs
-from tasks.rollout.settings import RolloutConfig
+from rollflow.tasks.model.tiny import build_tiny_model
+from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
+from rollflow.tasks.rollout.hf_engine import HFEngine, _StepLogProbs
+from rollflow.tasks.rollout.settings import RolloutConfig
 
 
 @pytest.fixture(scope="module")

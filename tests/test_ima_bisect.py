@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.rollout.ima import (
+from rollflow.tasks.rollout.ima import (
     COREDUMP,
     CRASH,
     ERROR,
@@ -260,7 +260,7 @@ def test_launch_blocking_log_names_kernel_and_call_site(tmp_path):
 
 
 def test_transformers_refusal_is_not_applicable():
-    from tasks.rollout.ima_repro import unsupported_combination
+    from rollflow.tasks.rollout.ima_repro import unsupported_combination
 
     def refused(message: str, filename: str):
         code = compile(f"raise ValueError({message!r})", filename, "exec")
@@ -291,7 +291,7 @@ def test_classify():
 
 
 def _fake_python(tmp_path: Path, body: str) -> str:
-    """An executable standing in for `python -m tasks.rollout.ima_repro ...` (no torch import: fast)."""
+    """An executable standing in for `python -m rollflow.tasks.rollout.ima_repro ...` (no torch import: fast)."""
     script = tmp_path / "fake-python"
     script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -341,7 +341,7 @@ def test_cli_registers_bisect_and_rejects_a_bad_toggle(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from flows.cli_bisect import register
+    from rollflow.flows.cli_bisect import register
 
     app = typer.Typer()
     register(app)
@@ -366,7 +366,7 @@ def test_cli_registers_bisect_and_rejects_a_bad_toggle(tmp_path):
 def test_flow_isolates_the_crashing_combination(tmp_path, prefect_api):
     from prefect.artifacts import Artifact
 
-    from flows.bisect import ima_bisect
+    from rollflow.flows.bisect import ima_bisect
 
     cfg = small_config(tmp_path, run="ima-t", data={"prompts_per_rollout": 4}, rollout={"n_samples_per_prompt": 2})
     out = ima_bisect(cfg, crash_when="cuda_graph=on,speculative=on", timeout_s=120, parallel=2)

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tasks.rollout import sglang_engine
-from tasks.sync import ipc
+from rollflow.tasks.rollout import sglang_engine
+from rollflow.tasks.sync import ipc
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -129,7 +129,7 @@ def test_cpu_cross_process_unrelated_receiver(tmp_path):
     path.write_bytes(ipc.serialize_named_tensors(named))
     receiver = (
         "import json, sys, torch\n"
-        "from tasks.sync.ipc import deserialize_named_tensors\n"
+        "from rollflow.tasks.sync.ipc import deserialize_named_tensors\n"
         + DIGEST_SRC +
         "named = deserialize_named_tensors(open(sys.argv[1], 'rb').read())\n"
         "print(json.dumps([[n, list(t.shape), digest(t)] for n, t in named]))\n"
@@ -310,7 +310,7 @@ def test_cuda_receiver_with_other_visible_devices_writes_through_the_handle(tmp_
     path.write_bytes(ipc.serialize_named_tensors([("w", t)]))
     receiver = (
         "import sys, torch\n"
-        "from tasks.sync.ipc import deserialize_named_tensors\n"
+        "from rollflow.tasks.sync.ipc import deserialize_named_tensors\n"
         "assert torch.cuda.device_count() == 1, torch.cuda.device_count()\n"
         "[(name, t)] = deserialize_named_tensors(open(sys.argv[1], 'rb').read())\n"
         "assert name == 'w' and t.device == torch.device('cuda', 0), t.device\n"

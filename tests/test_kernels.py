@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from tasks.train.advantages import ESTIMATORS, compute_advantages, group_mean_std, whiten
-from tasks.train.kl import KL_KINDS, approx_kl
-from tasks.train.losses import (
+from rollflow.tasks.train.advantages import ESTIMATORS, compute_advantages, group_mean_std, whiten
+from rollflow.tasks.train.kl import KL_KINDS, approx_kl
+from rollflow.tasks.train.losses import (
     entropy_from_logits,
     importance_correction,
     masked_mean,

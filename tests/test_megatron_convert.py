@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.sync import megatron_names as mn
-from tasks.sync.parity import checksums, compare
+from rollflow.tasks.sync import megatron_names as mn
+from rollflow.tasks.sync.parity import checksums, compare
 
 
 def _llama(tie: bool = False):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from artifacts.sample import Sample
-from tasks.sync.parity import checksums, compare
-from tasks.train.batch import batch_from_samples
-from tasks.train.settings import AlgoConfig, OptimConfig
-from tasks.train.step import train_on_samples
-from tasks.train.torch_backend import TorchBackend
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.sync.parity import checksums, compare
+from rollflow.tasks.train.batch import batch_from_samples
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.step import train_on_samples
+from rollflow.tasks.train.torch_backend import TorchBackend
 
 try:
     import megatron.core  # noqa: F401
@@ -78,7 +78,7 @@ def _optim(backend: str, device: str, dtype: str) -> OptimConfig:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_log_probs_match_hf(device, kind):
-    from tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron_backend import MegatronBackend
 
     config = _config(kind)
     hf = _hf(config)
@@ -99,7 +99,7 @@ def test_log_probs_match_hf(device, kind):
 @needs_megatron
 @pytest.mark.parametrize("device", DEVICES)
 def test_step1_exact_and_weight_sync(device):
-    from tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron_backend import MegatronBackend
 
     config = _config("qwen2")
     hf = _hf(config)
@@ -128,8 +128,8 @@ def test_step1_exact_and_weight_sync(device):
 
 @pytest.mark.skipif(HAVE_MEGATRON, reason="megatron-core is installed: the missing-package message cannot show")
 def test_missing_megatron_is_a_clear_error():
-    from tasks.train.megatron_backend import MegatronMissing
-    from tasks.train.worker import build_backend
+    from rollflow.tasks.train.megatron_backend import MegatronMissing
+    from rollflow.tasks.train.worker import build_backend
 
     with pytest.raises(MegatronMissing, match=r"pip install 'rollflow\[megatron\]'.*Python >= 3.12"):
         build_backend("builtin:addition", OptimConfig(backend="megatron"), temperature=1.0)
@@ -138,8 +138,8 @@ def test_missing_megatron_is_a_clear_error():
 @pytest.mark.parametrize("impl", ["chunked", "compiled"])
 def test_fused_log_probs_match_log_softmax(impl):
     """The log-prob / entropy kernels (no megatron needed): values and gradients, vocab padding ignored."""
-    from tasks.train.fused_ops import token_log_probs
-    from tasks.train.losses import entropy_from_logits
+    from rollflow.tasks.train.fused_ops import token_log_probs
+    from rollflow.tasks.train.losses import entropy_from_logits
 
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 56, dtype=torch.float64, requires_grad=True)  # 50 real + 6 padded columns
@@ -164,7 +164,7 @@ def test_fused_log_probs_match_log_softmax(impl):
 
 
 def test_compiled_rope_matches_rotate_half():
-    from tasks.train.fused_ops import rope_sbhd
+    from rollflow.tasks.train.fused_ops import rope_sbhd
 
     torch.manual_seed(0)
     s, b, h, d = 6, 2, 3, 8

@@ -10,15 +10,15 @@ from itertools import combinations
 
 import pytest
 
-from tasks.model.source import ModelDirError, check_model_dir, resolve_model_path
-from tasks.model.tokenizer import CharTokenizer, load_tokenizer, prompt_token_ids
-from tasks.rollout.addition import PromptItem
-from tasks.rollout.dataset import (
+from rollflow.tasks.model.source import ModelDirError, check_model_dir, resolve_model_path
+from rollflow.tasks.model.tokenizer import CharTokenizer, load_tokenizer, prompt_token_ids
+from rollflow.tasks.rollout.addition import PromptItem
+from rollflow.tasks.rollout.dataset import (
     DataExhausted, DataResumeMismatch, check_resume, data_state, epoch_order, load_records,
 )
-from tasks.rollout.evaluation import eval_summary, pass_at_k
-from tasks.rollout.generate import build_requests
-from tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
+from rollflow.tasks.rollout.evaluation import eval_summary, pass_at_k
+from rollflow.tasks.rollout.generate import build_requests
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from tests.hf_fixtures import build_model_dir, build_tokenizer, write_jsonl
 
 ROWS = [{"question": f"What is {i} plus {i + 1}?", "answer": 2 * i + 1, "source": "toy", "level": i % 3}
@@ -74,7 +74,7 @@ def test_model_dir_checks_name_the_missing_piece(model_dir, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_other_families_load(tmp_path, arch):
-    from tasks.model.tiny import load_model
+    from rollflow.tasks.model.tiny import load_model
 
     path = build_model_dir(tmp_path / arch, arch=arch)
     assert check_model_dir(path)["model_type"] == arch
@@ -214,7 +214,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def _scored(rewards_by_group):
-    from artifacts.sample import Sample
+    from rollflow.artifacts.sample import Sample
 
     return [Sample(group_index=g, index=i, prompt="p", tokens=[1, 2], response="r", response_length=1, loss_mask=[1],
                    rollout_log_probs=[-1.0], reward=r) for g, rs in enumerate(rewards_by_group) for i, r in enumerate(rs)]
@@ -232,11 +232,11 @@ def test_eval_summary():
 
 def test_worker_on_an_hf_directory_with_chat_template_and_eval_sampling(model_dir, jsonl, tmp_path):
     """Generation, rewards, training and eval on a real HF directory (random tiny Llama)."""
-    from tasks.rollout.rewards import reward_fn_from_config, score_samples
-    from tasks.rollout.worker import RolloutWorker
-    from tasks.train.settings import AlgoConfig, OptimConfig
-    from tasks.train.step import train_on_samples
-    from tasks.train.worker import build_backend
+    from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
+    from rollflow.tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+    from rollflow.tasks.train.step import train_on_samples
+    from rollflow.tasks.train.worker import build_backend
 
     eval_path = write_jsonl(tmp_path / "eval.jsonl", ROWS[:3])
     data = data_cfg(jsonl, apply_chat_template=True, system_prompt="Answer with a number.",
@@ -267,9 +267,9 @@ def test_retokenize_agreement_tells_language_from_arbitrary_ids():
     so its reference NLL looks fine): arbitrary id sequences are not what the tokenizer produces."""
     import random
 
-    from artifacts.sample import Sample
-    from tasks.checks import AlignmentThresholds
-    from tasks.rollout.coherence import coherence_check, response_stats, retokenize_agreement
+    from rollflow.artifacts.sample import Sample
+    from rollflow.tasks.checks import AlignmentThresholds
+    from rollflow.tasks.rollout.coherence import coherence_check, response_stats, retokenize_agreement
     from tests.hf_fixtures import CORPUS, build_bpe_tokenizer
 
     tok = build_bpe_tokenizer()

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from artifacts import RolloutStore
-from tasks.rollout.settings import prompts_for
+from rollflow.artifacts import RolloutStore
+from rollflow.tasks.rollout.settings import prompts_for
 from tests.conftest import small_config
 from tests.hf_fixtures import write_jsonl
 
@@ -37,8 +37,8 @@ def meta(tmp_path, run, iteration):
 
 
 def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, prefect_api, ray_local):
-    from flows.train import rl_train
-    from tasks.rollout.dataset import DataResumeMismatch
+    from rollflow.flows.train import rl_train
+    from rollflow.tasks.rollout.dataset import DataResumeMismatch
 
     cfg = dataset_config(tmp_path)
     assert rl_train(cfg)["iterations"] == 2
@@ -66,7 +66,7 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
     # Eval: its own sampling (4 samples per prompt), an `eval` artifact, pass@k in the metrics.
     evals = store.load("ds", "eval", 0)
     assert evals.manifest.n_samples_per_prompt == 4 and len(evals.samples) == 12
-    from flows.reporting import read_metrics
+    from rollflow.flows.reporting import read_metrics
 
     rows = read_metrics(cfg)
     assert {"eval/pass@1", "eval/pass@4", "eval/accuracy"} <= set(rows[0])
@@ -76,7 +76,7 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
     import typer
     from typer.testing import CliRunner
 
-    from flows.cli_tools import register
+    from rollflow.flows.cli_tools import register
 
     app = typer.Typer()
     register(app)
@@ -89,8 +89,8 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
 def test_coherence_on_a_dataset_task_passes_and_fails_on_shuffled_weights(tmp_path):
     """No answer-format check outside the addition task: coherence stands on printable text,
     repetition and the reference NLL, and still catches a model whose weights are shuffled."""
-    from tasks.alignment import run_alignment_local
-    from tasks.faults import AlignmentFaults
+    from rollflow.tasks.alignment import run_alignment_local
+    from rollflow.tasks.faults import AlignmentFaults
 
     cfg = dataset_config(tmp_path, run="dsalign", rollout={"n_samples_per_prompt": 4, "reward": "exact_match"})
     good = run_alignment_local(cfg).check("coherence")

@@ -13,13 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from artifacts.sample import Sample
-from tasks.rollout.remote_reward import RemoteReward, RemoteRewardError
-from tasks.rollout.rewards import (
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.rollout.remote_reward import RemoteReward, RemoteRewardError
+from rollflow.tasks.rollout.rewards import (
     exact_match_reward, extract_answer, extract_boxed, extract_last_number, f1_score, group_reward, math_reward,
     resolve_reward_fn, reward_fn_from_config, score_samples,
 )
-from tasks.rollout.settings import RolloutConfig
+from rollflow.tasks.rollout.settings import RolloutConfig
 
 
 def sample(response: str, label: str | None = None, group: int = 0, index: int = 0, **meta) -> Sample:

@@ -9,18 +9,18 @@ import types
 import pytest
 import torch
 
-from artifacts.sample import Sample, Status
-from tasks.model.source import resolve_model_path
-from tasks.model.tiny import load_model
-from tasks.rollout.engine import GenerationRequest, SamplingParams
-from tasks.rollout.rewards import resolve_reward_fn, score_samples
-from tasks.rollout.settings import DataConfig, RolloutConfig
-from tasks.rollout.worker import RolloutWorker
-from tasks.sync.parity import checksums, compare
-from tasks.train.replay import infer_group_size, subsample_groups
-from tasks.train.settings import AlgoConfig, OptimConfig
-from tasks.train.step import train_on_samples
-from tasks.train.torch_backend import TorchBackend
+from rollflow.artifacts.sample import Sample, Status
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
+from rollflow.tasks.rollout.rewards import resolve_reward_fn, score_samples
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+from rollflow.tasks.rollout.worker import RolloutWorker
+from rollflow.tasks.sync.parity import checksums, compare
+from rollflow.tasks.train.replay import infer_group_size, subsample_groups
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.step import train_on_samples
+from rollflow.tasks.train.torch_backend import TorchBackend
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_dotted_path_rewards_sync_async_and_dict():
 
 def test_prefix_parity_catches_swapped_layers(engine_worker, backend):
     """The SGLang-style parity (heads of every tensor by name) on the hf engine's tensors."""
-    from tasks.sync.parity import compare_prefixes, tensor_prefix
+    from rollflow.tasks.sync.parity import compare_prefixes, tensor_prefix
 
     engine_worker.update_weights(backend.named_weights(), engine_worker.weight_version() + 1)
     trainer_heads = {k: tensor_prefix(v, 16) for k, v in backend.named_weights().items()}
@@ -193,7 +193,7 @@ def test_prefix_parity_catches_swapped_layers(engine_worker, backend):
 
 
 def test_sglang_weight_prefixes_flatten_nested_lists():
-    from tasks.rollout.worker import RolloutWorker, _flatten
+    from rollflow.tasks.rollout.worker import RolloutWorker, _flatten
 
     assert _flatten([[1.0, 2.0], [3.0]]) == [1.0, 2.0, 3.0]
 
@@ -215,7 +215,7 @@ def test_sglang_weight_prefixes_flatten_nested_lists():
     worker.engine = FakeSGLang(stale_url="http://b")
     heads = worker.weight_prefixes(["w"], 3)
     assert heads == {"w": [0.5, 0.25, 0.125], "w@http://b": [9.0, 0.25, 0.125]}
-    from tasks.sync.parity import compare_prefixes
+    from rollflow.tasks.sync.parity import compare_prefixes
 
     report = compare_prefixes({"w": [0.5, 0.25, 0.125]}, heads)
     assert not report.ok and report.mismatched == ["w@http://b"]

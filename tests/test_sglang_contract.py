@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.rollout.engine import GenerationRequest, SamplingParams
-from tasks.rollout.sglang_engine import (
+from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
+from rollflow.tasks.rollout.sglang_engine import (
     EndpointPool,
     SGLangEngine,
     SGLangRequestError,
@@ -31,7 +31,7 @@ from tasks.rollout.sglang_engine import (
     sampling_params_payload,
     write_hf_checkpoint,
 )
-from tasks.rollout.sglang_flags import (
+from rollflow.tasks.rollout.sglang_flags import (
     FlagSpec,
     UnknownSGLangFlag,
     args_to_argv,
@@ -40,7 +40,7 @@ from tasks.rollout.sglang_flags import (
     load_flags,
     rewrite_cli_args,
 )
-from tasks.rollout.sglang_server import (
+from rollflow.tasks.rollout.sglang_server import (
     INSTALL_HINT,
     EngineDiedError,
     LaunchSpec,
@@ -119,7 +119,7 @@ def test_cli_spelling_rewrites_to_config_overrides():
 
 
 def test_config_validates_passthrough_and_refuses_managed_flags():
-    from flows.config import ConfigError, load_config
+    from rollflow.flows.config import ConfigError, load_config
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.args.disable_cuda_graph=true"])
     assert cfg.rollout.sglang.args == {"disable-cuda-graph": True}
@@ -198,7 +198,7 @@ def test_flag_list_matches_the_installed_sglang():  # pragma: no cover - needs S
     committed = load_flags()
     if importlib.metadata.version("sglang") != committed.version:
         pytest.skip(f"installed sglang {importlib.metadata.version('sglang')} != list's {committed.version}: "
-                    "regenerate with python -m tasks.rollout.sglang_flags --installed")
+                    "regenerate with python -m rollflow.tasks.rollout.sglang_flags --installed")
     assert {f: (s.kind, s.field) for f, s in committed.flags.items()} == live
 
 
@@ -208,7 +208,7 @@ def test_flag_list_matches_the_installed_sglang():  # pragma: no cover - needs S
 
 
 def test_launch_command_for_a_config():
-    from flows.config import load_config
+    from rollflow.flows.config import load_config
 
     cfg = load_config(None, [
         "rollout.engine=sglang", "rollout.dtype=bfloat16", "rollout.sglang.mem_fraction_static=0.7",
@@ -236,8 +236,8 @@ def test_launch_command_for_a_config():
 
 @pytest.mark.skipif(HAS_SGLANG, reason="SGLang is installed")
 def test_missing_sglang_is_a_clear_error_at_use_time_only(tmp_path):
-    from tasks.rollout.settings import RolloutConfig
-    from tasks.rollout.worker import build_engine
+    from rollflow.tasks.rollout.settings import RolloutConfig
+    from rollflow.tasks.rollout.worker import build_engine
 
     assert "pip install 'rollflow[sglang]'" in INSTALL_HINT
     with pytest.raises(SGLangNotInstalled, match=r"rollout.engine='sglang' needs SGLang on a GPU machine: "
@@ -276,8 +276,8 @@ def test_recorded_examples_conform_and_name_their_sources():
 
 @pytest.mark.parametrize("kind,expected", [("stop", "stop"), ("length", "length"), ("abort", "abort")])
 def test_finish_reason_mapping(kind, expected):
-    from artifacts.sample import Status
-    from tasks.rollout.generate import FINISH_TO_STATUS
+    from rollflow.artifacts.sample import Status
+    from rollflow.tasks.rollout.generate import FINISH_TO_STATUS
 
     recorded = ENDPOINTS["/generate"]["finish_reasons"][kind]
     assert finish_reason_of({"finish_reason": recorded}) == expected
@@ -300,10 +300,10 @@ def test_response_parsing_of_the_recorded_example():
 
 
 def test_generate_and_statuses_through_generate_samples(fake):
-    from artifacts.sample import Status
-    from tasks.model.tokenizer import load_tokenizer
-    from tasks.rollout.addition import addition_prompts
-    from tasks.rollout.generate import generate_samples
+    from rollflow.artifacts.sample import Status
+    from rollflow.tasks.model.tokenizer import load_tokenizer
+    from rollflow.tasks.rollout.addition import addition_prompts
+    from rollflow.tasks.rollout.generate import generate_samples
 
     engine = engine_for(fake.url)
     tok = load_tokenizer(BUILTIN)
@@ -497,7 +497,7 @@ def test_update_from_distributed_gloo_end_to_end(tmp_path):
     group as rank 1 (as SGLang's engine does) and receives the tensors the trainer broadcasts."""
     import torch.distributed as dist
 
-    from tasks.rollout.sglang_engine import broadcaster
+    from rollflow.tasks.rollout.sglang_engine import broadcaster
 
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher(), skip_tokenizer_init=False)
     with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
@@ -608,9 +608,9 @@ def test_prefect_retry_restarts_the_engine_actor_after_its_server_died(tmp_path,
     and the rollout completes."""
     from prefect import flow
 
-    from flows.group import ENGINE, stop_all
-    from flows.iteration import generate_task
-    from infra.workers import get_actor
+    from rollflow.flows.group import ENGINE, stop_all
+    from rollflow.flows.iteration import generate_task
+    from rollflow.infra.workers import get_actor
     from tests.conftest import small_config
 
     marker = tmp_path / "died-once"

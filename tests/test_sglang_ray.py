@@ -39,9 +39,9 @@ def _sglang_cfg(tmp_path, run: str, *, resources: dict, launcher_args=(), **roll
 def test_two_engines_in_their_bundles_see_exactly_their_gpus_and_share_the_rollout(tmp_path, ray_local):
     import ray
 
-    from flows.group import (ENGINE, _lookup_placement_group, server_role, start_engine, start_placement,
+    from rollflow.flows.group import (ENGINE, _lookup_placement_group, server_role, start_engine, start_placement,
                              stop_all)
-    from infra.workers import get_actor
+    from rollflow.infra.workers import get_actor
 
     run = f"sg2-{uuid.uuid4().hex[:8]}"
     # rollout only: engines 2 x 2 GPUs = 4 bundles of the Ray GPUs (ids 0-3)
@@ -76,8 +76,8 @@ def test_two_engines_in_their_bundles_see_exactly_their_gpus_and_share_the_rollo
 def test_abort_through_the_actor_while_a_rollout_runs(tmp_path, ray_local):
     import ray
 
-    from artifacts.sample import Status
-    from flows.group import abort_rollout, start_engine, stop_all
+    from rollflow.artifacts.sample import Status
+    from rollflow.flows.group import abort_rollout, start_engine, stop_all
 
     run = f"sgab-{uuid.uuid4().hex[:8]}"
     cfg = _sglang_cfg(tmp_path, run, resources={}, launcher_args=("--step-delay", "0.05"), max_inflight=4)
@@ -100,9 +100,9 @@ def test_abort_through_the_actor_while_a_rollout_runs(tmp_path, ray_local):
 
 
 def test_a_dead_server_actor_is_reported_and_ensure_engine_restarts_all(tmp_path, ray_local):
-    from flows.group import ENGINE, ensure_engine, server_role, start_engine, stop_all
-    from infra.workers import get_actor, stop_actor
-    from tasks.rollout.sglang_server import EngineDiedError
+    from rollflow.flows.group import ENGINE, ensure_engine, server_role, start_engine, stop_all
+    from rollflow.infra.workers import get_actor, stop_actor
+    from rollflow.tasks.rollout.sglang_server import EngineDiedError
 
     run = f"sgdead-{uuid.uuid4().hex[:8]}"
     cfg = _sglang_cfg(tmp_path, run, resources={"num_engines": 2})
@@ -131,10 +131,10 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
     servers once and broadcasts every bucket; `tensor`: it serializes each bucket itself (CPU tensors
     go by value; on GPUs these are CUDA IPC handles); `disk`: the engine writes safetensors. Parity
     then reads every tensor's head back from BOTH servers."""
-    from flows.group import server_role
-    from flows.reporting import read_metrics
-    from flows.train import rl_train
-    from infra.workers import get_actor
+    from rollflow.flows.group import server_role
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
+    from rollflow.infra.workers import get_actor
 
     run = f"sgsync-{mode}-{uuid.uuid4().hex[:6]}"
     cfg = small_config(tmp_path, run=run, iterations=2, eval_every=0, data={"prompts_per_rollout": 4},
@@ -145,7 +145,7 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
                        train={"lr": 1e-2})
     states: list[dict] = []
 
-    import flows.iteration as iteration
+    import rollflow.flows.iteration as iteration
 
     original = iteration.sync_task.fn
 
@@ -183,7 +183,7 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
 def test_weight_update_check_names_the_tensor_an_engine_did_not_take(tmp_path, prefect_api, ray_local):
     """debug.check_weight_update_equal at startup: the second engine drops one tensor of every update
     (a name-mapping bug); the run fails before its first step, naming that tensor."""
-    from flows.train import rl_train
+    from rollflow.flows.train import rl_train
 
     run = f"sgcheck-{uuid.uuid4().hex[:6]}"
     cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 4},

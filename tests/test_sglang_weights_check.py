@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.rollout.sglang_engine import SGLangEngine, SGLangRequestError
-from tasks.rollout.sglang_weights_check import (
+from rollflow.tasks.rollout.sglang_engine import SGLangEngine, SGLangRequestError
+from rollflow.tasks.rollout.sglang_weights_check import (
     Mismatch,
     WeightsCheckerMissing,
     WeightsCheckError,
@@ -234,7 +234,7 @@ def test_compare_engines_majority_and_missing_names():
 
 
 def test_get_weights_by_name_serves_the_held_weights_as_sglang_does():
-    from tasks.sync.parity import tensor_prefix
+    from rollflow.tasks.sync.parity import tensor_prefix
 
     w = checkpoint()
     name = "model.layers.0.mlp.down_proj.weight"  # (128, 512)
@@ -256,8 +256,8 @@ def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
     """Process mode: `--ignore-update-of` on the command line, the weights arriving over gloo."""
     import torch.distributed as dist
 
-    from tasks.rollout.sglang_engine import broadcaster, init_weight_group
-    from tasks.rollout.sglang_server import LaunchSpec, SGLangServer, free_port
+    from rollflow.tasks.rollout.sglang_engine import broadcaster, init_weight_group
+    from rollflow.tasks.rollout.sglang_server import LaunchSpec, SGLangServer, free_port
 
     w = checkpoint()
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(),

@@ -10,8 +10,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from artifacts import EngineInfo, RolloutStore, Sample, Status
-from artifacts.display import (
+from rollflow.artifacts import EngineInfo, RolloutStore, Sample, Status
+from rollflow.artifacts.display import (
     SampleTable,
     discover,
     filter_samples,
@@ -20,8 +20,8 @@ from artifacts.display import (
     rollout_metrics,
     select_rollout,
 )
-from flows.cli_tools import register
-from tasks.rollout.replay_reward import replay_reward
+from rollflow.flows.cli_tools import register
+from rollflow.tasks.rollout.replay_reward import replay_reward
 
 ENGINE = EngineInfo(backend="hf", model="builtin:addition", weight_version=0)
 
@@ -292,9 +292,9 @@ def test_replay_reward_errors(app, tmp_path):
 
 @pytest.fixture(scope="module")
 def greedy_samples():
-    from tasks.rollout.generate import generate_samples
-    from tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
-    from tasks.rollout.worker import build_engine
+    from rollflow.tasks.rollout.generate import generate_samples
+    from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
+    from rollflow.tasks.rollout.worker import build_engine
 
     cfg = RolloutConfig()
     engine, tokenizer = build_engine("builtin:addition", cfg)

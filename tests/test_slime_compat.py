@@ -12,9 +12,9 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from artifacts import ArtifactSchemaError, EngineInfo, RolloutStore, Sample, Status
-from artifacts.display import discover
-from artifacts.slime import (
+from rollflow.artifacts import ArtifactSchemaError, EngineInfo, RolloutStore, Sample, Status
+from rollflow.artifacts.display import discover
+from rollflow.artifacts.slime import (
     SlimeTemplateError,
     discover_template_ids,
     expand_template,
@@ -22,7 +22,7 @@ from artifacts.slime import (
     import_slime_pt,
     sample_to_slime_dict,
 )
-from flows.cli_tools import register
+from rollflow.flows.cli_tools import register
 
 ENGINE = EngineInfo(backend="hf", model="tiny", weight_version=2)
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from artifacts.sample import Sample
-from tasks.train.data_parallel import DataParallel, shard_rows
-from tasks.train.objective import minibatch_slices
-from tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
+from rollflow.tasks.train.objective import minibatch_slices
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "builtin:addition"
@@ -96,7 +96,7 @@ def test_data_parallel_validation_names_the_field():
 
 
 def test_megatron_with_several_ranks_is_refused(tmp_path):
-    from tasks.train.worker import TrainWorker, build_backend
+    from rollflow.tasks.train.worker import TrainWorker, build_backend
 
     optim = OptimConfig(backend="megatron")
     dp = DataParallel(rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port())
@@ -117,10 +117,10 @@ OPTIM = dict(num_steps_per_rollout=2, micro_batch_size=12)  # 64 rows: 2 x 32, 1
 @pytest.fixture(scope="module")
 def rollout_refs(tmp_path_factory):
     """Two scored rollouts of the built-in model (16 prompts x 4), committed once to a file:// store."""
-    from artifacts import EngineInfo, RolloutStore
-    from tasks.rollout.rewards import resolve_reward_fn, score_samples
-    from tasks.rollout.settings import DataConfig, RolloutConfig
-    from tasks.rollout.worker import RolloutWorker
+    from rollflow.artifacts import EngineInfo, RolloutStore
+    from rollflow.tasks.rollout.rewards import resolve_reward_fn, score_samples
+    from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+    from rollflow.tasks.rollout.worker import RolloutWorker
 
     root = f"file://{tmp_path_factory.mktemp('dp-store')}"
     engine = RolloutWorker(MODEL, RolloutConfig(n_samples_per_prompt=4), DataConfig(prompts_per_rollout=16))
@@ -136,8 +136,8 @@ def rollout_refs(tmp_path_factory):
 
 def worker_rank_main(spec_json: str) -> None:
     """One rank: a TrainWorker trains on the rollouts, rank 0 writes dumps and a checkpoint."""
-    from tasks.train.data_parallel import destroy_data_parallel
-    from tasks.train.worker import TrainWorker
+    from rollflow.tasks.train.data_parallel import destroy_data_parallel
+    from rollflow.tasks.train.worker import TrainWorker
 
     spec = json.loads(spec_json)
     dp = DataParallel(rank=spec["rank"], world_size=spec["world"], master_addr="127.0.0.1", master_port=spec["port"])
@@ -153,8 +153,8 @@ def worker_rank_main(spec_json: str) -> None:
 
 
 def test_two_ranks_train_like_one(rollout_refs, tmp_path):
-    from tasks.train.checkpoint import load_checkpoint
-    from tasks.train.worker import TrainWorker
+    from rollflow.tasks.train.checkpoint import load_checkpoint
+    from rollflow.tasks.train.worker import TrainWorker
 
     root, refs = rollout_refs
     ranks = run_ranks("worker_rank_main", 2, {"root": root, "refs": refs, "dump": str(tmp_path / "dumps")}, tmp_path)
@@ -226,7 +226,7 @@ def toy_samples() -> list[Sample]:
 
 
 def toy_train(backend) -> list[dict[str, float]]:
-    from tasks.train.step import train_on_samples
+    from rollflow.tasks.train.step import train_on_samples
 
     return [train_on_samples(backend, toy_samples(), algo, group_size=5).metrics for algo in TOY_ALGOS]
 
@@ -235,8 +235,8 @@ TOY_OPTIM = dict(num_steps_per_rollout=3, micro_batch_size=1, lr=1e-2)
 
 
 def toy_rank_main(spec_json: str) -> None:
-    from tasks.train.data_parallel import destroy_data_parallel
-    from tasks.train.torch_backend import TorchBackend
+    from rollflow.tasks.train.data_parallel import destroy_data_parallel
+    from rollflow.tasks.train.torch_backend import TorchBackend
 
     spec = json.loads(spec_json)
     dp = DataParallel(rank=spec["rank"], world_size=spec["world"], master_addr="127.0.0.1", master_port=spec["port"])
@@ -249,7 +249,7 @@ def toy_rank_main(spec_json: str) -> None:
 
 
 def test_uneven_and_empty_shards_and_broadcast(tmp_path):
-    from tasks.train.torch_backend import TorchBackend
+    from rollflow.tasks.train.torch_backend import TorchBackend
 
     ranks = run_ranks("toy_rank_main", 2, {}, tmp_path)
     solo = TorchBackend(ToyLM(seed=1), OptimConfig(**TOY_OPTIM))

@@ -79,9 +79,9 @@ def smoke_test(model_dir: str | Path, log=print) -> str:
     """Greedy answer to one chat prompt through rollflow's own loaders (a real language model?)."""
     import torch
 
-    from tasks.model.source import resolve_model_path
-    from tasks.model.tiny import load_model
-    from tasks.model.tokenizer import load_tokenizer, prompt_token_ids
+    from rollflow.tasks.model.source import resolve_model_path
+    from rollflow.tasks.model.tiny import load_model
+    from rollflow.tasks.model.tokenizer import load_tokenizer, prompt_token_ids
 
     path = resolve_model_path(str(model_dir))
     model, tok = load_model(path), load_tokenizer(path)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.model.tokenizer import CHAR_TOKENIZER_FILE
+from rollflow.tasks.model.tokenizer import CHAR_TOKENIZER_FILE
 
 BUILTIN_MODELS = {"builtin:addition": Path(__file__).parent / "builtin" / "addition-sft"}
 

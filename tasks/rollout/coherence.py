@@ -16,8 +16,8 @@ import re
 from collections import Counter
 from typing import Any
 
-from artifacts.sample import Sample, Status
-from tasks.checks import FAIL, PASS, AlignmentThresholds, CheckResult
+from rollflow.artifacts.sample import Sample, Status
+from rollflow.tasks.checks import FAIL, PASS, AlignmentThresholds, CheckResult
 
 NAME = "coherence"
 
@@ -76,7 +76,7 @@ def retokenize_agreement(tokenizer: Any, samples: list[Sample]) -> float | None:
     (random or shuffled weights) decode to text that the tokenizer splits differently. None for
     rollflow's char tokenizer, where every sequence is canonical.
     """
-    from tasks.model.tokenizer import is_hf_tokenizer
+    from rollflow.tasks.model.tokenizer import is_hf_tokenizer
 
     if not is_hf_tokenizer(tokenizer):
         return None

@@ -25,7 +25,7 @@ import posixpath
 import random
 from typing import Any
 
-from tasks.rollout.addition import PromptItem
+from rollflow.tasks.rollout.addition import PromptItem
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -90,7 +90,7 @@ def load_records(path: str, fmt: str = "auto") -> Records:
     Cached per process on (path, size, modification stamp): a file changed under a long-lived
     process is read again (and its new sha256 then stops a resume that expected the old one).
     """
-    from artifacts.storage import open_fs
+    from rollflow.artifacts.storage import open_fs
 
     fs, fs_path = open_fs(path)
     try:
@@ -104,7 +104,7 @@ def load_records(path: str, fmt: str = "auto") -> Records:
 
 @functools.lru_cache(maxsize=16)
 def _read_records(path: str, fmt: str, stamp: str) -> Records:
-    from artifacts.storage import open_fs
+    from rollflow.artifacts.storage import open_fs
 
     kind = detect_format(path, fmt)
     fs, fs_path = open_fs(path)

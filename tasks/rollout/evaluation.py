@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from artifacts.sample import Sample
+from rollflow.artifacts.sample import Sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from artifacts.sample import Sample, Status
-from tasks.model.tokenizer import Tokenizer, decode_response, prompt_token_ids
-from tasks.rollout.addition import PromptItem
-from tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+from rollflow.artifacts.sample import Sample, Status
+from rollflow.tasks.model.tokenizer import Tokenizer, decode_response, prompt_token_ids
+from rollflow.tasks.rollout.addition import PromptItem
+from rollflow.tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 
 FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 

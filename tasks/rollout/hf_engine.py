@@ -13,7 +13,7 @@ from typing import Literal, Union
 
 import torch
 
-from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
+from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 
 
 StaticCache = Union[bool, Literal["auto"]]

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from artifacts.sample import Sample
+from rollflow.artifacts.sample import Sample
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 

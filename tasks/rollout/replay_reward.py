@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from artifacts.sample import Sample
-from tasks.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
 
 
 @dataclasses.dataclass

@@ -22,8 +22,8 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any, Callable
 
-from artifacts.sample import Sample
-from tasks.rollout.addition import addition_reward
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.rollout.addition import addition_reward
 
 RewardFn = Callable[[Sample], Any]
 GROUP = "group"
@@ -178,7 +178,7 @@ def resolve_reward_fn(spec: str, *, remote: Any = None) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if is_url(spec):
-        from tasks.rollout.remote_reward import RemoteReward
+        from rollflow.tasks.rollout.remote_reward import RemoteReward
 
         return RemoteReward.from_config(spec, remote)
     module_name, sep, attr = spec.partition(":")

@@ -16,8 +16,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from artifacts.sample import Sample
-from tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 
 LOGPROBS_MISSING_KEY = "rollout_log_probs_missing"
 

@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from tasks.model.source import resolve_model_path
-from tasks.net import node_ip
-from tasks.rollout.settings import RolloutConfig
-from tasks.rollout.sglang_server import LOOPBACK, LaunchSpec, SGLangServer, free_port
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.net import node_ip
+from rollflow.tasks.rollout.settings import RolloutConfig
+from rollflow.tasks.rollout.sglang_server import LOOPBACK, LaunchSpec, SGLangServer, free_port
 
 
 def launch_spec_for(model_dir: str | Path, rollout: RolloutConfig, *, port: int | None = None,

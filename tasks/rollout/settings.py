@@ -6,9 +6,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.rollout.addition import PromptItem, addition_prompts
-from tasks.rollout.engine import SamplingParams
-from tasks.rollout.sglang_config import SGLangConfig
+from rollflow.tasks.rollout.addition import PromptItem, addition_prompts
+from rollflow.tasks.rollout.engine import SamplingParams
+from rollflow.tasks.rollout.sglang_config import SGLangConfig
 
 
 class _Strict(BaseModel):
@@ -159,7 +159,7 @@ def prompts_for(data: DataConfig, rollout_id: int, split: str = "train") -> list
     tasks/rollout/dataset.py; the eval split is the whole eval set, in file order.
     """
     if data.task == "dataset":
-        from tasks.rollout.dataset import eval_items, train_items
+        from rollflow.tasks.rollout.dataset import eval_items, train_items
 
         return eval_items(data) if split == "eval" else train_items(data, rollout_id)
     if split == "eval":

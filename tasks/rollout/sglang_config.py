@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tasks.rollout.sglang_flags import load_flags, validate_args
+from rollflow.tasks.rollout.sglang_flags import load_flags, validate_args
 
 # ServerArgs fields rollflow sets from its own settings: a passthrough may not set them a second way.
 MANAGED_FIELDS = {

@@ -33,9 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
-from tasks.rollout.sglang_server import EngineDiedError, SGLangServer  # noqa: F401 - EngineDiedError re-exported
-from tasks.sync.buckets import buckets_by_bytes  # noqa: F401 - re-exported
+from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
+from rollflow.tasks.rollout.sglang_server import EngineDiedError, SGLangServer  # noqa: F401 - EngineDiedError re-exported
+from rollflow.tasks.sync.buckets import buckets_by_bytes  # noqa: F401 - re-exported
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -115,7 +115,7 @@ def torch_dtype_name(dtype) -> str:
 def serialize_named_tensors(named: list[tuple[str, Any]]) -> bytes:
     """`[(name, tensor), ...]` in SGLang's `MultiprocessingSerializer` format: CUDA tensors become CUDA
     IPC handles naming their GPU by UUID, CPU tensors carry their bytes (see tasks/sync/ipc.py)."""
-    from tasks.sync.ipc import serialize_named_tensors as ipc_serialize
+    from rollflow.tasks.sync.ipc import serialize_named_tensors as ipc_serialize
 
     return ipc_serialize(named)
 
@@ -757,7 +757,7 @@ def engine_from_config(model_dir: str | Path, rollout, *, model_name: str, weigh
     needed only to launch the default `python -m sglang.launch_server`; a missing install is reported
     here, at use time, with the install hint.
     """
-    from tasks.rollout.server_worker import launch_spec_for, server_env
+    from rollflow.tasks.rollout.server_worker import launch_spec_for, server_env
 
     common = engine_options(model_dir, rollout, model_name=model_name, weight_version=weight_version)
     if servers:

@@ -6,8 +6,8 @@ sglang.launch_server` for one SGLang release. It is generated *statically* from 
 CUDA torch):
 
     pip download sglang==0.5.23 --no-deps -d /tmp/sgl
-    python -m tasks.rollout.sglang_flags --wheel /tmp/sgl/sglang-0.5.23-*.whl     # rewrites the list
-    python -m tasks.rollout.sglang_flags --source /path/to/site-packages/sglang   # or an unpacked tree
+    python -m rollflow.tasks.rollout.sglang_flags --wheel /tmp/sgl/sglang-0.5.23-*.whl     # rewrites the list
+    python -m rollflow.tasks.rollout.sglang_flags --source /path/to/site-packages/sglang   # or an unpacked tree
 
 How SGLang 0.5.x declares its flags (what the extractor reads):
 - `sglang/srt/server_args.py` lists the field namespaces in `_INPUT_NAMESPACES` and imports each
@@ -119,7 +119,7 @@ def load_flags(path: Path = FLAGS_FILE) -> FlagList:
 def format_flag_file(flags: Iterable[FlagSpec], version: str, source: str) -> str:
     lines = [
         "# SGLang server flags (python -m sglang.launch_server), generated statically from SGLang's source.",
-        "# Regenerate: python -m tasks.rollout.sglang_flags --wheel sglang-<version>-*.whl",
+        "# Regenerate: python -m rollflow.tasks.rollout.sglang_flags --wheel sglang-<version>-*.whl",
         f"# sglang_version: {version}",
         f"# source: {source}",
         "# columns: flag<TAB>kind (switch | value | list)<TAB>ServerArgs field<TAB>notes",

@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tasks.rollout.sglang_flags import args_to_argv
+from rollflow.tasks.rollout.sglang_flags import args_to_argv
 
 LOOPBACK = "127.0.0.1"
 INSTALL_HINT = ("rollout.engine='sglang' needs SGLang on a GPU machine: pip install 'rollflow[sglang]' "

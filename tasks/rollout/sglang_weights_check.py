@@ -19,7 +19,7 @@ holds that same checkpoint (before the first optimizer step); a failed check lea
 the engine, so the caller must stop or re-sync. `engine_checksums` + `compare_engines` check, at any
 time, that every server of an engine holds identical tensors (one server that missed an update).
 
-Plain functions over a `tasks.rollout.sglang_engine.SGLangEngine`; no Ray, Prefect or SGLang needed.
+Plain functions over a `rollflow.tasks.rollout.sglang_engine.SGLangEngine`; no Ray, Prefect or SGLang needed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import hashlib
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from tasks.rollout.sglang_engine import SGLangRequestError
+from rollflow.tasks.rollout.sglang_engine import SGLangRequestError
 
 PATH = "/weights_checker"
 ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import torch
 
-from artifacts.sample import Sample
-from tasks.model.source import resolve_model_path
-from tasks.model.tiny import load_model
-from tasks.model.tokenizer import load_tokenizer
-from tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
-from tasks.rollout.generate import generate_samples
-from tasks.rollout.hf_engine import HFEngine
-from tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
-from tasks.sync.parity import checksums
-from tasks.train.torch_backend import DTYPES
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.model.tokenizer import load_tokenizer
+from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
+from rollflow.tasks.rollout.generate import generate_samples
+from rollflow.tasks.rollout.hf_engine import HFEngine
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
+from rollflow.tasks.sync.parity import checksums
+from rollflow.tasks.train.torch_backend import DTYPES
 
 
 def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,
@@ -29,7 +29,7 @@ def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int
     this worker launches one itself. `base_gpu_id`: that one's first GPU (SGLang `--base-gpu-id`);
     the hf engine ignores both."""
     if rollout.engine == "sglang":
-        from tasks.rollout.sglang_engine import engine_from_config
+        from rollflow.tasks.rollout.sglang_engine import engine_from_config
 
         path = resolve_model_path(model_spec)
         engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version,
@@ -139,12 +139,12 @@ class RolloutWorker:
         on every server; a server disagreeing with the first one reports the name as `name@url`, so
         parity fails on an engine that missed an update). None when the served model cannot answer
         (SGLang implements /get_weights_by_name per model class; e.g. not for Qwen2 in 0.5.23)."""
-        from tasks.sync.parity import tensor_prefix
+        from rollflow.tasks.sync.parity import tensor_prefix
 
         if not hasattr(self.engine, "get_weights_by_name"):
             own = self.engine.named_weights()
             return {name: tensor_prefix(own[name], n) for name in names if name in own}
-        from tasks.rollout.sglang_engine import SGLangRequestError
+        from rollflow.tasks.rollout.sglang_engine import SGLangRequestError
 
         out: dict[str, list[float]] = {}
         for i, url in enumerate(getattr(self.engine, "urls", [None])):
@@ -170,7 +170,7 @@ class RolloutWorker:
         checksums. Empty for in-process engines."""
         if not hasattr(self.engine, "model_info"):
             return {"mismatched": [], "notes": []}
-        from tasks.rollout.sglang_weights_check import WeightsCheckerMissing, compare_engines, engine_checksums
+        from rollflow.tasks.rollout.sglang_weights_check import WeightsCheckerMissing, compare_engines, engine_checksums
 
         mismatched, notes = [], []
         for url in self.engine.urls:
@@ -188,13 +188,13 @@ class RolloutWorker:
     # -- whole-tensor check (debug.check_weight_update_equal, slime's --check-weight-update-equal) --------
     def prepare_overwrite_check(self) -> None:
         """Snapshot every server's weights, then randomise them (the next sync must overwrite all)."""
-        from tasks.rollout.sglang_weights_check import prepare_overwrite_check
+        from rollflow.tasks.rollout.sglang_weights_check import prepare_overwrite_check
 
         prepare_overwrite_check(self.engine)
 
     def finish_overwrite_check(self) -> dict:
         """Compare every server's weights with its snapshot, value for value."""
-        from tasks.rollout.sglang_weights_check import finish_overwrite_check
+        from rollflow.tasks.rollout.sglang_weights_check import finish_overwrite_check
 
         return finish_overwrite_check(self.engine).to_dict()
 

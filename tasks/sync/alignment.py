@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.checks import FAIL, PASS, CheckResult
-from tasks.sync.parity import ParityReport
+from rollflow.tasks.checks import FAIL, PASS, CheckResult
+from rollflow.tasks.sync.parity import ParityReport
 
 NAME = "weight_sync_parity"
 

@@ -154,7 +154,7 @@ def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Iterator[IpcBucket]:
     """Consecutive tensors up to `bucket_bytes` per bucket (a larger tensor alone), each first moved to
     `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time."""
-    from tasks.sync.buckets import buckets_by_bytes
+    from rollflow.tasks.sync.buckets import buckets_by_bytes
 
     converted = ((name, t.detach().to(device=device, dtype=dtype)) for name, t in named)
     for pairs in buckets_by_bytes(converted, bucket_bytes):

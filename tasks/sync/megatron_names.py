@@ -20,7 +20,7 @@ fc1 is [gate; up]: a tp rank holds cat(gate_r, up_r), so gate and up are split s
 
 Pipeline stages name their layers locally 0..n-1; stage s holds global layers offset(s)..offset(s)+n-1.
 `merge_pipeline` / `export_stage_to_hf` add the offset back. Forgetting it exports stage 1's first layer as
-layer 0 and overwrites the engine's real layer 0: `tasks.sync.parity.compare` names that tensor.
+layer 0 and overwrites the engine's real layer 0: `rollflow.tasks.sync.parity.compare` names that tensor.
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ from typing import Any, Iterator
 
 import torch
 
-from artifacts.sample import Sample
-from tasks.checks import FAIL, PASS, WARN, AlignmentThresholds, CheckResult
-from tasks.faults import perturb_module
-from tasks.train.settings import AlgoConfig
-from tasks.train.step import TrainBackend, prepare_batch, train_on_samples
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.checks import FAIL, PASS, WARN, AlignmentThresholds, CheckResult
+from rollflow.tasks.faults import perturb_module
+from rollflow.tasks.train.settings import AlgoConfig
+from rollflow.tasks.train.step import TrainBackend, prepare_batch, train_on_samples
 
 REF_EQUAL, MISMATCH, FIRST_STEP = "step1_logprob_equals_ref", "train_rollout_logprob_diff", "one_step_update"
 

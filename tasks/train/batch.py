@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from artifacts.sample import Sample, Status
+from rollflow.artifacts.sample import Sample, Status
 
 
 @dataclasses.dataclass

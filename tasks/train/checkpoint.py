@@ -10,7 +10,7 @@ import hashlib
 import json
 import posixpath
 
-from artifacts.storage import open_fs, storage_errors
+from rollflow.artifacts.storage import open_fs, storage_errors
 
 
 class CheckpointError(RuntimeError):

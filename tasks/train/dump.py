@@ -7,7 +7,7 @@ import io
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.train.batch import TrainBatch, per_sample
+from rollflow.tasks.train.batch import TrainBatch, per_sample
 
 DUMP_COLUMNS = ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns")
 

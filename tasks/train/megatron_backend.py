@@ -2,8 +2,8 @@
 
 Behind the same protocol as `torch_backend.TorchBackend` (tasks/train/step.py: TrainBackend): the same
 TrainBatch layout, the same `micro_batch_objective`, the same `train/*` metric names. Weights come in
-and go out with HF names through `tasks.sync.megatron_names`, so the engine sync and the parity check
-(`tasks.sync.parity.compare`) are unchanged.
+and go out with HF names through `rollflow.tasks.sync.megatron_names`, so the engine sync and the parity check
+(`rollflow.tasks.sync.parity.compare`) are unchanged.
 
 megatron-core is imported lazily: this module imports on a CPU box without it, and building the backend
 there raises `MegatronMissing` with the install line. Target: tp = pp = 1 on one GPU (the converter has
@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from tasks.sync import megatron_names as mn
-from tasks.train.batch import TrainBatch
-from tasks.train.fused_ops import install_rope_fusion, token_log_probs
-from tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
-from tasks.train.torch_backend import split_rows
-from tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
+from rollflow.tasks.sync import megatron_names as mn
+from rollflow.tasks.train.batch import TrainBatch
+from rollflow.tasks.train.fused_ops import install_rope_fusion, token_log_probs
+from rollflow.tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
+from rollflow.tasks.train.torch_backend import split_rows
+from rollflow.tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -546,7 +546,7 @@ class MegatronBackend:
     # -- weights and checkpoints -----------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named tensors (vocab padding removed), for the engine sync and `tasks.sync.parity`."""
+        """HF-named tensors (vocab padding removed), for the engine sync and `rollflow.tasks.sync.parity`."""
         return export_hf_weights(self.model, self.layout)
 
     def checkpoint_bytes(self) -> bytes:
@@ -577,7 +577,7 @@ class MegatronBackend:
 def build_megatron_backend(model_dir, optim: OptimConfig, *, temperature: float) -> MegatronBackend:
     """From a local HF model directory (config.json + safetensors)."""
     require_megatron()
-    from tasks.model.tiny import load_model
+    from rollflow.tasks.model.tiny import load_model
 
     hf_model = load_model(model_dir)
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}

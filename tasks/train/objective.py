@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from tasks.train.batch import TrainBatch
-from tasks.train.kl import approx_kl
-from tasks.train.losses import importance_correction, policy_loss
-from tasks.train.settings import AlgoConfig
+from rollflow.tasks.train.batch import TrainBatch
+from rollflow.tasks.train.kl import approx_kl
+from rollflow.tasks.train.losses import importance_correction, policy_loss
+from rollflow.tasks.train.settings import AlgoConfig
 
 STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy_loss",
               "train_rollout_logprob_abs_diff", "tis", "tis_clipfrac")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from artifacts.sample import Sample
+from rollflow.artifacts.sample import Sample
 
 
 def infer_group_size(samples: list[Sample]) -> int:

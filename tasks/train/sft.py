@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from tasks.model.tiny import build_tiny_model
-from tasks.model.tokenizer import CharTokenizer
-from tasks.rollout.addition import PromptItem, addition_prompts, addition_reward
-from tasks.rollout.engine import SamplingParams
-from tasks.rollout.generate import generate_samples
-from tasks.rollout.hf_engine import HFEngine
+from rollflow.tasks.model.tiny import build_tiny_model
+from rollflow.tasks.model.tokenizer import CharTokenizer
+from rollflow.tasks.rollout.addition import PromptItem, addition_prompts, addition_reward
+from rollflow.tasks.rollout.engine import SamplingParams
+from rollflow.tasks.rollout.generate import generate_samples
+from rollflow.tasks.rollout.hf_engine import HFEngine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,11 +10,11 @@ from typing import Protocol
 
 import torch
 
-from artifacts.sample import Sample
-from tasks.train.advantages import compute_advantages
-from tasks.train.batch import TrainBatch, batch_from_samples, per_sample, to_dense
-from tasks.train.kl import approx_kl
-from tasks.train.settings import AlgoConfig
+from rollflow.artifacts.sample import Sample
+from rollflow.tasks.train.advantages import compute_advantages
+from rollflow.tasks.train.batch import TrainBatch, batch_from_samples, per_sample, to_dense
+from rollflow.tasks.train.kl import approx_kl
+from rollflow.tasks.train.settings import AlgoConfig
 
 
 class TrainBackend(Protocol):

@@ -9,9 +9,9 @@ import io
 
 import torch
 
-from tasks.train.batch import TrainBatch
-from tasks.train.losses import entropy_from_logits
-from tasks.train.data_parallel import (
+from rollflow.tasks.train.batch import TrainBatch
+from rollflow.tasks.train.losses import entropy_from_logits
+from rollflow.tasks.train.data_parallel import (
     DataParallel,
     all_reduce_grads,
     broadcast_module,
@@ -19,8 +19,8 @@ from tasks.train.data_parallel import (
     shard_rows,
     sum_stats,
 )
-from tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
-from tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

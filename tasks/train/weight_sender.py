@@ -18,8 +18,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from tasks.net import free_port, node_ip
-from tasks.train.torch_backend import DTYPES
+from rollflow.tasks.net import free_port, node_ip
+from rollflow.tasks.train.torch_backend import DTYPES
 
 NamedTensors = Callable[[], dict[str, torch.Tensor]]
 
@@ -42,7 +42,7 @@ def _cast(t: torch.Tensor, dtype: str | None, device: str | None) -> torch.Tenso
 
 def bucket_plan(named: dict[str, torch.Tensor], bucket_bytes: int, dtype: str | None = None) -> list[list[TensorMeta]]:
     """The buckets as sent (sizes in the sent dtype; meta tensors: nothing is allocated)."""
-    from tasks.sync.buckets import buckets_by_bytes
+    from rollflow.tasks.sync.buckets import buckets_by_bytes
 
     sent = ((name, torch.empty(t.shape, dtype=DTYPES[dtype] if dtype else t.dtype, device="meta"))
             for name, t in named.items())
@@ -64,7 +64,7 @@ class WeightSender:
     def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None,
                   device: str | None = None) -> int:
         """Plan the buckets; returns how many `ipc_next` calls follow."""
-        from tasks.sync.ipc import ipc_buckets
+        from rollflow.tasks.sync.ipc import ipc_buckets
 
         named = self._named_tensors()
         n = len(bucket_plan(named, bucket_bytes, dtype))
@@ -100,7 +100,7 @@ class WeightSender:
                    backend: str = "nccl", timeout_s: float = 600.0) -> None:
         """Rank 0 of the group (blocks until every engine rank has joined). A previous group (engines
         restarted since) is destroyed first."""
-        from tasks.rollout.sglang_engine import init_weight_group
+        from rollflow.tasks.rollout.sglang_engine import init_weight_group
 
         self.leave_group()
         self._group = init_weight_group(master_address, master_port, rank=0, world_size=world_size,

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from artifacts.store import ArtifactRef, RolloutStore
-from tasks.model.source import resolve_model_path
-from tasks.model.tiny import load_model
-from tasks.sync.parity import checksums
-from tasks.train.checkpoint import checkpoint_dir, load_checkpoint, load_state, save_checkpoint, save_state
-from tasks.train.data_parallel import DataParallel
-from tasks.train.dump import train_dump_bytes
-from tasks.train.replay import infer_group_size, subsample_groups
-from tasks.train.settings import AlgoConfig, OptimConfig
-from tasks.train.step import train_on_samples
-from tasks.train.torch_backend import TorchBackend
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.sync.parity import checksums
+from rollflow.tasks.train.checkpoint import checkpoint_dir, load_checkpoint, load_state, save_checkpoint, save_state
+from rollflow.tasks.train.data_parallel import DataParallel
+from rollflow.tasks.train.dump import train_dump_bytes
+from rollflow.tasks.train.replay import infer_group_size, subsample_groups
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.step import train_on_samples
+from rollflow.tasks.train.torch_backend import TorchBackend
 
 
 MEGATRON_DP_REFUSED = ("multi-rank Megatron (TP/PP/DP across GPUs) is not available in this build; use "
@@ -36,12 +36,12 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp
         # Refused before anything loads or joins a group: the megatron backend is one process, one GPU.
         raise NotImplementedError(f"{MEGATRON_DP_REFUSED} (got world_size={dp.world_size})")
     if optim.backend == "megatron":
-        from tasks.train.megatron_backend import build_megatron_backend  # imports megatron-core lazily
+        from rollflow.tasks.train.megatron_backend import build_megatron_backend  # imports megatron-core lazily
 
         return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature)
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
-    from tasks.train.torch_backend import DTYPES
+    from rollflow.tasks.train.torch_backend import DTYPES
 
     # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
     model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
@@ -141,7 +141,7 @@ class TrainWorker:
     def _write(self, uri: str, data: bytes) -> None:
         import posixpath
 
-        from artifacts.storage import open_fs
+        from rollflow.artifacts.storage import open_fs
 
         fs, path = open_fs(uri, self.storage_options)
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -155,7 +155,7 @@ class TrainWorker:
         No collective, so calling it on rank 0 alone or on every rank are both fine.
         """
         if not self.is_primary:
-            from artifacts.storage import open_fs
+            from rollflow.artifacts.storage import open_fs
 
             return checkpoint_dir(open_fs(self.store_root, self.storage_options)[1], self.run, iteration)
         return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
@@ -166,8 +166,8 @@ class TrainWorker:
 
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
         """First `n` values of every tensor (cast like the engine holds them), for prefix parity."""
-        from tasks.sync.parity import tensor_prefix
-        from tasks.train.torch_backend import DTYPES
+        from rollflow.tasks.sync.parity import tensor_prefix
+        from rollflow.tasks.train.torch_backend import DTYPES
 
         dtype = DTYPES[as_dtype] if as_dtype else None
         return {k: tensor_prefix(v.to(dtype) if dtype else v, n) for k, v in self.backend.named_weights().items()}
@@ -176,14 +176,14 @@ class TrainWorker:
         """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
         named = self.backend.named_weights()
         if as_dtype is not None:
-            from tasks.train.torch_backend import DTYPES
+            from rollflow.tasks.train.torch_backend import DTYPES
 
             named = {k: v.to(DTYPES[as_dtype]) for k, v in named.items()}
         return checksums(named)
 
     # -- weight sync into SGLang engines, driven by flows/weight_sync.py (rank 0 only) -------------------
     def _sender(self):
-        from tasks.train.weight_sender import WeightSender
+        from rollflow.tasks.train.weight_sender import WeightSender
 
         if getattr(self, "_weight_sender", None) is None:
             self._weight_sender = WeightSender(self._device_weights)
