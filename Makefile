@@ -37,7 +37,7 @@ server-stop:
 clean-runs:
 	rm -rf runs
 
-# GPU checks (Megatron parity, step-1 exactness, throughput): run on a CUDA box, e.g. through the
-# device tool with the carried wheels: run(command="bash scripts/gpu_checks.sh", carry=[".whl"]).
+# GPU checks (Megatron parity, step-1 exactness, throughput): run on any CUDA machine from the checkout
+# (docs/megatron.md: which wheels; scripts/use_checkout.sh maps the checkout to rollflow.* without installing).
 gpu-check:
 	bash scripts/gpu_checks.sh

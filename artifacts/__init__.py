@@ -11,6 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "samples_from_parquet_bytes": "codec",
+    "samples_table_from_parquet_bytes": "codec",
     "samples_to_parquet_bytes": "codec",
     "ArtifactCorrupt": "errors",
     "ArtifactError": "errors",

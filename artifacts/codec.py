@@ -125,9 +125,26 @@ def samples_to_parquet_bytes(samples: Sequence[Sample]) -> bytes:
     return sink.getvalue()
 
 
-def _read_table(data: bytes) -> pa.Table:
+def _arrow_owned(data: bytes) -> pa.Buffer:
+    """A copy of `data` in Arrow-allocated memory.
+
+    Parquet reads run on Arrow's thread pools. Handed the Python `bytes` itself, a pool thread may drop
+    the last reference to it after the read returned, and releasing a Python-owned buffer needs the
+    GIL: at interpreter exit that thread cannot take it and the process aborts ("terminate called
+    without an active exception", rc 134, about 1 run in 16 of `rollflow export-slime`). Arrow-owned
+    memory is released without Python; pre-buffering (read-ahead tasks that outlive the call) is off too.
+    """
+    buf = pa.allocate_buffer(len(data))
+    if len(data):
+        memoryview(buf).cast("B")[:] = data
+    return buf
+
+
+def samples_table_from_parquet_bytes(data: bytes) -> pa.Table:
+    """The samples payload as a pyarrow table with `SAMPLES_SCHEMA`'s columns and types (safe casts of
+    other writers' types), for columnar readers; `samples_from_parquet_bytes` decodes it to `Sample`s."""
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        table = pq.read_table(pa.BufferReader(_arrow_owned(data)), pre_buffer=False)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ArtifactSchemaError(
             f"samples payload is not a readable parquet file ({exc})", field="samples.parquet"
@@ -182,7 +199,7 @@ def _from_json(text: str, *, column: str, row: int, expected: type) -> Any:
 
 def samples_from_parquet_bytes(data: bytes) -> list[Sample]:
     """Decode what samples_to_parquet_bytes wrote. Raises ArtifactSchemaError naming the column."""
-    table = _read_table(data)
+    table = samples_table_from_parquet_bytes(data)
     plain = {
         name: table.column(name).to_pylist()
         for name in SAMPLES_SCHEMA.names

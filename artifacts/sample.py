@@ -61,18 +61,13 @@ class Sample:
     def response_tokens(self) -> list[int]:
         return self.tokens[self.prompt_length :]
 
-    def scalar_reward(self) -> float:
-        """The reward as one float (`reward_key` selects a field of a dict reward)."""
+    def scalar_reward(self, reward_key: str | None = None) -> float:
+        """The reward as one float. A dict reward is read at `reward_key` (the run's `rollout.reward_key`, or
+        `rollout.eval_reward_key` for eval, as slime's `--reward-key`), else at the sample's own `reward_key`."""
         if self.reward is None:
             raise ValueError(f"Sample (group {self.group_index}, index {self.index}) has no reward yet")
-        if isinstance(self.reward, dict):
-            if not self.reward_key:
-                raise ValueError(
-                    "Sample.reward is a dict but reward_key is unset: set rollout.reward_key to one of "
-                    f"{sorted(self.reward)}"
-                )
-            return float(self.reward[self.reward_key])
-        return float(self.reward)
+        return reward_value(self.reward, reward_key or self.reward_key,
+                            where=f"Sample (group {self.group_index}, index {self.index})")
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the sample breaks the data contract."""
@@ -114,3 +109,17 @@ class Sample:
             known[key] = [int(x) for x in known.get(key) or []]
         known["rollout_log_probs"] = [float(x) for x in known.get("rollout_log_probs") or []]
         return cls(**known)
+
+
+def reward_value(reward: Any, reward_key: str | None, *, where: str = "Sample") -> float:
+    """slime's `Sample.get_reward_value`: a float as is, a dict at `reward_key` (which must be set and present)."""
+    if isinstance(reward, dict):
+        if not reward_key:
+            raise ValueError(
+                f"{where}: reward is a dict with keys {sorted(reward)} but no reward key is set: set "
+                "rollout.reward_key (and rollout.eval_reward_key for eval) to one of them, as slime's --reward-key")
+        if reward_key not in reward:
+            raise ValueError(f"{where}: reward key {reward_key!r} is not in the dict reward (keys {sorted(reward)}); "
+                             "set rollout.reward_key to one of them")
+        return float(reward[reward_key])
+    return float(reward)

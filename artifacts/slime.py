@@ -31,6 +31,7 @@ Templates: `expand_template` fills ``{rollout_id}`` (``eval_{id}`` for the eval 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -195,13 +196,21 @@ def _refusal(uri: str, exc: BaseException) -> ArtifactSchemaError:
     )
 
 
-def load_plain_pt(path_or_url: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """`torch.load(weights_only=True)` of any fsspec URL; code-carrying pickles are refused."""
+def read_pt_bytes(path_or_url: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The raw bytes of a `.pt` file at any fsspec URL (ArtifactNotFound when there is none)."""
     fs, path = url_to_fs(path_or_url, **(storage_options or {}))
     try:
-        data = fs.cat_file(path)
+        return fs.cat_file(path)
     except FileNotFoundError:
         raise ArtifactNotFound(f"no slime .pt file at {path_or_url!r}") from None
+
+
+def load_plain_pt(path_or_url: str, storage_options: dict[str, Any] | None = None, *,
+                  data: bytes | None = None) -> Any:
+    """`torch.load(weights_only=True)` of any fsspec URL (or of its bytes, `data`); code-carrying pickles
+    are refused."""
+    if data is None:
+        data = read_pt_bytes(path_or_url, storage_options)
     import torch  # lazily: `rollflow show` of parquet artifacts should not pay torch's import
 
     try:
@@ -321,9 +330,10 @@ def slime_dict_to_sample(raw: dict[str, Any], *, position: int = 0, uri: str | N
     return sample
 
 
-def import_slime_pt(path_or_url: str, storage_options: dict[str, Any] | None = None) -> tuple[int, list[Sample]]:
+def import_slime_pt(path_or_url: str, storage_options: dict[str, Any] | None = None, *,
+                    data: bytes | None = None) -> tuple[int, list[Sample]]:
     """Read one slime debug-rollout dump: (rollout_id, samples). Only plain-data .pt files load."""
-    payload = load_plain_pt(path_or_url, storage_options)
+    payload = load_plain_pt(path_or_url, storage_options, data=data)
     if not isinstance(payload, dict) or "samples" not in payload:
         found = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
         raise ArtifactSchemaError(
@@ -345,6 +355,100 @@ def import_slime_pt(path_or_url: str, storage_options: dict[str, Any] | None = N
         ) from None
     samples = [slime_dict_to_sample(raw, position=i, uri=path_or_url) for i, raw in enumerate(raw_samples)]
     return rollout_id, samples
+
+
+# ----------------------------------------------------------------------------- checks and content-addressed import
+
+
+class TokenOutOfVocab(ArtifactSchemaError):
+    """A sample holds a token id the model cannot embed (>= its vocabulary size, or negative)."""
+
+
+def check_token_ids(samples: Sequence[Sample], vocab_size: int | None, *, rollout_id: int, split: str = "train",
+                    uri: str | None = None) -> None:
+    """One line naming the rollout, the sample, the largest id and the vocab size when an id is out of range."""
+    if not vocab_size:
+        return
+    for position, sample in enumerate(samples):
+        if not sample.tokens:
+            continue
+        largest, smallest = max(sample.tokens), min(sample.tokens)
+        if largest >= vocab_size or smallest < 0:
+            bad = largest if largest >= vocab_size else smallest
+            raise TokenOutOfVocab(
+                f"{split} rollout {rollout_id}, sample {position} (group {sample.group_index}, index {sample.index}): "
+                f"token id {bad} is outside the model's vocabulary (vocab size {vocab_size}, largest id in the "
+                f"sample {largest}); the dump was made with another tokenizer or model", field="tokens", uri=uri)
+
+
+class SlimeImportConflict(ArtifactError, ValueError):
+    """A slime dump's content differs from what the run imported for the same rollout id earlier."""
+
+
+SOURCE_SHA_KEY = "source_sha256"
+
+
+def _payload_sha(samples: Sequence[Sample]) -> str:
+    from .codec import samples_to_parquet_bytes
+
+    return hashlib.sha256(samples_to_parquet_bytes(list(samples))).hexdigest()
+
+
+def import_slime_into_store(
+    store: Any,
+    run: str,
+    split: str,
+    rollout_id: int,
+    source: str,
+    *,
+    backend: str = "slime",
+    model: str = "unknown",
+    config_hash: str | None = None,
+    n_samples_per_prompt: int | None = None,
+    vocab_size: int | None = None,
+    new_run_hint: str = "import it into a new run",
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[Any, bool]:
+    """Import one slime dump as artifact (run, split, rollout_id), content-addressed: (ref, imported_now).
+
+    The dump's sha256 is recorded in the manifest (`extra.source_sha256`). The same content again is a
+    no-op; different content under an id the run already holds raises `SlimeImportConflict` naming both
+    checksums (a run never silently keeps training on an old import). `backend` / `model` go into the
+    manifest's engine info (its weight version is the samples' latest).
+    """
+    from collections import Counter
+
+    from .manifest import EngineInfo
+    from .store import ArtifactRef
+
+    data = read_pt_bytes(source, storage_options)
+    digest = hashlib.sha256(data).hexdigest()
+    ref = ArtifactRef(store.root, run, split, rollout_id)
+    existing = store.manifest(run, split, rollout_id) if store.exists(run, split, rollout_id) else None
+    if existing is not None and existing.extra.get(SOURCE_SHA_KEY) == digest:
+        return ref, False
+    _, samples = import_slime_pt(source, storage_options, data=data)
+    if existing is not None:
+        old = existing.extra.get(SOURCE_SHA_KEY)
+        if old is None:  # imported before content addressing: compare what was stored
+            stored = {f.name: f.sha256 for f in existing.files}.get("samples.parquet")
+            if stored == _payload_sha(samples):
+                return ref, False
+            old = f"unknown (payload sha256 {stored})"
+        raise SlimeImportConflict(
+            f"{source} (sha256 {digest}) differs from what run {run!r} imported as {split} rollout {rollout_id} "
+            f"(sha256 {old}, from {existing.extra.get('imported_from', '?')}); refusing to use the old import: "
+            f"{new_run_hint}, or delete {ref.uri}")
+    check_token_ids(samples, vocab_size, rollout_id=rollout_id, split=split, uri=source)
+    if n_samples_per_prompt is None:
+        sizes = Counter(Counter(s.group_index for s in samples).values())
+        n_samples_per_prompt = sizes.most_common(1)[0][0] if sizes else 1
+    engine = EngineInfo(backend=backend, model=model,
+                        weight_version=max((s.weight_version for s in samples), default=0))
+    store.write(run, split, rollout_id, samples, n_samples_per_prompt=n_samples_per_prompt, engine=engine,
+                config_hash=config_hash or f"slime-import-{digest[:16]}",
+                extra={"imported_from": source, SOURCE_SHA_KEY: digest})
+    return ref, True
 
 
 # ----------------------------------------------------------------------------- export

@@ -22,6 +22,7 @@ values from any text we build from a third-party error.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -76,6 +77,11 @@ def endpoint_from_env() -> str | None:
     return None
 
 
+def endpoint_for_display(endpoint: str | None) -> str | None:
+    """An endpoint URL fit for messages and files: its user:secret@ part replaced by ***."""
+    return None if endpoint is None else redact_url(endpoint)
+
+
 def storage_options_for(url: str, explicit: dict[str, Any] | None = None) -> dict[str, Any]:
     """fsspec storage options for `url` from the environment, merged under `explicit` ones.
 
@@ -107,7 +113,7 @@ def endpoint_of(fs: Any, url: str) -> str:
         return protocol_of(url) + "://"
     client_kwargs = getattr(fs, "client_kwargs", None) or {}
     endpoint = client_kwargs.get("endpoint_url") or getattr(fs, "endpoint_url", None) or endpoint_from_env()
-    return str(endpoint) if endpoint else "AWS S3 (default endpoint of the configured region)"
+    return redact_url(str(endpoint)) if endpoint else "AWS S3 (default endpoint of the configured region)"
 
 
 def bucket_of(url: str) -> str | None:
@@ -126,11 +132,27 @@ def _secret_values(extra: dict[str, Any] | None = None) -> list[str]:
     return sorted({v for v in values if len(v) >= 8}, key=len, reverse=True)
 
 
+# scheme://user[:secret]@host: the userinfo part of any URL in a text.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s'\"]+)@")
+# ?key=...&secret=...: credential-looking query parameters.
+_SECRET_QUERY = re.compile(
+    r"(?P<key>[?&](?:[A-Za-z0-9_.-]*(?:key|secret|token|password|signature|credential)[A-Za-z0-9_.-]*)=)"
+    r"(?P<value>[^&\s'\"]+)", re.I)
+
+
+def redact_url(url: str) -> str:
+    """`url` (or any text holding URLs) with `user:secret@` and secret query values replaced by ***."""
+    text = _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}***@", str(url))
+    return _SECRET_QUERY.sub(lambda m: f"{m.group('key')}***", text)
+
+
 def redact(text: str, storage_options: dict[str, Any] | None = None) -> str:
-    """`text` with every credential value we know of (env, explicit options) replaced by ***."""
+    """`text` with every credential value we know of (env, explicit options, the user:secret@ part and
+    secret query values of URLs, AWS_ENDPOINT_URL's included) replaced by ***."""
+    text = str(text)
     for value in _secret_values(storage_options):
         text = text.replace(value, "***")
-    return text
+    return redact_url(text)
 
 
 # ----------------------------------------------------------------------------- error classification

@@ -22,11 +22,12 @@ import uuid
 from collections.abc import Iterable
 from typing import IO, Any
 
+import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from .codec import samples_from_parquet_bytes, samples_to_parquet_bytes
+from .codec import samples_from_parquet_bytes, samples_table_from_parquet_bytes, samples_to_parquet_bytes
 from .errors import (
     ArtifactCorrupt,
     ArtifactError,
@@ -636,24 +637,45 @@ class RolloutStore:
             )
         return data
 
-    def load(self, run: str, split: str, rollout_id: int) -> RolloutArtifact:
-        """Read a committed rollout, verifying every payload checksum before parsing anything."""
+    def _verified_samples_payload(self, run: str, split: str, rollout_id: int) -> tuple[Manifest, str, bytes]:
+        """(manifest, artifact URI, samples payload), every payload checksum verified first."""
         manifest = self.manifest(run, split, rollout_id)
         uri = self.artifact_uri(run, split, rollout_id)
         folder = self._artifact_path(run, split, rollout_id)
         entry = manifest.file(SAMPLES_NAME)
         payloads = {e.name: self._read_verified(folder, e, join_uri(uri, e.name)) for e in manifest.files}
-        try:
-            samples = samples_from_parquet_bytes(payloads[entry.name])
-        except ArtifactSchemaError as exc:
-            raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, entry.name)) from None
-        if len(samples) != manifest.n_samples:
+        return manifest, uri, payloads[entry.name]
+
+    @staticmethod
+    def _check_rows(manifest: Manifest, rows: int, uri: str) -> None:
+        if rows != manifest.n_samples:
             raise ArtifactSchemaError(
-                f"manifest says n_samples={manifest.n_samples} but {SAMPLES_NAME} holds {len(samples)} rows",
+                f"manifest says n_samples={manifest.n_samples} but {SAMPLES_NAME} holds {rows} rows",
                 field="n_samples",
                 uri=uri,
             )
+
+    def load(self, run: str, split: str, rollout_id: int) -> RolloutArtifact:
+        """Read a committed rollout, verifying every payload checksum before parsing anything."""
+        manifest, uri, payload = self._verified_samples_payload(run, split, rollout_id)
+        try:
+            samples = samples_from_parquet_bytes(payload)
+        except ArtifactSchemaError as exc:
+            raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, SAMPLES_NAME)) from None
+        self._check_rows(manifest, len(samples), uri)
         return RolloutArtifact(manifest=manifest, samples=samples, root=self.root)
+
+    def load_table(self, run: str, split: str, rollout_id: int) -> pa.Table:
+        """A committed rollout's samples as a pyarrow table (columnar readers: `rollflow show`, pandas,
+        duckdb), with the same checks as `load`: checksums verified before parsing, schema and row
+        count checked; no `Sample` objects are built."""
+        manifest, uri, payload = self._verified_samples_payload(run, split, rollout_id)
+        try:
+            table = samples_table_from_parquet_bytes(payload)
+        except ArtifactSchemaError as exc:
+            raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, SAMPLES_NAME)) from None
+        self._check_rows(manifest, table.num_rows, uri)
+        return table
 
     def load_uri(self, uri: str) -> RolloutArtifact:
         """Load from an artifact folder URI (ArtifactRef.uri), possibly under another root."""
@@ -720,6 +742,27 @@ class RolloutStore:
         """Write (replace) a run file; atomic on local disks. Returns its URI."""
         self._put(self._path(_validate_rel(rel)), data)
         return self.path_uri(rel)
+
+    def create_bytes(self, rel: str, data: bytes) -> bool:
+        """Commit a run file only if it does not exist yet: the rollouts' commit point, for other markers
+        (checkpoints' meta.json). Atomic and no-clobber on local disks (hard link of a complete temp
+        file), a conditional PUT (`If-None-Match: *`) on S3. Returns False if the file already existed."""
+        path = self._path(_validate_rel(rel))
+        try:
+            self._commit_manifest(path, data, uri=self.path_uri(rel))
+        except ArtifactExists:
+            return False
+        return True
+
+    def delete_path(self, rel: str) -> None:
+        """Remove a run file if it exists (e.g. a commit marker being withdrawn before its payload is replaced)."""
+        path = self._path(_validate_rel(rel))
+        with self._guard(path, "deleting"):
+            try:
+                self._fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+            self._fs.invalidate_cache(path)
 
     def read_bytes(self, rel: str) -> bytes:
         try:

@@ -1,4 +1,4 @@
-"""GPU checks of the megatron backend (issue 6), runnable with torch + transformers + carried wheels only.
+"""GPU checks of the megatron backend (issue 6), runnable with torch + transformers + a few wheels (scripts/use_checkout.sh), rollflow uninstalled.
 
     python benchmarks/gpu_checks.py --out $OUT            # scripts/gpu_checks.sh runs it on the H200
 

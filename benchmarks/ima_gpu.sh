@@ -1,19 +1,14 @@
 #!/usr/bin/env bash
-# IMA triage (issue 8) on the H200 without Prefect: the plain runner of `tasks/rollout/ima.py`.
-#   run(command="bash benchmarks/ima_gpu.sh", carry=[".whl"], timeout_s=420)
-# .whl holds pydantic (+ deps) for Python 3.12 (the box has torch, transformers, triton, pyarrow, fsspec).
+# IMA triage (issue 8) on the H200 without Prefect: the plain runner of `tasks/debug/ima.py`.
+#   bash benchmarks/ima_gpu.sh        (on any CUDA machine, from the checkout's root; needs torch, transformers,
+# triton, pyarrow, fsspec and pydantic: wheels missing on the box can be put in ./.whl, see scripts/use_checkout.sh)
 # A real illegal memory access: a Triton kernel in the decode step stores 2**40 elements past the logits,
 # armed only in cells matching $CRASH_WHEN. Writes ima_report.{json,md}, ima.log, versions.txt,
 # ima_logs.tgz and coredumps.txt under $OUT.
 set -uo pipefail
 OUT=${OUT:-./ima-gpu-out}
 mkdir -p "$OUT"
-if ls .whl/pydantic-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/annotated_types-*.whl .whl/typing_extensions-*.whl \
-    .whl/typing_inspection-*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/../scripts/use_checkout.sh" || exit 1
 export PATH=$PATH:/usr/local/cuda/bin PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 {
   python3 -c "import torch, transformers, triton, pydantic, pyarrow, fsspec; print('torch', torch.__version__, \
@@ -24,7 +19,7 @@ export PATH=$PATH:/usr/local/cuda/bin PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 cat "$OUT/versions.txt"
 CONFIG=${IMA_CONFIG:-'{"run":"h200-ima","data":{"prompts_per_rollout":8},"rollout":{"device":"cuda","n_samples_per_prompt":2}}'}
 rm -rf /tmp/ima-run
-timeout "${IMA_TIMEOUT:-360}" python3 -m rollflow.tasks.rollout.ima --matrix --config "$CONFIG" \
+timeout "${IMA_TIMEOUT:-360}" python3 -m rollflow.tasks.debug.ima --matrix --config "$CONFIG" \
   --crash-when "${CRASH_WHEN:-cuda_graph=on}" --fault "${FAULT:-triton_oob}" --parallel "${PARALLEL:-4}" \
   --timeout-s "${CELL_TIMEOUT:-150}" --run-dir /tmp/ima-run --out "$OUT" > "$OUT/ima.log" 2>&1
 rc=$?

@@ -1,7 +1,7 @@
 """GPU check of the trainer-side mechanics of two SGLang weight paths, without SGLang (it cannot be
 installed on the machines here). Needs torch and CUDA GPUs: 2 for the NCCL check, 1 for the IPC one.
 
-1. distributed (NCCL): `init_weight_group` (tasks/rollout/sglang_engine.py) on both sides: rank 0 =
+1. distributed (NCCL): `init_weight_group` (tasks/sync/weight_group.py) on both sides: rank 0 =
    trainer on GPU 0, rank 1 = a stand-in for an SGLang engine on GPU 1 that joins the group exactly
    as SGLang's `init_weights_update_group` does (tcp:// rendezvous, store prefixed by the group name)
    and receives each tensor by name/dtype/shape metadata, as `update_weights_from_distributed` does.
@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollflow.tasks.rollout.sglang_engine import init_weight_group, serialize_named_tensors, torch_dtype_name  # noqa: E402
+from rollflow.tasks.rollout.sglang_engine import serialize_named_tensors, torch_dtype_name  # noqa: E402
+from rollflow.tasks.sync.weight_group import init_weight_group  # noqa: E402
 
 
 def engine_side(port: int, inbox, outbox, nccl: bool) -> None:

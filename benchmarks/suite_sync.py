@@ -123,6 +123,7 @@ def run(ctx: BenchContext) -> SuiteResult:
 
 
 def _ray_path(ctx: BenchContext, res: SuiteResult, model, repeats: int) -> list[float]:
+    from rollflow.infra.clients import EngineClient, TrainerClient
     from rollflow.infra.workers import start_actor, stop_actor
     from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
     from rollflow.tasks.rollout.worker import RolloutWorker
@@ -134,21 +135,21 @@ def _ray_path(ctx: BenchContext, res: SuiteResult, model, repeats: int) -> list[
     run_name = "bench-sync"
     threads = torch.get_num_threads()
     start = time.perf_counter()
-    trainer = start_actor(run_name, "trainer", TrainWorker, str(model_dir),
-                          OptimConfig(threads=threads, compute_ref_log_probs=False), AlgoConfig(),
-                          store_root=str(ctx.workdir / "sync-store"), run=run_name)
-    engine = start_actor(run_name, "engine", RolloutWorker, str(model_dir), RolloutConfig(threads=threads),
-                         DataConfig())
+    trainer = TrainerClient([start_actor(run_name, "trainer", TrainWorker, str(model_dir),
+                                         OptimConfig(threads=threads, compute_ref_log_probs=False), AlgoConfig(),
+                                         store_root=str(ctx.workdir / "sync-store"), run=run_name)])
+    engine = EngineClient(start_actor(run_name, "engine", RolloutWorker, str(model_dir),
+                                      RolloutConfig(threads=threads), DataConfig()))
     res.add("ray actors start (trainer + engine)", "s", [time.perf_counter() - start])
     try:
         version = itertools.count(1)
-        engine.call("update_weights", trainer.submit("named_weights"), next(version))  # warm-up
+        engine.update_weights(trainer.named_weights(), next(version))  # warm-up
         out = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            engine.call("update_weights", trainer.submit("named_weights"), next(version))
+            engine.update_weights(trainer.named_weights(), next(version))
             out.append(time.perf_counter() - t0)
-        if engine.call("weight_checksums") != trainer.call("weight_checksums"):
+        if engine.weight_checksums() != trainer.weight_checksums():
             res.notes.append("ray path: engine weights differ from the trainer's after the sync")
         return out
     finally:

@@ -1,7 +1,7 @@
 """`alignment_check`: the precision-alignment checks as a Prefect flow, and its nightly deployment.
 
 The flow starts its own engine and trainer actors (run `{run}-align`, fresh weights, one optimizer
-step per rollout), runs `rollflow.tasks.alignment.run_alignment` on them (each phase a task), publishes a
+step per rollout), runs `rollflow.tasks.debug.alignment.run_alignment` on them (each phase a task), publishes a
 markdown and a table artifact, writes `{store.root}/{run}/alignment/{timestamp}.json` and ends
 Failed when any check fails.
 
@@ -23,11 +23,10 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
-from rollflow.flows.group import ENGINE, TRAINER, connect_ray, start_engine, start_trainer, stop_all
-from rollflow.infra.workers import Handle, get_actor
-from rollflow.tasks.alignment import WorkerRunner, run_alignment
+from rollflow.flows.group import WorkerGroup, connect_ray
+from rollflow.tasks.debug.alignment import WorkerRunner, run_alignment
 from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds
-from rollflow.tasks.faults import AlignmentFaults
+from rollflow.tasks.debug.faults import AlignmentFaults
 
 NIGHTLY = "nightly-alignment"
 NIGHTLY_CRON = "0 2 * * *"
@@ -49,11 +48,11 @@ class AlignmentFailed(RuntimeError):
 class ActorRunner(WorkerRunner):
     """Runs a plain function next to a Ray actor's state (`__ray_call__`), tensors stay in the actor."""
 
-    def __init__(self, handle: Handle):
-        self.handle = handle
+    def __init__(self, actor: Any):
+        self.actor = actor  # a Ray actor handle (a client's `.actor`)
 
     def defer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.handle.actor.__ray_call__.remote(fn, *args, **kwargs)
+        return self.actor.__ray_call__.remote(fn, *args, **kwargs)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         import ray
@@ -70,13 +69,13 @@ def alignment_config(cfg: RunConfig) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
-def _stop_actors(cfg: RunConfig, timeout: float = 30.0) -> None:
+def _stop_actors(group: WorkerGroup, timeout: float = 30.0) -> None:
     """Kill the run's actors and wait until their names are free (a reused name would reuse state)."""
-    stop_all(cfg)
+    group.stop_all()
     deadline = time.monotonic() + timeout
-    while any(get_actor(cfg.run, role) is not None for role in (ENGINE, TRAINER)):
+    while group.any_running():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"actors of run {cfg.run!r} still registered {timeout:.0f}s after being stopped")
+            raise RuntimeError(f"actors of run {group.run!r} still registered {timeout:.0f}s after being stopped")
         time.sleep(0.1)
 
 
@@ -136,15 +135,16 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
     logger = get_run_logger()
     acfg = alignment_config(cfg)
     connect_ray(acfg)
-    _stop_actors(acfg)
-    # The handles are held for the flow's lifetime (a named, non-detached actor ends with them).
-    workers = [start_trainer(acfg, None), start_engine(acfg, None)]
+    group = WorkerGroup.for_run(acfg)
+    _stop_actors(group)
+    # The clients are held for the flow's lifetime (a named, non-detached actor ends with its handles).
+    workers = [group.start_trainer(None), group.start_engine(None)]
     try:
         trainer, engine = workers
-        report = run_alignment(ActorRunner(engine), ActorRunner(trainer), acfg, thresholds=thresholds,
+        report = run_alignment(ActorRunner(engine.actor), ActorRunner(trainer.actor), acfg, thresholds=thresholds,
                                memory_budget_mb=memory_budget_mb, faults=faults, call_phase=_phase_as_task)
     finally:
-        _stop_actors(acfg)
+        _stop_actors(group)
         workers.clear()
     report.context["run"] = cfg.run
     report.context["actors"] = acfg.run
@@ -190,11 +190,19 @@ def serve_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
     """Register the nightly deployment and execute its scheduled runs in this process (blocks)."""
     from prefect import serve
 
-    serve(nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds))
+    from rollflow.infra.automations import apply_with_alert
+
+    deployment = nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds)
+    apply_with_alert(deployment)  # the alert on Failed/Crashed/Late nightly runs exists before any run
+    serve(deployment)
 
 
 def register_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
                      memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None) -> UUID:
     """Register (create or update) the nightly deployment and its schedule with the current API; returns
-    its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed)."""
-    return nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds).apply()
+    its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed).
+    Also creates (idempotently) the automation that fires on a Failed, Crashed or Late nightly run."""
+    from rollflow.infra.automations import apply_with_alert
+
+    deployment = nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds)
+    return apply_with_alert(deployment)[0]

@@ -8,8 +8,8 @@
 3. a table artifact (one row per cell), a markdown verdict, a link per core dump; core dumps, logs and a
    JSON report under `{store.root}/{run}/coredumps/` (logs under `{run}/ima_logs/`).
 
-The plain steps live in `tasks/rollout/ima.py` (the GPU box runs them without Prefect:
-`python -m rollflow.tasks.rollout.ima --matrix`).
+The plain steps live in `tasks/debug/ima.py` (the GPU box runs them without Prefect:
+`python -m rollflow.tasks.debug.ima --matrix`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
-from rollflow.tasks.rollout.ima import (
+from rollflow.tasks.debug.ima import (
     COREDUMP,
     ERROR,
     LAUNCH_BLOCKING,

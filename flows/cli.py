@@ -9,60 +9,52 @@ import time
 from typing import List, Optional
 
 import typer
-from rich.console import Console
+
+from rollflow.flows.cli_common import (
+    ConfigOpt,
+    SetOpt,
+    build_config,
+    console,
+    ensure_prefect_api,
+    err_console,
+    fail,
+    notice,
+    public,
+    quiet_prefect_console,
+    take_traceback_flag,
+    user_errors,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL post-training as Prefect flows, with slime's debug toolkit built in.")
 server_app = typer.Typer(no_args_is_help=True, help="The local Prefect server (and S3 endpoint) on loopback.")
 app.add_typer(server_app, name="server")
-console = Console()
-err_console = Console(stderr=True)
-
-ConfigOpt = typer.Option(None, "--config", "-c", help="JSON file with RunConfig fields")
-SetOpt = typer.Option(None, "--set", "-s", help="override a field: --set train.lr=1e-4 (repeatable)")
 
 
-def fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(code)
+@app.callback()
+def _options(traceback: bool = typer.Option(
+        False, "--traceback", help="print the full traceback of an error (it always goes to a log file; the error "
+                                   "line names it); accepted anywhere on the command line")) -> None:
+    if traceback:
+        os.environ["ROLLFLOW_TRACEBACK"] = "1"
 
 
-def quiet_prefect_console() -> None:
-    """Keep Prefect's per-task INFO lines out of the terminal (they still reach the UI)."""
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
+def preflight(cfg, command: str, **kwargs) -> None:
+    """Inputs checked before Prefect, Ray or any actor starts (flows/preflight.py); one line, exit 2."""
+    from rollflow.flows.preflight import preflight as check
 
-
-def ensure_prefect_api(port: int = 4200) -> str:
-    """Use PREFECT_API_URL if set; else start (or reuse) a local server so runs show in the UI."""
-    if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"]
-    from rollflow.infra.local_stack import start_prefect
-
-    console.print(f"starting a local Prefect server on 127.0.0.1:{port} (stop it with `rollflow server stop`)")
-    api = start_prefect(port)
-    os.environ["PREFECT_API_URL"] = api
-    return api
-
-
-def build_config(config: Optional[str], sets: Optional[List[str]], base: dict | None = None):
-    from rollflow.flows.config import ConfigError, load_config
-
-    try:
-        return load_config(config, sets or [], base=base)
-    except ConfigError as exc:
-        fail(str(exc))
+    check(cfg, command, **kwargs)
 
 
 def run_training(cfg) -> dict:
+    preflight(cfg, "train")
     quiet_prefect_console()
     api = ensure_prefect_api()
     from rollflow.flows.progress import iteration_progress
     from rollflow.flows.train import rl_train
 
-    console.print(f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under {cfg.store.root}/{cfg.run}; "
-                  f"Prefect UI at {api.removesuffix('/api')}")
+    console.print(f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under "
+                  f"{public(cfg.store.root)}/{cfg.run}; Prefect UI at {api.removesuffix('/api')}")
     with iteration_progress(console):
         summary = rl_train(cfg)
     return summary
@@ -93,35 +85,42 @@ def demo(iterations: int = typer.Option(12, min=1), run: Optional[str] = typer.O
         "train": {"threads": threads},
     }
     cfg = build_config(None, sets, base)
-    summary = run_training(cfg)
+    with user_errors("demo"):
+        summary = run_training(cfg)
     print_summary(cfg, summary)
 
 
 @app.command()
-def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
+          resume_from: Optional[int] = typer.Option(
+              None, "--resume-from", min=0, help="resume after this committed checkpoint instead of the latest "
+                                                 "(e.g. when the latest one's payload is corrupt)")) -> None:
     """Run (or resume) an RL training run: `rl_train` with the given RunConfig."""
-    cfg = build_config(config, sets)
+    extra = [f"resume_from={resume_from}"] if resume_from is not None else []
+    cfg = build_config(config, [*(sets or []), *extra])
     if cfg.debug.rollout_only or cfg.debug.train_only:
         fail("debug.rollout_only / debug.train_only: use `rollflow rollout` or `rollflow replay`")
-    summary = run_training(cfg)
+    with user_errors("train"):
+        summary = run_training(cfg)
     print_summary(cfg, summary)
 
 
-def run_flow(cfg, flow_fn, **kwargs) -> dict:
+def run_flow(cfg, flow_fn, command: str, preflight_kwargs: dict | None = None, **kwargs) -> dict:
+    preflight(cfg, command, **(preflight_kwargs or {}))
     quiet_prefect_console()
     api = ensure_prefect_api()
     from rollflow.flows.progress import iteration_progress
 
-    for notice in cfg.notices:
-        err_console.print(f"[yellow]notice:[/] {notice}")
-    console.print(f"run [bold]{cfg.run}[/], artifacts under {cfg.store.root}/{cfg.run}; "
+    for text in cfg.notices:
+        notice(text)
+    console.print(f"run [bold]{cfg.run}[/], artifacts under {public(cfg.store.root)}/{cfg.run}; "
                   f"Prefect UI at {api.removesuffix('/api')}")
     with iteration_progress(console):
         return flow_fn(cfg, **kwargs)
 
 
 def ids_option(spec: Optional[str]) -> Optional[list[int]]:
-    from rollflow.flows.debug import parse_ids
+    from rollflow.flows.preflight import parse_ids
 
     try:
         return parse_ids(spec)
@@ -140,7 +139,9 @@ def rollout(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOp
     if save_debug_rollout_data:
         extra.append(f"debug.save_debug_rollout_data={save_debug_rollout_data}")
     cfg = build_config(config, [*(sets or []), *extra])
-    result = run_flow(cfg, _flow("rollout_only"), rollout_ids=ids_option(ids), checkpoint=checkpoint)
+    rollout_ids = ids_option(ids)
+    with user_errors("rollout"):
+        result = run_flow(cfg, _flow("rollout_only"), "rollout", rollout_ids=rollout_ids, checkpoint=checkpoint)
     console.print_json(json.dumps(result))
 
 
@@ -152,7 +153,10 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
                None, "--load-debug-rollout-data", help="replay slime .pt dumps: template with {rollout_id}"),
            subsample: Optional[float] = typer.Option(None, help="keep this fraction of prompt groups"),
            dump_details: Optional[str] = typer.Option(None, help="write per-token train dumps under this folder"),
-           no_cache: bool = typer.Option(False, "--no-cache", help="train even if an identical replay is cached")
+           no_cache: bool = typer.Option(False, "--no-cache", help="train even if an identical replay is cached"),
+           import_run: Optional[str] = typer.Option(
+               None, "--import-run", help="import the slime dumps into this (new) run instead of --set run: for a "
+                                          "changed dump whose rollout id that run already imported"),
            ) -> None:
     """Replay training (slime --debug-train-only): train on pinned rollouts; no engine is started."""
     extra = ["debug.train_only=true"]
@@ -161,8 +165,17 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
         if value is not None:
             extra.append(f"debug.{key}={value}")
     cfg = build_config(config, [*(sets or []), *extra])
-    result = run_flow(cfg, _flow("replay_train"), rollout_ids=ids_option(ids), source_run=source_run,
-                      use_cache=not no_cache)
+    rollout_ids = ids_option(ids)
+    if import_run is not None and not load_debug_rollout_data and not cfg.debug.load_debug_rollout_data:
+        fail("--import-run names the run that slime dumps are imported into: it needs --load-debug-rollout-data")
+    if source_run is not None and (load_debug_rollout_data or cfg.debug.load_debug_rollout_data):
+        fail("--source-run replays a run's committed rollouts and --load-debug-rollout-data replays slime dumps: "
+             "drop one of them")
+    kwargs = {"import_run": import_run} if import_run is not None else {}
+    with user_errors("replay"):
+        result = run_flow(cfg, _flow("replay_train"), "replay",
+                          preflight_kwargs={"rollout_ids": rollout_ids, "source_run": source_run},
+                          rollout_ids=rollout_ids, source_run=source_run, use_cache=not no_cache, **kwargs)
     console.print_json(json.dumps(result))
 
 
@@ -183,7 +196,7 @@ def show_config(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = S
 def warmstart(out: str = typer.Option("tasks/model/builtin/addition-sft", help="output model directory"),
               target_accuracy: float = typer.Option(0.30), seed: int = typer.Option(0)) -> None:
     """Rebuild the built-in tiny model: SFT on addition until held-out greedy accuracy >= target."""
-    from rollflow.tasks.train.sft import warm_start
+    from rollflow.tasks.recipes.sft import warm_start
 
     result = warm_start(out, target_accuracy=target_accuracy, seed=seed, eval_every=20, log=console.print)
     console.print(f"saved {out}: {result.steps} steps, {result.seconds:.0f}s, accuracy {result.accuracy:.3f}")
@@ -206,6 +219,7 @@ def server_stop() -> None:
 
 
 def _register_subcommands() -> None:
+    # The command modules share flows/cli_common.py and never import this module: no import circle.
     from rollflow.flows import cli_align, cli_bench, cli_bisect, cli_tools
 
     cli_tools.register(app)
@@ -220,12 +234,15 @@ _register_subcommands()
 def main() -> None:
     from rollflow.tasks.rollout.sglang_flags import CLI_PREFIX, rewrite_cli_args
 
+    sys.argv[1:] = take_traceback_flag(sys.argv[1:])
     if any(arg.startswith(CLI_PREFIX) for arg in sys.argv[1:]):
         try:  # --sglang-<flag>[=value] -> --set rollout.sglang.args.<flag>=value (checked against SGLang's flags)
             sys.argv[1:] = rewrite_cli_args(sys.argv[1:])
         except ValueError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}")
-            sys.exit(2)
+            try:
+                fail(str(exc))
+            except typer.Exit as done:
+                sys.exit(done.exit_code)
     try:
         app()
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """`rollflow align` and `rollflow serve`: the alignment check once, or nightly.
 
-`flows/cli.py` calls `register(app)`; the commands import their helpers lazily (no import cycle).
+`flows/cli.py` calls `register(app)`; shared helpers come from flows/cli_common.py (no import circle).
 """
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ from typing import List, Optional
 
 import typer
 
-
-def _config_options():
-    return (typer.Option(None, "--config", "-c", help="JSON file with RunConfig fields"),
-            typer.Option(None, "--set", "-s", help="override a field: --set rollout.dtype=bfloat16 (repeatable)"))
+from rollflow.flows.cli_common import (
+    ConfigOpt,
+    SetOpt,
+    build_config,
+    console,
+    ensure_prefect_api,
+    err_console,
+    notice,
+    quiet_prefect_console,
+    user_errors,
+)
 
 
 def run_align(cfg, memory_budget_mb: float | None = None, *, local: bool = False) -> dict:
@@ -23,7 +30,7 @@ def run_align(cfg, memory_budget_mb: float | None = None, *, local: bool = False
     from rollflow.flows.alignment import AlignmentFailed, alignment_check, write_report_json
 
     if local:
-        from rollflow.tasks.alignment import run_alignment_local
+        from rollflow.tasks.debug.alignment import run_alignment_local
 
         report = run_alignment_local(cfg, memory_budget_mb=memory_budget_mb)
         return report.to_dict() | {"json_path": write_report_json(cfg, report)}
@@ -37,7 +44,7 @@ def run_align(cfg, memory_budget_mb: float | None = None, *, local: bool = False
 
 
 def register(app: typer.Typer) -> None:
-    config_opt, set_opt = _config_options()
+    config_opt, set_opt = ConfigOpt, SetOpt
 
     @app.command("align")
     def align(config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
@@ -47,21 +54,21 @@ def register(app: typer.Typer) -> None:
               local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server, no Ray"),
               ) -> None:
         """Precision alignment checks on fresh workers; prints the report, exit code 1 if a check fails."""
-        from rollflow.flows.cli import build_config, ensure_prefect_api, err_console, fail, quiet_prefect_console
+        from rollflow.flows.preflight import preflight
         from rollflow.tasks.checks import AlignmentReport
 
         cfg = build_config(config, sets)
         # Everything but the report goes to stderr, so `--json` output can be piped.
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), user_errors("align"):
+            preflight(cfg, "align")  # before Prefect, Ray or any actor: one line, exit 2
+            for text in cfg.notices:
+                notice(text)
             if not local:
                 quiet_prefect_console()
                 api = ensure_prefect_api()
                 err_console.print(f"alignment check of run [bold]{cfg.run}[/] (actors {cfg.run}-align); Prefect UI "
                                   f"at {api.removesuffix('/api')}")
-            try:
-                out = run_align(cfg, memory_budget_mb, local=local)
-            except RuntimeError as exc:
-                fail(str(exc))
+            out = run_align(cfg, memory_budget_mb, local=local)
         report = AlignmentReport.from_dict(out)
         if as_json:
             typer.echo(json.dumps(out, indent=2))
@@ -77,7 +84,6 @@ def register(app: typer.Typer) -> None:
               config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
               memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb")) -> None:
         """Serve the `nightly-alignment` deployment (alignment_check on a cron schedule); blocks."""
-        from rollflow.flows.cli import build_config, console, ensure_prefect_api, quiet_prefect_console
 
         base = {"run": "nightly"} if not config and not any(s.startswith("run=") for s in sets or []) else None
         cfg = build_config(config, sets, base)

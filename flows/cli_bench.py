@@ -1,7 +1,8 @@
 """`rollflow bench`: the benchmark suites (benchmarks/, issue 11) behind the CLI.
 
 Wire it with `cli_bench.register(app)` next to the other `register` calls in flows/cli.py. The
-benchmarks package lives at the repository root (not in the wheel), so the command runs from a checkout.
+benchmarks package lives at the repository root (not in the wheel), so the command runs from a checkout,
+as a subprocess (`python -m benchmarks ...` there): flows/ never imports benchmarks/.
 """
 
 from __future__ import annotations
@@ -23,18 +24,17 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
     ) -> None:
         """Run the benchmark suites: print a table of every figure and ratio, write JSON."""
+        import os
+        import subprocess
         import sys
         from pathlib import Path
 
+        # A subprocess (`python -m benchmarks` from the checkout): the product never imports its benchmarks.
         checkout = Path(__file__).resolve().parents[1]
-        if (checkout / "benchmarks" / "cli.py").exists() and str(checkout) not in sys.path:
-            sys.path.insert(0, str(checkout))  # an editable install maps only the packaged folders
-        try:
-            from benchmarks.cli import main as bench_main
-        except ImportError as exc:
+        if not (checkout / "benchmarks" / "cli.py").exists():
             raise typer.BadParameter(
-                f"the benchmarks package is not importable ({exc}); run from a rollflow checkout") from None
-        argv: list[str] = []
+                f"the benchmarks package is not in {checkout}; run from a rollflow checkout") from None
+        argv: list[str] = [sys.executable, "-m", "benchmarks"]
         for name in suite or []:
             argv += ["--suite", name]
         if quick:
@@ -44,4 +44,7 @@ def register(app: typer.Typer) -> None:
         if repeats is not None:
             argv += ["--repeats", str(repeats)]
         argv += ["--device", device]
-        raise typer.Exit(bench_main(argv))
+        # Same working directory as the command (relative --out paths unchanged); the checkout on the path.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH"))
+                                                          if p))
+        raise typer.Exit(subprocess.run(argv, env=env).returncode)

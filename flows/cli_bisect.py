@@ -1,6 +1,6 @@
 """`rollflow bisect`: illegal-memory-access triage (the `ima_bisect` flow, or the plain runner with --local).
 
-`flows/cli.py` calls `register(app)`; the command imports its helpers lazily (no import cycle).
+`flows/cli.py` calls `register(app)`; shared helpers come from flows/cli_common.py (no import circle).
 """
 
 from __future__ import annotations
@@ -11,12 +11,25 @@ from typing import List, Optional
 
 import typer
 
+from rollflow.flows.cli_common import (
+    ConfigOpt,
+    SetOpt,
+    build_config,
+    console,
+    ensure_prefect_api,
+    err_console,
+    fail,
+    notice,
+    quiet_prefect_console,
+    user_errors,
+)
+
 
 def run_local(cfg, *, crash_when: Optional[str], timeout_s: float, coredump: bool, fault: Optional[str],
               parallel: int, log=print) -> dict:
     """The same triage in this process, no Prefect server: the store root must be a local folder."""
     from rollflow.flows.bisect import REPORT_NAME, _store_location
-    from rollflow.tasks.rollout.ima import run_matrix
+    from rollflow.tasks.debug.ima import run_matrix
 
     fs, run_path, local = _store_location(cfg)
     if not local:
@@ -36,9 +49,7 @@ def run_local(cfg, *, crash_when: Optional[str], timeout_s: float, coredump: boo
 
 def register(app: typer.Typer) -> None:
     @app.command("bisect")
-    def bisect(config: Optional[str] = typer.Option(None, "--config", "-c", help="JSON file with RunConfig fields"),
-               sets: Optional[List[str]] = typer.Option(
-                   None, "--set", "-s", help="override a field: --set rollout.device=cuda (repeatable)"),
+    def bisect(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
                crash_when: Optional[str] = typer.Option(
                    None, "--crash-when", help="debug switch: fault the decode step in cells matching e.g. "
                                               "'cuda_graph=on,speculative=on'"),
@@ -52,8 +63,7 @@ def register(app: typer.Typer) -> None:
                ) -> None:
         """Illegal-memory-access triage: CUDA graph x speculative x DeepEP matrix, each cell in its own process;
         a launch-blocking rerun and a CUDA core-dump rerun of a crashing cell; one table and a verdict."""
-        from rollflow.flows.cli import build_config, console, ensure_prefect_api, err_console, fail, quiet_prefect_console
-        from rollflow.tasks.rollout.ima import parse_toggles
+        from rollflow.tasks.debug.ima import parse_toggles
 
         cfg = build_config(config, sets)
         try:
@@ -61,26 +71,12 @@ def register(app: typer.Typer) -> None:
                 parse_toggles(crash_when)
         except ValueError as exc:
             fail(f"--crash-when {crash_when!r}: {exc}")
-        for notice in cfg.notices:
-            err_console.print(f"[yellow]notice:[/] {notice}")
+        for text in cfg.notices:
+            notice(text)
         kwargs = dict(crash_when=crash_when, timeout_s=timeout_s, coredump=not no_coredump, fault=fault,
                       parallel=parallel)
-        if local:
-            try:
-                out = run_local(cfg, log=lambda m: err_console.print(m, markup=False, highlight=False), **kwargs)
-            except ValueError as exc:
-                fail(str(exc))
-            markdown = out.pop("markdown")
-        else:
-            quiet_prefect_console()
-            api = ensure_prefect_api()
-            err_console.print(f"IMA bisect of run [bold]{cfg.run}[/] ({cfg.rollout.engine} engine); Prefect UI at "
-                              f"{api.removesuffix('/api')}")
-            from rollflow.flows.bisect import ima_bisect
-
-            out = ima_bisect(cfg, **kwargs)
-            markdown = Path(out["json_path"]).with_name("ima_report.md").read_text() \
-                if "://" not in out["json_path"] else None
+        with user_errors("bisect"):
+            out, markdown = _bisect(cfg, local, kwargs)
         if as_json:
             typer.echo(json.dumps(out, indent=2, default=str))
         else:
@@ -89,3 +85,22 @@ def register(app: typer.Typer) -> None:
             else:
                 console.print(f"verdict: {out['verdict']['text']}")
             typer.echo(f"JSON report: {out['json_path']}")
+
+
+def _bisect(cfg, local: bool, kwargs: dict) -> tuple[dict, Optional[str]]:
+    from rollflow.flows.preflight import preflight
+
+    preflight(cfg, "bisect")  # before Prefect, Ray or any worker process: one line, exit 2
+    if local:
+        out = run_local(cfg, log=lambda m: err_console.print(m, markup=False, highlight=False), **kwargs)
+        return out, out.pop("markdown")
+    quiet_prefect_console()
+    api = ensure_prefect_api()
+    err_console.print(f"IMA bisect of run [bold]{cfg.run}[/] ({cfg.rollout.engine} engine); Prefect UI at "
+                      f"{api.removesuffix('/api')}")
+    from rollflow.flows.bisect import ima_bisect
+
+    out = ima_bisect(cfg, **kwargs)
+    markdown = Path(out["json_path"]).with_name("ima_report.md").read_text() \
+        if "://" not in out["json_path"] else None
+    return out, markdown

@@ -2,7 +2,7 @@
 import-slime. `flows/cli.py` calls `register(app)`; each command only parses, calls `artifacts/` or
 `tasks/rollout/`, and prints.
 
-Locations (ARTIFACT_URI) are anything `rollflow.artifacts.display.discover` accepts: a run
+Locations (ARTIFACT_URI) are anything `rollflow.tasks.debug.display.discover` accepts: a run
 (`runs/myrun`, `s3://bucket/root/myrun`), one artifact folder, or a slime template with
 `{rollout_id}`. `--split` / `--id` pick one rollout; the default is the latest train rollout.
 """
@@ -16,28 +16,27 @@ import time
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 
+from rollflow.flows.cli_common import fail, plain_console
+
+REWARD_KEY_HELP = "field of dict rewards (the run's rollout.reward_key, as slime's --reward-key)"
+EVAL_REWARD_KEY_HELP = "field of dict rewards of eval rollouts (rollout.eval_reward_key; default --reward-key)"
 SPLIT_HELP = "train or eval (default: train if the location has train rollouts, else eval)"
 ID_HELP = "rollout id (default: the latest of the split)"
 
 
-def _console(stderr: bool = False) -> Console:
-    # Pipes and test runners are not terminals: rich would assume 80 columns and squeeze the table.
-    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "160"))
-    # markup off: responses, URIs and error texts are data, "[...]" in them must print verbatim.
-    return Console(stderr=stderr, width=width, highlight=False, markup=False)
+# One console and one error line for every command (flows/cli_common.py).
+_console = plain_console
+_fail = fail
 
 
-def _fail(message: str, code: int = 2) -> None:
-    from rich.markup import escape
-
-    _console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
-    raise typer.Exit(code)
+def _reward_key(split: str, reward_key: Optional[str], eval_reward_key: Optional[str]) -> Optional[str]:
+    """The dict-reward field for `split`, as slime: eval rollouts use the eval key, falling back to the train key."""
+    return (eval_reward_key or reward_key) if split == "eval" else reward_key
 
 
 def _discover(uri: str):
-    from rollflow.artifacts.display import discover
+    from rollflow.tasks.debug.display import discover
     from rollflow.artifacts.errors import ArtifactError
 
     try:
@@ -47,7 +46,7 @@ def _discover(uri: str):
 
 
 def _select(found, split: Optional[str], rollout_id: Optional[int]):
-    from rollflow.artifacts.display import SelectionError, select_rollout
+    from rollflow.tasks.debug.display import SelectionError, select_rollout
 
     try:
         return select_rollout(found, split, rollout_id)
@@ -91,9 +90,11 @@ def show(
     offset: int = typer.Option(0, "--offset", min=0, help="first sample of the page (after filtering)"),
     max_chars: int = typer.Option(48, "--max-chars", min=4, help="cut cell text at this many characters"),
     as_json: bool = typer.Option(False, "--json", help="one JSON document instead of tables"),
+    reward_key: Optional[str] = typer.Option(None, "--reward-key", help=REWARD_KEY_HELP),
+    eval_reward_key: Optional[str] = typer.Option(None, "--eval-reward-key", help=EVAL_REWARD_KEY_HELP),
 ) -> None:
     """Show a rollout: discovered ids, recomputed metrics, then a page of samples (filters apply)."""
-    from rollflow.artifacts.display import (
+    from rollflow.tasks.debug.display import (
         describe_ids,
         filter_samples,
         ids_by_split,
@@ -107,9 +108,10 @@ def show(
     found = _discover(uri)
     item = _select(found, split, rollout_id)
     samples = _load_table(item)
-    metrics = rollout_metrics(samples)
+    key = _reward_key(item.split, reward_key, eval_reward_key)
+    metrics = rollout_metrics(samples, key)
     try:
-        shown = filter_samples(samples, status=status, reward_min=reward_min, reward_max=reward_max)
+        shown = filter_samples(samples, status=status, reward_min=reward_min, reward_max=reward_max, reward_key=key)
     except ValueError as exc:
         _fail(str(exc))
     if as_json:
@@ -150,7 +152,8 @@ def show(
 def replay_reward_cmd(
     uri: str = typer.Argument(..., metavar="ARTIFACT_URI", help="run, artifact folder or slime template"),
     reward: str = typer.Option(..., "--reward", help="built-in name or 'pkg.module:function' (sync or async)"),
-    reward_key: Optional[str] = typer.Option(None, "--reward-key", help="field of a dict reward to compare"),
+    reward_key: Optional[str] = typer.Option(None, "--reward-key", help=REWARD_KEY_HELP),
+    eval_reward_key: Optional[str] = typer.Option(None, "--eval-reward-key", help=EVAL_REWARD_KEY_HELP),
     split: Optional[str] = typer.Option(None, "--split", help=SPLIT_HELP),
     rollout_id: Optional[int] = typer.Option(None, "--id", help=ID_HELP, min=0),
     limit: int = typer.Option(20, "--limit", min=0, help="changed samples to list"),
@@ -158,7 +161,7 @@ def replay_reward_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
     """Rerun a reward function over a rollout and diff old vs new rewards."""
-    from rollflow.tasks.rollout.replay_reward import replay_reward
+    from rollflow.tasks.debug.replay_reward import replay_reward
     from rollflow.tasks.rollout.rewards import resolve_reward_fn
 
     # Console scripts do not put the working directory on sys.path; `python -m` does. Match it, so
@@ -171,6 +174,7 @@ def replay_reward_cmd(
         _fail(f"--reward: {exc}")
     item = _select(_discover(uri), split, rollout_id)
     samples = _load_samples(item)
+    reward_key = _reward_key(item.split, reward_key, eval_reward_key)
     try:
         report = replay_reward(samples, fn, reward_key)
     except ValueError as exc:
@@ -182,7 +186,7 @@ def replay_reward_cmd(
         from rich.table import Table
         from rich.text import Text
 
-        from rollflow.artifacts.display import shorten
+        from rollflow.tasks.debug.display import shorten
 
         console = _console()
         console.print(f"replayed {reward} over {item.split} rollout {item.rollout_id} ({item.loader.uri})")
@@ -228,7 +232,7 @@ def send_cmd(
     from pydantic import ValidationError
 
     from rollflow.tasks.rollout.engine import SamplingParams
-    from rollflow.tasks.rollout.send import send_samples
+    from rollflow.tasks.debug.send import send_samples
     from rollflow.tasks.rollout.settings import RolloutConfig
 
     item = _select(_discover(uri), split, rollout_id)
@@ -325,14 +329,16 @@ def import_slime_cmd(
     n_samples_per_prompt: Optional[int] = typer.Option(None, "--n-samples-per-prompt", min=1,
                                                        help="default: the most common group size"),
     model: str = typer.Option("unknown", "--model", help="model name recorded in the manifests"),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1,
+                                             help="refuse token ids >= this (the vocab size of the model to train)"),
 ) -> None:
-    """Import slime debug-rollout dumps (.pt) as rollflow artifacts under ROOT/RUN."""
-    import hashlib
-    from collections import Counter
+    """Import slime debug-rollout dumps (.pt) as rollflow artifacts under ROOT/RUN.
 
-    from rollflow.artifacts import EngineInfo, RolloutStore
+    Content-addressed: importing the same dump again is a no-op; a different dump for an id the run
+    already holds is refused (both checksums named): import it into another --run."""
+    from rollflow.artifacts import RolloutStore
     from rollflow.artifacts.errors import ArtifactError
-    from rollflow.artifacts.slime import import_slime_pt
+    from rollflow.artifacts.slime import import_slime_into_store
 
     found = _discover(source)
     if all_ids:
@@ -346,21 +352,14 @@ def import_slime_cmd(
     console = _console()
     for item in chosen:
         try:
-            _, samples = import_slime_pt(item.loader.uri)
-            sizes = Counter(Counter(s.group_index for s in samples).values())
-            per_prompt = n_samples_per_prompt or (sizes.most_common(1)[0][0] if sizes else 1)
-            digest = hashlib.sha256(json.dumps([s.to_dict() for s in samples], sort_keys=True).encode()).hexdigest()
-            ref = store.write(
-                run, item.split, item.rollout_id, samples,
-                n_samples_per_prompt=per_prompt,
-                engine=EngineInfo(backend="slime", model=model,
-                                  weight_version=max((s.weight_version for s in samples), default=0)),
-                config_hash=f"slime-import-{digest[:16]}",
-                extra={"imported_from": item.loader.uri},
-            )
+            ref, imported = import_slime_into_store(
+                store, run, item.split, item.rollout_id, item.loader.uri, backend="slime", model=model,
+                n_samples_per_prompt=n_samples_per_prompt, vocab_size=vocab_size,
+                new_run_hint="import it into a new run (--run NEW_NAME)")
         except (ArtifactError, ValueError) as exc:
             _fail(f"{item.loader.uri}: {exc}")
-        console.print(f"{item.loader.uri}: {len(samples)} samples -> {ref.uri}")
+        state = "" if imported else " (already imported, same content: nothing written)"
+        console.print(f"{item.loader.uri}: -> {ref.uri}{state}")
 
 
 def register(app: typer.Typer) -> None:

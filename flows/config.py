@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator,
+)
 
 from rollflow.infra.placement import ResourcesConfig, plan_placement
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
@@ -95,6 +97,9 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(1, ge=1)
     eval_every: int = Field(0, ge=0, description="greedy eval every k iterations (0 = off)")
     resume: bool = Field(True, description="continue after the last committed checkpoint of this run")
+    resume_from: Optional[int] = Field(
+        None, ge=0, description="resume after this committed checkpoint instead of the latest (e.g. the latest "
+                                "one's payload is corrupt); later checkpoints are redone")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -113,21 +118,31 @@ class RunConfig(_Strict):
     @field_validator("run")
     @classmethod
     def _run_name(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
-            raise ValueError(f"run={value!r}: use letters, digits, '.', '_' or '-' (it names folders and actors)")
-        return value
+        # One rule for run names: the store's (it names folders under the root, and actors).
+        from rollflow.artifacts.store import validate_run  # lazily: pyarrow + fsspec
+
+        return validate_run(value)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _implied_settings(cls, data: Any, handler: Any) -> "RunConfig":
+        """Settings that other settings imply are applied to the input (a new dict; the caller's data is
+        not touched) before validation, and reported in `notices`."""
+        notices: list[str] = []
+        if isinstance(data, dict):
+            data = _with_implied_settings(cls, data, notices)
+        cfg = handler(data)
+        cfg._notices[:0] = notices
+        return cfg
 
     @model_validator(mode="after")
     def _debug_modes(self) -> "RunConfig":
         debug = self.debug
-        if debug.load_debug_rollout_data and not debug.train_only:
-            if debug.rollout_only:
-                raise ValueError(
-                    "debug.load_debug_rollout_data replays saved rollouts (train only), which contradicts "
-                    "debug.rollout_only=true; drop one of them"
-                )
-            debug.__dict__["train_only"] = True
-            self._notices.append("debug.load_debug_rollout_data set: debug.train_only turned on (no engine)")
+        if debug.load_debug_rollout_data and not debug.train_only and debug.rollout_only:
+            raise ValueError(
+                "debug.load_debug_rollout_data replays saved rollouts (train only), which contradicts "
+                "debug.rollout_only=true; drop one of them"
+            )
         if debug.rollout_only and debug.train_only:
             raise ValueError(
                 "debug.rollout_only and debug.train_only are both true: rollout-only runs no trainer and "
@@ -138,11 +153,6 @@ class RunConfig(_Strict):
                 "debug.load_debug_rollout_data_subsample only applies when replaying saved rollouts "
                 "(debug.load_debug_rollout_data or debug.train_only)"
             )
-        if debug.rollout_only and (self.placement == "colocate" or self.offload):
-            # Nothing to share GPUs with or to offload for: the engine owns its GPUs.
-            self.__dict__["placement"] = "disaggregated"
-            self.__dict__["offload"] = False
-            self._notices.append("debug.rollout_only: placement set to 'disaggregated' and offload turned off")
         if self.offload and self.placement != "colocate":
             raise ValueError("offload=true needs placement='colocate' (engines release memory for a colocated trainer)")
         return self
@@ -200,6 +210,32 @@ class RunConfig(_Strict):
         part = {"model": self.model.model_dump(), "algo": self.algo.model_dump(), "train": self.train.model_dump(),
                 "temperature": self.rollout.temperature}
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _with_implied_settings(cls: type[RunConfig], data: dict[str, Any], notices: list[str]) -> dict[str, Any]:
+    """`data` with what its debug flags imply (a new dict when anything changes):
+
+    - `debug.load_debug_rollout_data` replays saved rollouts: `debug.train_only` (no engine);
+    - `debug.rollout_only` has nothing to share GPUs with or to offload for: placement 'disaggregated',
+      offload off.
+
+    Invalid values are left alone: validation then reports them with their field names."""
+    try:
+        raw_debug = data.get("debug")
+        debug = DebugConfig.model_validate({} if raw_debug is None else raw_debug)
+        placement = TypeAdapter(cls.model_fields["placement"].annotation).validate_python(
+            data.get("placement", cls.model_fields["placement"].default))
+        offload = TypeAdapter(bool).validate_python(data.get("offload", cls.model_fields["offload"].default))
+    except ValidationError:
+        return data
+    updates: dict[str, Any] = {}
+    if debug.load_debug_rollout_data and not debug.train_only and not debug.rollout_only:
+        updates["debug"] = debug.model_copy(update={"train_only": True})
+        notices.append("debug.load_debug_rollout_data set: debug.train_only turned on (no engine)")
+    if debug.rollout_only and (placement == "colocate" or offload):
+        updates.update(placement="disaggregated", offload=False)
+        notices.append("debug.rollout_only: placement set to 'disaggregated' and offload turned off")
+    return {**data, **updates} if updates else data
 
 
 class ConfigError(ValueError):

@@ -14,35 +14,14 @@ import json
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rollflow.artifacts.manifest import EngineInfo
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
-from rollflow.flows.group import call_all_ranks, connect_ray, start_engine, start_placement, start_trainer, stop_all
+from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
+from rollflow.flows.preflight import parse_ids  # noqa: F401 - re-exported
 from rollflow.tasks.train.checkpoint import state_exists
-from rollflow.tasks.train.replay import infer_group_size
-
-
-def parse_ids(spec: str | None) -> list[int] | None:
-    """'3', '0,2,5', '0-4' (inclusive) or a mix; None -> None."""
-    if spec is None or not str(spec).strip():
-        return None
-    ids: list[int] = []
-    for part in str(spec).split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        try:
-            if sep:
-                ids.extend(range(int(lo), int(hi) + 1))
-            else:
-                ids.append(int(part))
-        except ValueError:
-            raise ValueError(f"--ids {spec!r}: {part!r} is not an id or a range like 0-4") from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"--ids {spec!r}: rollout ids are >= 0")
-    return sorted(set(ids))
 
 
 @flow(name="rollout_only")
@@ -54,40 +33,43 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
     connect_ray(cfg)
     RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     ids = rollout_ids if rollout_ids is not None else list(range(cfg.iterations))
-    start_placement(cfg)  # GPUs only (resources.num_gpus > 0); released by stop_all
+    group = WorkerGroup.for_run(cfg)  # engines only: no trainer
+    group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
     try:
-        engine = start_engine(cfg, checkpoint)
-        out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.call("weight_version")}
+        engine = group.start_engine(checkpoint)
+        out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.weight_version()}
         for rollout_id in ids:
             reporting.stage("start", rollout_id)
             ref = committed_or_generate(cfg, rollout_id, weight_version=checkpoint or 0)
             side_exports(cfg, ref)
             row: dict = {"uri": ArtifactRef.from_dict(ref).uri}
             samples = RolloutStore(cfg.store.root).load_uri(row["uri"]).samples
-            row["raw_reward"] = sum(s.scalar_reward() for s in samples) / len(samples)
+            row["raw_reward"] = sum(s.scalar_reward(cfg.rollout.reward_key) for s in samples) / len(samples)
             if cfg.eval_every and rollout_id % cfg.eval_every == 0:
                 row.update(eval_metrics(cfg, rollout_id, weight_version=checkpoint or 0))
             out["rollouts"][rollout_id] = row
             reporting.stage("done", rollout_id, f"rollout {rollout_id}: reward {row['raw_reward']:.4f}  {row['uri']}")
     finally:
-        stop_all(cfg)
+        group.stop_all()
     return out
 
 
 @task(name="import-slime", cache_policy=NO_CACHE)
-def import_slime_task(cfg: RunConfig, rollout_id: int) -> dict:
-    """A slime `.pt` dump becomes a committed artifact of this run (so replay reads one format)."""
-    from rollflow.artifacts.slime import expand_template, import_slime_pt
+def import_slime_task(cfg: RunConfig, rollout_id: int, split: str = "train", import_run: str | None = None,
+                      vocab_size: int | None = None) -> dict:
+    """A slime `.pt` dump becomes a committed artifact of this run (so replay reads one format).
+
+    Content-addressed: the same dump again is a no-op; a changed dump under an id the run already
+    imported is refused with both checksums (never trained on silently stale data)."""
+    from rollflow.artifacts.slime import expand_template, import_slime_into_store
 
     store = RolloutStore(cfg.store.root)
-    if store.exists(cfg.run, "train", rollout_id):
-        return ArtifactRef(cfg.store.root, cfg.run, "train", rollout_id).to_dict()
-    path = expand_template(cfg.debug.load_debug_rollout_data, rollout_id, "train")
-    _, samples = import_slime_pt(path)
-    versions = {s.weight_version for s in samples}
-    ref = store.write(cfg.run, "train", rollout_id, samples, n_samples_per_prompt=infer_group_size(samples),
-                      engine=EngineInfo(backend="slime-dump", model=path, weight_version=max(versions)),
-                      config_hash=cfg.config_hash(), extra={"imported_from": path})
+    path = expand_template(cfg.debug.load_debug_rollout_data, rollout_id, split)
+    run = import_run or cfg.run
+    ref, _ = import_slime_into_store(
+        store, run, split, rollout_id, path, backend="slime-dump", model=path, config_hash=cfg.config_hash(),
+        vocab_size=vocab_size,
+        new_run_hint=f"replay it into a new run with `rollflow replay --import-run NEW_NAME` (or --set run=NEW_NAME)")
     return ref.to_dict()
 
 
@@ -99,9 +81,10 @@ def replay_cache_key(context, parameters: dict) -> str:
 def replay_train_task(cfg: RunConfig, ref: dict, *, cache_key: str, start_state_uri: str | None,
                       out_state_uri: str) -> dict[str, float]:
     """Train on one pinned artifact from a fixed starting state; cached on `cache_key`."""
-    return call_all_ranks(
-        cfg, "replay_step", ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
+    return WorkerGroup.for_run(cfg).trainer().replay_step(
+        ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
         subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref["rollout_id"]),
+        reward_key=cfg.rollout.reward_key_for(ref["split"]),
     )
 
 
@@ -112,15 +95,21 @@ def artifact_digest(store: RolloutStore, ref: ArtifactRef) -> str:
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:24]
 
 
-def pinned_refs(cfg: RunConfig, rollout_ids: list[int] | None, source_run: str) -> list[dict]:
+def pinned_refs(cfg: RunConfig, rollout_ids: list[int] | None, source_run: str, *, import_run: str | None = None,
+                vocab_size: int | None = None) -> tuple[list[dict], dict[int, dict]]:
+    """(train refs to replay in order, {rollout id: eval ref}) - slime's `eval_{id}` dumps come along."""
     if cfg.debug.load_debug_rollout_data:
         from rollflow.artifacts.slime import discover_template_ids
 
+        found = discover_template_ids(cfg.debug.load_debug_rollout_data)
         if rollout_ids is None:
-            rollout_ids = discover_template_ids(cfg.debug.load_debug_rollout_data).get("train", [])
+            rollout_ids = found.get("train", [])
             if not rollout_ids:
                 raise FileNotFoundError(f"no slime dumps match {cfg.debug.load_debug_rollout_data!r}")
-        return [import_slime_task(cfg, rid) for rid in rollout_ids]
+        train = [import_slime_task(cfg, rid, "train", import_run, vocab_size) for rid in rollout_ids]
+        evals = {rid: import_slime_task(cfg, rid, "eval", import_run, vocab_size)
+                 for rid in found.get("eval", []) if rid in rollout_ids}
+        return train, evals
     store = RolloutStore(cfg.store.root)
     if rollout_ids is None:
         rollout_ids = store.list_ids(source_run, "train")
@@ -130,32 +119,65 @@ def pinned_refs(cfg: RunConfig, rollout_ids: list[int] | None, source_run: str) 
     for rid in rollout_ids:
         store.manifest(source_run, "train", rid)  # ArtifactNotFound lists the ids that exist
         refs.append(ArtifactRef(cfg.store.root, source_run, "train", rid).to_dict())
-    return refs
+    evals = {rid: ArtifactRef(cfg.store.root, source_run, "eval", rid).to_dict()
+             for rid in store.list_ids(source_run, "eval") if rid in rollout_ids}
+    return refs, evals
+
+
+def verify_pinned(cfg: RunConfig, refs: list[dict], vocab_size: int | None) -> None:
+    """Every pinned artifact's payload checksum (and token ids against the model's vocab), before any training:
+    a corrupt rollout 3 fails the replay before rollout 0 trains, not after."""
+    from rollflow.artifacts.slime import check_token_ids
+
+    store = RolloutStore(cfg.store.root)
+    for ref in refs:
+        art = ArtifactRef.from_dict(ref)
+        samples = store.load_uri(art.uri).samples  # ArtifactCorrupt names the file and both checksums
+        check_token_ids(samples, vocab_size, rollout_id=art.rollout_id, split=art.split, uri=art.uri)
+
+
+def replay_eval_metrics(cfg: RunConfig, ref: dict) -> dict[str, float]:
+    """eval/* of a replayed rollout's eval artifact, with the run's eval reward key (as slime)."""
+    from rollflow.tasks.rollout.evaluation import eval_summary
+
+    samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
+    ev = cfg.data.eval
+    out = eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
+                       reward_key=cfg.rollout.reward_key_for("eval"))
+    return out | {"eval/raw_reward": out["eval/accuracy"], "eval/n_samples": float(len(samples))}
 
 
 @flow(name="replay_train")
 def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_run: str | None = None,
-                 use_cache: bool = True) -> dict:
-    """Train on pinned rollouts without any engine (`--debug-train-only` / `--load-debug-rollout-data`)."""
+                 use_cache: bool = True, import_run: str | None = None) -> dict:
+    """Train on pinned rollouts without any engine (`--debug-train-only` / `--load-debug-rollout-data`).
+
+    Eval artifacts of the pinned ids (slime's `eval_{id}` dumps) are imported too; with eval_every > 0
+    their eval metrics are added to the rows of ids that are multiples of it."""
+    from rollflow.flows.preflight import model_vocab_size
+
     log = get_run_logger()
     for notice in cfg.notices:
         log.warning(notice)
     connect_ray(cfg)
     RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     source_run = source_run or cfg.run
-    refs = pinned_refs(cfg, rollout_ids, source_run)
+    vocab_size = model_vocab_size(cfg.model.path)
+    refs, eval_refs = pinned_refs(cfg, rollout_ids, source_run, import_run=import_run, vocab_size=vocab_size)
+    verify_pinned(cfg, [*refs, *eval_refs.values()], vocab_size)
     store = RolloutStore(cfg.store.root)
     rows: list[dict] = []
     start_state, start_key = None, "initial"
-    start_placement(cfg)  # GPUs only (resources.num_gpus > 0); released by stop_all
+    group = WorkerGroup.for_run(cfg)  # a trainer only: no engine
+    group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
     try:
-        start_trainer(cfg, None)
+        group.start_trainer(None)
         for ref in refs:
             art = ArtifactRef.from_dict(ref)
             reporting.stage("start", art.rollout_id)
             copy_to_dump(cfg, ref)
             key_parts = [artifact_digest(store, art), start_key, cfg.train_hash(),
-                         str(cfg.debug.load_debug_rollout_data_subsample)]
+                         str(cfg.debug.load_debug_rollout_data_subsample), str(cfg.rollout.reward_key_for("train"))]
             key = "replay-" + hashlib.sha256("|".join(key_parts).encode()).hexdigest()[:32]
             out_state = f"{store.run_uri(cfg.run)}/replay_states/{key}/trainer.pt"
             reporting.stage("train")
@@ -164,15 +186,19 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
                 cfg, ref, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True)
             metrics = state.result()
             row = {"rollout_id": art.rollout_id, "source": art.uri, "cached": state.name == "Cached", **metrics}
+            if art.rollout_id in eval_refs and cfg.eval_every and art.rollout_id % cfg.eval_every == 0:
+                row.update(replay_eval_metrics(cfg, eval_refs[art.rollout_id]))
+                row["eval_source"] = ArtifactRef.from_dict(eval_refs[art.rollout_id]).uri
             rows.append(row)
             reporting.stage("done", art.rollout_id,
                             f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
                             f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}")
             start_state, start_key = out_state, key
     finally:
-        stop_all(cfg)
+        group.stop_all()
     _publish_replay(cfg, rows)
-    return {"run": cfg.run, "source_run": source_run, "steps": rows, "final_state": start_state}
+    return {"run": cfg.run, "source_run": import_run or source_run, "steps": rows, "final_state": start_state,
+            "eval_ids": sorted(eval_refs)}
 
 
 def _publish_replay(cfg: RunConfig, rows: list[dict]) -> None:

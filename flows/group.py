@@ -1,11 +1,25 @@
-"""Start, find and stop the run's actors from a RunConfig (the flows' view of infra/workers)."""
+"""The run's worker group from a RunConfig: placement, start / restart / stop of its actors, and the
+typed clients flows/ calls them through (`rollflow.infra.clients`).
+
+`WorkerGroup.for_run(cfg)` computes the placement plan once and holds it. The actors are detached
+and named by run, so a task builds its group from `cfg` alone: a task running on a retry finds the
+same actors (and placement group), or restarts a dead engine (`ensure_engine`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from rollflow.flows.config import RunConfig
-from rollflow.infra.workers import Handle, actor_name, ensure_ray, get_actor, start_actor, stop_actor
+from rollflow.infra.clients import EngineClient, Pending, ServerClient, TrainerClient
+from rollflow.infra.workers import actor_name, ensure_ray, get_actor, missing_actor_error, start_actor, stop_actor
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollflow.infra.placement import PlacementPlan
+    from rollflow.infra.remote_server import RemoteServer
 
 ENGINE, TRAINER = "engine", "trainer"
 
@@ -14,12 +28,17 @@ def server_role(index: int) -> str:
     return f"{ENGINE}-server-{index}"
 
 
+def trainer_role(rank: int) -> str:
+    # rank 0 keeps the plain role: everything that needs one rank (weights, checkpoints) asks it
+    return TRAINER if rank == 0 else f"{TRAINER}-rank-{rank}"
+
+
 def connect_ray(cfg: RunConfig) -> None:
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
 
 
-# -- placement group (resources.num_gpus > 0; the CPU default has none and nothing below runs) ----
 def uses_placement(cfg: RunConfig) -> bool:
+    """A placement group only with GPUs (resources.num_gpus > 0); the CPU default has none."""
     return cfg.resources.num_gpus > 0
 
 
@@ -27,165 +46,9 @@ def placement_group_name(cfg: RunConfig) -> str:
     return f"{cfg.run}:placement"
 
 
-def _plan(cfg: RunConfig):
-    from rollflow.infra.placement import plan_placement
-
-    return plan_placement(cfg.placement, cfg.resources, train=not cfg.debug.rollout_only,
-                          rollout=not cfg.debug.train_only)
-
-
-def _lookup_placement_group(cfg: RunConfig):
-    from ray.util import get_placement_group
-
-    try:
-        return get_placement_group(placement_group_name(cfg))
-    except ValueError:
-        return None
-
-
-def start_placement(cfg: RunConfig):
-    """Reserve the run's placement group once (named by run, so a task retry finds the same bundles);
-    a leftover one of the same run is removed first. None on CPU."""
-    import ray
-
-    if not uses_placement(cfg):
-        return None
-    plan = _plan(cfg)
-    if plan.empty:
-        return None
-    stale = _lookup_placement_group(cfg)
-    if stale is not None:
-        ray.util.remove_placement_group(stale)
-    from rollflow.infra.placement import create_placement_group
-
-    return create_placement_group(plan, name=placement_group_name(cfg), gpu_resource=cfg.resources.gpu_resource)
-
-
-def stop_placement(cfg: RunConfig) -> None:
-    import ray
-
-    if not uses_placement(cfg):
-        return
-    pg = _lookup_placement_group(cfg)
-    if pg is not None:
-        ray.util.remove_placement_group(pg)
-
-
-def placement_options(cfg: RunConfig, role: str, index: int = 0) -> dict[str, Any]:
-    """The `.options()` putting `role`'s actor in its bundle of the run's placement group ({} on CPU)."""
-    if not uses_placement(cfg):
-        return {}
-    from rollflow.infra.placement import actor_options
-
-    plan = _plan(cfg)
-    pg = _lookup_placement_group(cfg)
-    if pg is None or plan.empty:
-        return {}
-    return actor_options(plan, pg, role, index, gpu_resource=cfg.resources.gpu_resource)
-
-
-def engine_base_gpu_id(cfg: RunConfig, index: int = 0) -> int | None:
-    """SGLang `--base-gpu-id` of engine `index` when its physical GPUs are unknown (a custom Ray GPU
-    resource has no device ids): its first bundle's offset, set only when it spans several GPUs."""
-    if not uses_placement(cfg) or cfg.resources.gpus_per_engine <= 1 or cfg.debug.train_only:
-        return None
-    return _plan(cfg).actor_bundle("engine", index)
-
-
-def engine_gpu_ids(cfg: RunConfig, index: int = 0) -> list[str] | None:
-    """The physical GPUs (as Ray numbers them on their node) of engine `index`'s bundles, in bundle
-    order; None without a placement group or with a custom GPU resource."""
-    if not uses_placement(cfg) or cfg.debug.train_only:
-        return None
-    pg = _lookup_placement_group(cfg)
-    plan = _plan(cfg)
-    if pg is None or plan.empty:
-        return None
-    from rollflow.infra.placement import bundle_gpus
-
-    located = bundle_gpus(pg, plan.engine_bundles[index], gpu_resource=cfg.resources.gpu_resource)
-    if located is None:
-        return None
-    nodes = {node for node, _ in located}
-    if len(nodes) > 1:
-        raise RuntimeError(f"engine {index}'s {len(located)} GPUs landed on {len(nodes)} nodes ({sorted(nodes)}): "
-                           "an SGLang engine's tensor parallel group must be on one node; use "
-                           "resources.gpus_per_engine <= GPUs per node")
-    return [gpu for _, gpu in located]
-
-
 def launches_servers(cfg: RunConfig) -> bool:
     """SGLang engines whose servers rollflow launches: one server actor per engine (in its bundle)."""
     return cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.urls
-
-
-def start_servers(cfg: RunConfig, weight_version: int) -> list:
-    """Start every engine's server actor (in parallel: SGLang startup takes minutes), each in its
-    bundle seeing exactly its GPUs; returns RemoteServers for the rollout worker."""
-    import ray
-
-    from rollflow.infra.remote_server import RemoteServer
-    from rollflow.tasks.rollout.server_worker import SGLangServerWorker
-
-    handles = []
-    for k in range(cfg.resources.num_engines):
-        gpu_ids = engine_gpu_ids(cfg, k)
-        options = placement_options(cfg, ENGINE, k)
-        handles.append(start_actor(
-            cfg.run, server_role(k), SGLangServerWorker, cfg.model.path, cfg.rollout, index=k, gpu_ids=gpu_ids,
-            base_gpu_id=None if gpu_ids else engine_base_gpu_id(cfg, k), weight_version=weight_version,
-            wait=False, **({"options": options} if options else {})))
-    try:
-        ray.get([h.submit("ping") for h in handles])  # constructor errors (e.g. died at startup) surface here
-        urls = ray.get([h.submit("url") for h in handles])
-    except BaseException:
-        stop_servers(cfg)
-        raise
-    return [RemoteServer(h.actor, url, name=actor_name(cfg.run, server_role(k)))
-            for k, (h, url) in enumerate(zip(handles, urls))]
-
-
-def stop_servers(cfg: RunConfig) -> None:
-    for k in range(cfg.resources.num_engines):
-        stop_actor(cfg.run, server_role(k))
-
-
-def start_engine(cfg: RunConfig, resume_iteration: int | None, *, weights=None) -> Handle:
-    """The engine on the model's weights, a checkpoint's, or given ones (an ObjectRef is fine).
-
-    hf: one rollout worker in engine 0's bundle (the model runs in it). SGLang: one server actor per
-    engine in its bundle(s), and a rollout worker (tokenizer, HTTP, load balancing; no GPU) over them.
-    A restart starts everything again in the same bundles.
-    """
-    from rollflow.tasks.rollout.worker import RolloutWorker
-
-    if weights is None and resume_iteration:
-        weights = _checkpoint_weights(cfg, resume_iteration)
-    extra: dict[str, Any] = {}
-    if launches_servers(cfg):
-        stop_actor(cfg.run, ENGINE)  # its servers are about to be replaced
-        extra["servers"] = start_servers(cfg, resume_iteration or 0)
-    else:
-        options = placement_options(cfg, ENGINE)
-        if options:
-            extra["options"] = options
-    return start_actor(cfg.run, ENGINE, RolloutWorker, cfg.model.path, cfg.rollout, cfg.data,
-                       weights=weights, weight_version=resume_iteration or 0, **extra)
-
-
-def ensure_engine(cfg: RunConfig, weight_version: int) -> Handle:
-    """The live engine, or a restarted one at `weight_version` (how a task retry heals a dead actor).
-
-    Weights come from the live trainer when there is one (it holds exactly that version), else from
-    the run's checkpoint of that version, else from the model.
-    """
-    handle = get_actor(cfg.run, ENGINE)
-    if handle is not None and handle.alive():
-        return handle
-    trainer = get_actor(cfg.run, TRAINER)
-    if trainer is not None and trainer.alive():
-        return start_engine(cfg, weight_version, weights=trainer.submit("named_weights"))
-    return start_engine(cfg, weight_version or None)
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
@@ -193,79 +56,271 @@ def trainer_world_size(cfg: RunConfig) -> int:
     return max(1, cfg.resources.trainer_gpus) if not cfg.debug.rollout_only else 0
 
 
-def trainer_role(rank: int) -> str:
-    # rank 0 keeps the plain role: everything that needs one rank (weights, checkpoints) asks it
-    return TRAINER if rank == 0 else f"{TRAINER}-rank-{rank}"
+@dataclasses.dataclass(frozen=True, eq=False)
+class WorkerGroup:
+    """The run's actors (trainer ranks, rollout worker, SGLang server actors) and where they go.
 
-
-def _rendezvous(cfg: RunConfig) -> tuple[str, int]:
-    """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
-    from rollflow.infra.placement import bundle_address
-    from rollflow.tasks.net import free_port, node_ip
-
-    if uses_placement(cfg):
-        pg = _lookup_placement_group(cfg)
-        plan = _plan(cfg)
-        if pg is not None and not plan.empty:
-            return bundle_address(pg, plan.actor_bundle("trainer", 0))
-    return node_ip(), free_port()
-
-
-def start_trainer(cfg: RunConfig, resume_iteration: int | None) -> Handle:
-    """Start every trainer rank (each in its bundle when placed); returns rank 0's handle.
-
-    Several ranks (resources.trainer_gpus > 1): a data-parallel torch trainer; all ranks are started
-    together because their constructors rendezvous (tasks/train/data_parallel.py).
+    `plan`: the placement plan, computed once by `for_run`; None without GPUs (nothing is placed).
+    Debug modes are groups with parts missing: rollout-only starts no trainer, replay no engine.
     """
-    import ray
 
-    from rollflow.tasks.train.data_parallel import DataParallel
-    from rollflow.tasks.train.worker import TrainWorker
+    cfg: RunConfig
+    plan: PlacementPlan | None
 
-    world = trainer_world_size(cfg)
-    dps: list[DataParallel | None] = [None]
-    if world > 1:
-        address, port = _rendezvous(cfg)
-        backend = "nccl" if cfg.train.device.startswith("cuda") else "gloo"
-        dps = [DataParallel(rank=r, world_size=world, master_addr=address, master_port=port, backend=backend)
-               for r in range(world)]
-    handles = []
-    for rank, dp in enumerate(dps):
-        options = placement_options(cfg, TRAINER, rank)
-        extra: dict[str, Any] = {"options": options} if options else {}
-        if dp is not None:
-            extra["dp"] = dp
-        handles.append(start_actor(cfg.run, trainer_role(rank), TrainWorker, cfg.model.path, cfg.train, cfg.algo,
-                                   store_root=cfg.store.root, run=cfg.run, temperature=cfg.rollout.temperature or 1.0,
-                                   resume_iteration=resume_iteration or None, wait=False, **extra))
-    try:
-        ray.get([h.submit("ping") for h in handles])  # constructor errors (and the rendezvous) surface here
-    except BaseException:
-        stop_trainers(cfg)
-        raise
-    return handles[0]
+    @classmethod
+    def for_run(cls, cfg: RunConfig) -> WorkerGroup:
+        plan = None
+        if uses_placement(cfg):
+            from rollflow.infra.placement import plan_placement
 
+            plan = plan_placement(cfg.placement, cfg.resources, train=not cfg.debug.rollout_only,
+                                  rollout=not cfg.debug.train_only)
+            plan = None if plan.empty else plan
+        return cls(cfg, plan)
 
-def trainer_ranks(cfg: RunConfig) -> list[Handle]:
-    handles = [get_actor(cfg.run, trainer_role(r)) for r in range(max(1, trainer_world_size(cfg)))]
-    missing = [trainer_role(r) for r, h in enumerate(handles) if h is None]
-    if missing:
-        raise RuntimeError(f"trainer ranks {missing} of run {cfg.run!r} are not running: start the run's workers "
-                           "first (rl_train does); a lost rank means restarting the run from its checkpoint")
-    return handles  # type: ignore[return-value]
+    @property
+    def run(self) -> str:
+        return self.cfg.run
 
+    # -- the clients of running actors (found by run name) -------------------------------------------
+    def trainer(self) -> TrainerClient:
+        """Every trainer rank; raises when one is not running."""
+        world = max(1, trainer_world_size(self.cfg))
+        ranks = [get_actor(self.run, trainer_role(r)) for r in range(world)]
+        missing = [trainer_role(r) for r, actor in enumerate(ranks) if actor is None]
+        if missing and world == 1:
+            raise missing_actor_error(self.run, TRAINER)
+        if missing:
+            raise RuntimeError(f"trainer ranks {missing} of run {self.run!r} are not running: start the run's workers "
+                               "first (rl_train does); a lost rank means restarting the run from its checkpoint")
+        return TrainerClient(ranks)
 
-def call_all_ranks(cfg: RunConfig, method: str, *args, **kwargs):
-    """Call `method` on every trainer rank at once (it runs collectives) and return rank 0's result."""
-    import ray
+    def find_engine(self) -> EngineClient | None:
+        actor = get_actor(self.run, ENGINE)
+        return EngineClient(actor) if actor is not None else None
 
-    refs = [h.submit(method, *args, **kwargs) for h in trainer_ranks(cfg)]
-    return ray.get(refs)[0]
+    def engine(self) -> EngineClient:
+        """The rollout worker; raises when it is not running (`ensure_engine` restarts a dead one)."""
+        engine = self.find_engine()
+        if engine is None:
+            raise missing_actor_error(self.run, ENGINE)
+        return engine
 
+    def server(self, index: int) -> ServerClient:
+        """Engine `index`'s SGLang server actor (engines whose servers rollflow launches)."""
+        actor = get_actor(self.run, server_role(index))
+        if actor is None:
+            raise RuntimeError(f"no {server_role(index)} actor for run {self.run!r}")
+        return ServerClient(actor)
 
-def stop_trainers(cfg: RunConfig) -> None:
-    for rank in range(max(1, cfg.resources.trainer_gpus)):
-        stop_actor(cfg.run, trainer_role(rank))
+    # -- placement group (None / nothing on CPU) -----------------------------------------------------
+    def placement_group(self):
+        """The run's placement group if it is reserved (looked up by name), else None."""
+        from ray.util import get_placement_group
+
+        try:
+            return get_placement_group(placement_group_name(self.cfg))
+        except ValueError:
+            return None
+
+    def start_placement(self):
+        """Reserve the run's placement group once (named by run, so a task retry finds the same bundles);
+        a leftover one of the same run is removed first. None on CPU."""
+        import ray
+
+        if self.plan is None:
+            return None
+        stale = self.placement_group()
+        if stale is not None:
+            ray.util.remove_placement_group(stale)
+        from rollflow.infra.placement import create_placement_group
+
+        return create_placement_group(self.plan, name=placement_group_name(self.cfg),
+                                      gpu_resource=self.cfg.resources.gpu_resource)
+
+    def stop_placement(self) -> None:
+        import ray
+
+        if not uses_placement(self.cfg):
+            return
+        pg = self.placement_group()
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+
+    def placement_options(self, role: str, index: int = 0) -> dict[str, Any]:
+        """The `.options()` putting `role`'s actor in its bundle of the run's placement group ({} on CPU)."""
+        if self.plan is None:
+            return {}
+        pg = self.placement_group()
+        if pg is None:
+            return {}
+        from rollflow.infra.placement import actor_options
+
+        return actor_options(self.plan, pg, role, index, gpu_resource=self.cfg.resources.gpu_resource)
+
+    def engine_base_gpu_id(self, index: int = 0) -> int | None:
+        """SGLang `--base-gpu-id` of engine `index` when its physical GPUs are unknown (a custom Ray GPU
+        resource has no device ids): its first bundle's offset, set only when it spans several GPUs."""
+        if self.plan is None or self.cfg.resources.gpus_per_engine <= 1 or self.cfg.debug.train_only:
+            return None
+        return self.plan.actor_bundle(ENGINE, index)
+
+    def engine_gpu_ids(self, index: int = 0) -> list[str] | None:
+        """The physical GPUs (as Ray numbers them on their node) of engine `index`'s bundles, in bundle
+        order; None without a placement group or with a custom GPU resource."""
+        if self.plan is None or self.cfg.debug.train_only:
+            return None
+        pg = self.placement_group()
+        if pg is None:
+            return None
+        from rollflow.infra.placement import bundle_gpus
+
+        located = bundle_gpus(pg, self.plan.engine_bundles[index], gpu_resource=self.cfg.resources.gpu_resource)
+        if located is None:
+            return None
+        nodes = {node for node, _ in located}
+        if len(nodes) > 1:
+            raise RuntimeError(f"engine {index}'s {len(located)} GPUs landed on {len(nodes)} nodes ({sorted(nodes)}): "
+                               "an SGLang engine's tensor parallel group must be on one node; use "
+                               "resources.gpus_per_engine <= GPUs per node")
+        return [gpu for _, gpu in located]
+
+    def _rendezvous(self) -> tuple[str, int]:
+        """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
+        from rollflow.infra.placement import bundle_address
+        from rollflow.tasks.net import free_port, node_ip
+
+        if self.plan is not None:
+            pg = self.placement_group()
+            if pg is not None:
+                return bundle_address(pg, self.plan.actor_bundle(TRAINER, 0))
+        return node_ip(), free_port()
+
+    # -- engines -------------------------------------------------------------------------------------
+    def start_servers(self, weight_version: int) -> list[RemoteServer]:
+        """Start every engine's server actor (in parallel: SGLang startup takes minutes), each in its
+        bundle seeing exactly its GPUs; returns RemoteServers for the rollout worker."""
+        from rollflow.infra.remote_server import RemoteServer
+        from rollflow.tasks.rollout.server_worker import SGLangServerWorker
+
+        cfg = self.cfg
+        servers = []
+        for k in range(cfg.resources.num_engines):
+            gpu_ids = self.engine_gpu_ids(k)
+            options = self.placement_options(ENGINE, k)
+            servers.append(ServerClient(start_actor(
+                cfg.run, server_role(k), SGLangServerWorker, cfg.model.path, cfg.rollout, index=k, gpu_ids=gpu_ids,
+                base_gpu_id=None if gpu_ids else self.engine_base_gpu_id(k), weight_version=weight_version,
+                wait=False, **({"options": options} if options else {}))))
+        try:
+            urls = ServerClient.wait_started(servers)
+        except BaseException:
+            self.stop_servers()
+            raise
+        return [RemoteServer(s.actor, url, name=actor_name(cfg.run, server_role(k)))
+                for k, (s, url) in enumerate(zip(servers, urls))]
+
+    def stop_servers(self) -> None:
+        for k in range(self.cfg.resources.num_engines):
+            stop_actor(self.run, server_role(k))
+
+    def start_engine(self, resume_iteration: int | None, *,
+                     weights: Pending[dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None) -> EngineClient:
+        """The engine on the model's weights, a checkpoint's, or given ones (e.g. `trainer.named_weights()`).
+
+        hf: one rollout worker in engine 0's bundle (the model runs in it). SGLang: one server actor per
+        engine in its bundle(s), and a rollout worker (tokenizer, HTTP, load balancing; no GPU) over them.
+        A restart starts everything again in the same bundles.
+        """
+        from rollflow.tasks.rollout.worker import RolloutWorker
+
+        cfg = self.cfg
+        if weights is None and resume_iteration:
+            weights = _checkpoint_weights(cfg, resume_iteration)
+        extra: dict[str, Any] = {}
+        if launches_servers(cfg):
+            stop_actor(cfg.run, ENGINE)  # its servers are about to be replaced
+            extra["servers"] = self.start_servers(resume_iteration or 0)
+        else:
+            options = self.placement_options(ENGINE)
+            if options:
+                extra["options"] = options
+        named = weights.ref if isinstance(weights, Pending) else weights  # a ref goes trainer -> engine directly
+        return EngineClient(start_actor(cfg.run, ENGINE, RolloutWorker, cfg.model.path, cfg.rollout, cfg.data,
+                                        weights=named, weight_version=resume_iteration or 0, **extra))
+
+    def ensure_engine(self, weight_version: int) -> EngineClient:
+        """The live engine, or a restarted one at `weight_version` (how a task retry heals a dead actor).
+
+        Weights come from the live trainer when there is one (it holds exactly that version), else from
+        the run's checkpoint of that version, else from the model.
+        """
+        engine = self.find_engine()
+        if engine is not None and engine.alive():
+            return engine
+        rank0 = get_actor(self.run, TRAINER)
+        if rank0 is not None:
+            trainer = TrainerClient([rank0])  # weights are rank 0's (every rank holds the same)
+            if trainer.alive():
+                return self.start_engine(weight_version, weights=trainer.named_weights())
+        return self.start_engine(weight_version or None)
+
+    def abort_rollout(self) -> int:
+        """Abort the engine's in-flight requests now (runs beside a rollout in the actor's control group);
+        the rollout returns with those samples aborted. Returns the abort calls sent (0: no engine)."""
+        engine = self.find_engine()
+        return engine.abort() if engine is not None else 0
+
+    # -- trainer -------------------------------------------------------------------------------------
+    def start_trainer(self, resume_iteration: int | None) -> TrainerClient:
+        """Start every trainer rank (each in its bundle when placed).
+
+        Several ranks (resources.trainer_gpus > 1): a data-parallel torch trainer; all ranks are started
+        together because their constructors rendezvous (tasks/train/data_parallel.py).
+        """
+        from rollflow.tasks.train.data_parallel import DataParallel
+        from rollflow.tasks.train.worker import TrainWorker
+
+        cfg = self.cfg
+        world = trainer_world_size(cfg)
+        dps: list[DataParallel | None] = [None]
+        if world > 1:
+            address, port = self._rendezvous()
+            backend = "nccl" if cfg.train.device.startswith("cuda") else "gloo"
+            dps = [DataParallel(rank=r, world_size=world, master_addr=address, master_port=port, backend=backend)
+                   for r in range(world)]
+        ranks = []
+        for rank, dp in enumerate(dps):
+            options = self.placement_options(TRAINER, rank)
+            extra: dict[str, Any] = {"options": options} if options else {}
+            if dp is not None:
+                extra["dp"] = dp
+            ranks.append(start_actor(cfg.run, trainer_role(rank), TrainWorker, cfg.model.path, cfg.train, cfg.algo,
+                                     store_root=cfg.store.root, run=cfg.run, temperature=cfg.rollout.temperature or 1.0,
+                                     resume_iteration=resume_iteration or None, wait=False, **extra))
+        trainer = TrainerClient(ranks)
+        try:
+            trainer.wait_started()  # constructor errors (and the rendezvous) surface here
+        except BaseException:
+            self.stop_trainers()
+            raise
+        return trainer
+
+    def stop_trainers(self) -> None:
+        for rank in range(max(1, self.cfg.resources.trainer_gpus)):
+            stop_actor(self.run, trainer_role(rank))
+
+    # -- all -----------------------------------------------------------------------------------------
+    def stop_all(self) -> None:
+        """Stop the run's actors, then release its placement group (if it has one)."""
+        stop_actor(self.run, ENGINE)
+        self.stop_trainers()
+        self.stop_servers()
+        self.stop_placement()
+
+    def any_running(self) -> bool:
+        """Whether the engine or trainer (rank 0) is still registered (a kill frees the name shortly after)."""
+        return any(get_actor(self.run, role) is not None for role in (ENGINE, TRAINER))
 
 
 def _checkpoint_weights(cfg: RunConfig, iteration: int):
@@ -277,25 +332,3 @@ def _checkpoint_weights(cfg: RunConfig, iteration: int):
 
     payload = load_checkpoint(cfg.store.root, cfg.run, iteration)
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)["model"]
-
-
-def require(cfg: RunConfig, role: str) -> Handle:
-    handle = get_actor(cfg.run, role)
-    if handle is None:
-        raise RuntimeError(f"no {role} actor for run {cfg.run!r}: start the run's workers first (rl_train does)")
-    return handle
-
-
-def stop_all(cfg: RunConfig) -> None:
-    """Stop the run's actors, then release its placement group (if it has one)."""
-    stop_actor(cfg.run, ENGINE)
-    stop_trainers(cfg)
-    stop_servers(cfg)
-    stop_placement(cfg)
-
-
-def abort_rollout(cfg: RunConfig) -> int:
-    """Abort the engine's in-flight requests now (runs beside a rollout in the actor's control group);
-    the rollout returns with those samples aborted. Returns the abort calls sent (0: no engine)."""
-    handle = get_actor(cfg.run, ENGINE)
-    return int(handle.control("abort")) if handle is not None else 0

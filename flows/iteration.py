@@ -17,7 +17,7 @@ from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
 from rollflow.flows.exports import dump_uri, side_exports
-from rollflow.flows.group import ENGINE, TRAINER, call_all_ranks, ensure_engine, require, trainer_world_size
+from rollflow.flows.group import WorkerGroup
 from rollflow.flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
 from rollflow.tasks.rollout.dataset import data_state
 from rollflow.tasks.rollout.evaluation import eval_summary
@@ -27,19 +27,12 @@ from rollflow.tasks.sync.parity import compare, compare_prefixes
 PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export whole tensors
 
 
-def on_trainer(cfg: RunConfig, method: str, *args, **kwargs):
-    """`method` on the trainer: on every data-parallel rank at once when there are several."""
-    if trainer_world_size(cfg) > 1:
-        return call_all_ranks(cfg, method, *args, **kwargs)
-    return require(cfg, TRAINER).call(method, *args, **kwargs)
-
-
 @task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
                   weight_version: int | None = None) -> list[Sample]:
     """On a retry after the engine died, `ensure_engine` restarts it at the expected weights."""
     version = rollout_id if weight_version is None else weight_version
-    return ensure_engine(cfg, version).call("rollout", rollout_id, split, greedy=greedy)
+    return WorkerGroup.for_run(cfg).ensure_engine(version).rollout(rollout_id, split, greedy=greedy)
 
 
 @task(name="reward", cache_policy=NO_CACHE)
@@ -56,8 +49,8 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
     if store.exists(cfg.run, split, rollout_id):
         # A retry after a commit whose acknowledgement was lost: the committed artifact stands.
         return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
-    engine = require(cfg, ENGINE).call("describe")
-    info = EngineInfo(backend=engine["backend"], model=engine["model"], weight_version=int(engine["weight_version"]))
+    engine = WorkerGroup.for_run(cfg).engine().describe()
+    info = EngineInfo(backend=engine.backend, model=engine.model, weight_version=engine.weight_version)
     n = cfg.data.eval_n_samples if split == "eval" else cfg.rollout.n_samples_per_prompt
     ref = store.write(cfg.run, split, rollout_id, samples, n_samples_per_prompt=n, engine=info,
                       config_hash=cfg.config_hash())
@@ -68,21 +61,22 @@ def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: 
       retry_delay_seconds=STORAGE_RETRY_DELAYS, retry_condition_fn=retry_if_transient)
 def load_task(cfg: RunConfig, ref: dict) -> int:
     """The trainer loads (and checksums) the artifact; transient storage failures retry here."""
-    return on_trainer(cfg, "load_artifact", ref)
+    return WorkerGroup.for_run(cfg).trainer().load_artifact(ref)
 
 
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
     """No retries: a failure after the optimizer stepped must not step it twice (load_task retries)."""
     # every data-parallel rank trains on its share of the same artifact (rank 0's metrics are global)
-    return on_trainer(cfg, "train_on_artifact", ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
+    return WorkerGroup.for_run(cfg).trainer().train_on_artifact(ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_permanent)
 def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
     # The data source's cursor goes into meta.json: a resume checks it continues at the same sample.
-    return require(cfg, TRAINER).call("save_checkpoint", iteration, extra={"data": data_state(cfg.data, iteration)})
+    trainer = WorkerGroup.for_run(cfg).trainer()
+    return trainer.save_checkpoint(iteration, extra={"data": data_state(cfg.data, iteration)})
 
 
 def offloads(cfg: RunConfig) -> bool:
@@ -93,13 +87,13 @@ def offloads(cfg: RunConfig) -> bool:
 @task(name="release-engine-memory", cache_policy=NO_CACHE)
 def release_memory_task(cfg: RunConfig) -> None:
     """Colocation, before training: the engine frees its weights and KV cache."""
-    require(cfg, ENGINE).call("release_memory")
+    WorkerGroup.for_run(cfg).engine().release_memory()
 
 
 @task(name="resume-engine-memory", cache_policy=NO_CACHE)
 def resume_memory_task(cfg: RunConfig, tags: list[str]) -> None:
     """Colocation, around the sync: weights back before the update, KV cache after it."""
-    require(cfg, ENGINE).call("resume_memory", tags)
+    WorkerGroup.for_run(cfg).engine().resume_memory(tags)
 
 
 @task(name="sync", cache_policy=NO_CACHE)
@@ -107,7 +101,8 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     """Trainer weights -> engine by the engine's path (flows/weight_sync.py), then parity checked."""
     from rollflow.flows.weight_sync import push_weights
 
-    trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
+    group = WorkerGroup.for_run(cfg)
+    trainer, engine = group.trainer(), group.engine()
     pushed = push_weights(cfg, trainer, engine, weight_version)
     # The engine may hold another dtype (e.g. bf16): compare what it should hold, bit for bit.
     cast = cfg.rollout.dtype if cfg.rollout.dtype != cfg.train.dtype else None
@@ -117,18 +112,18 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
         # that disagrees with the first shows up as a mismatch), every server's weight_version, and the
         # servers' whole-tensor checksums with each other; debug.check_weight_update_equal adds the
         # whole-tensor trainer-vs-engine check at startup.
-        trainer_heads = trainer.call("weight_prefixes", PARITY_PREFIX, cast)
-        engine_heads = engine.call("weight_prefixes", sorted(trainer_heads), PARITY_PREFIX)
+        trainer_heads = trainer.weight_prefixes(PARITY_PREFIX, cast)
+        engine_heads = engine.weight_prefixes(sorted(trainer_heads), PARITY_PREFIX)
         if engine_heads is None:
             notes.append("the served model has no /get_weights_by_name: tensor heads not compared")
             report = compare_prefixes({}, {})
         else:
             report = compare_prefixes(trainer_heads, engine_heads)
-        checks = engine.call("engine_checks", pushed.weight_version)
-        report.mismatched.extend(checks["mismatched"])
-        notes += checks["notes"]
+        checks = engine.engine_checks(pushed.weight_version)
+        report.mismatched.extend(checks.mismatched)
+        notes += checks.notes
     else:
-        report = compare(trainer.call("weight_checksums", cast), engine.call("weight_checksums"))
+        report = compare(trainer.weight_checksums(cast), engine.weight_checksums())
     if not report.ok:
         raise RuntimeError(report.summary())
     if notes:
@@ -147,14 +142,15 @@ def check_weight_update_task(cfg: RunConfig, weight_version: int) -> dict:
     every tensor must come back bit for bit. Fails the run before its first step otherwise."""
     from rollflow.flows.weight_sync import push_weights
 
-    trainer, engine = require(cfg, TRAINER), require(cfg, ENGINE)
-    engine.call("prepare_overwrite_check")
+    group = WorkerGroup.for_run(cfg)
+    trainer, engine = group.trainer(), group.engine()
+    engine.prepare_overwrite_check()
     push_weights(cfg, trainer, engine, weight_version)  # a re-sync of the version the engine holds
-    result = engine.call("finish_overwrite_check")
-    if not result["ok"]:
+    result = engine.finish_overwrite_check()
+    if not result.ok:
         raise RuntimeError(f"weight update check FAILED (the engine now holds random values for those tensors): "
-                           f"{result['summary']}")
-    return result
+                           f"{result.summary}")
+    return result.to_dict()
 
 
 def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
@@ -176,7 +172,8 @@ def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = N
     ref = committed_or_generate(cfg, rollout_id, "eval", greedy=True, weight_version=weight_version)
     samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
     ev = cfg.data.eval  # pass@k only with an eval section (its own n samples per prompt)
-    return eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0)
+    return eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
+                        reward_key=cfg.rollout.reward_key_for("eval"))
 
 
 @flow(name="rl_iteration")

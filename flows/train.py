@@ -6,10 +6,10 @@ from prefect import flow, get_run_logger
 
 from rollflow.artifacts.store import RolloutStore
 from rollflow.flows import reporting
+from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
 from rollflow.flows.config import RunConfig
-from rollflow.flows.group import connect_ray, start_engine, start_placement, start_trainer, stop_all
+from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
-from rollflow.tasks.train.checkpoint import latest_checkpoint
 
 
 class RunExistsError(RuntimeError):
@@ -17,20 +17,36 @@ class RunExistsError(RuntimeError):
 
 
 def resume_point(cfg: RunConfig) -> int:
-    """Iterations already done: the last committed checkpoint (0 for a fresh run)."""
+    """Iterations already done: the last committed checkpoint whose marker verifies (or `resume_from`; 0 when
+    fresh). Checkpoints skipped on the way (no or unreadable marker) are logged, naming the one used."""
+    from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_status
+
     store = RolloutStore(cfg.store.root)
     # Unreachable endpoint, bad credentials, missing bucket: one clear error before any actor starts.
     store.check_access()
-    last = latest_checkpoint(cfg.store.root, cfg.run)
+    committed, skipped = checkpoint_status(cfg.store.root, cfg.run)
+    last = committed[-1] if committed else None
     if not cfg.resume and (last is not None or store.list_ids(cfg.run, "train")):
         raise RunExistsError(
             f"run {cfg.run!r} already has artifacts under {cfg.store.root}: set resume=true to continue it, "
             "or choose another run name"
         )
+    if cfg.resume_from is not None:
+        if cfg.resume_from != 0 and cfg.resume_from not in committed:
+            why = f" ({skipped[cfg.resume_from]})" if cfg.resume_from in skipped else ""
+            raise CheckpointError(f"resume_from={cfg.resume_from}: run {cfg.run!r} has no committed checkpoint "
+                                  f"{cfg.resume_from}{why}; committed: {committed or 'none'}")
+        last = cfg.resume_from or None
+    newer_skipped = {i: why for i, why in skipped.items() if last is None or i > last}
+    if newer_skipped:
+        used = f"checkpoint {last}" if last is not None else "no checkpoint (a fresh start)"
+        notes = "; ".join(f"{i}: {why}" for i, why in newer_skipped.items())
+        get_run_logger().warning(f"run {cfg.run!r}: skipped uncommitted checkpoint(s) {notes}; resuming from {used}")
     return last or 0
 
 
-@flow(name="rl_train")
+# The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
+@flow(name="rl_train", on_failure=[stop_actors_hook], on_crashed=[stop_actors_hook])
 def rl_train(cfg: RunConfig) -> dict:
     if cfg.debug.rollout_only or cfg.debug.train_only:
         raise ValueError(
@@ -50,10 +66,13 @@ def rl_train(cfg: RunConfig) -> dict:
     # Detached actors: they outlive any task that restarts them and are stopped at the end of the run.
     # With GPUs (resources.num_gpus > 0) the run's placement group is reserved once, here; the actors
     # (and any restart of them) go into its bundles, and stop_all releases it.
-    start_placement(cfg)
+    group = WorkerGroup.for_run(cfg)
+    # UI cancel (Cancelling) of a run no runner watches (a CLI call): stop the actors, end Cancelled.
+    watcher = CancellationWatcher(current_flow_run_id(), group.stop_all).start()
     try:
-        start_trainer(cfg, start)
-        start_engine(cfg, start)
+        group.start_placement()
+        group.start_trainer(start)
+        group.start_engine(start)
         if cfg.debug.check_weight_update_equal and cfg.rollout.engine == "sglang":
             reporting.stage("check weight update")
             check_weight_update_task(cfg, start)
@@ -67,8 +86,13 @@ def rl_train(cfg: RunConfig) -> dict:
             rows[-1]["eval/final_accuracy"] = final["eval/accuracy"]
             rows[-1].update({k.replace("eval/", "eval/final_"): v for k, v in final.items() if "pass@" in k})
             reporting.write_metrics(cfg, rows)
+    except BaseException:
+        if watcher.cancelled:
+            return watcher.cancelled_state()
+        raise
     finally:
-        stop_all(cfg)
+        watcher.stop()
+        group.stop_all()
     rows = reporting.read_metrics(cfg)
     reporting.plot_rewards(cfg, rows)
     return summarize(cfg, rows, start)

@@ -1,4 +1,4 @@
-"""Trainer -> engine weight sync, by the engine's path (plain functions over the two actor handles;
+"""Trainer -> engine weight sync, by the engine's path (plain functions over the two actors' clients;
 `flows/iteration.py:sync_task` calls `push_weights`).
 
 - object_store (hf engine) and disk (SGLang `/update_weights_from_disk`): the engine actor takes the
@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 from rollflow.flows.config import RunConfig
-from rollflow.infra.workers import Handle
+from rollflow.infra.clients import EngineClient, TrainerClient, WeightSyncMode
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncResult:
-    mode: str
+    mode: WeightSyncMode
     weight_version: int
     buckets: int = 0
     nbytes: int = 0
@@ -43,51 +43,49 @@ def bucket_bytes(cfg: RunConfig) -> int:
     return cfg.rollout.sglang.bucket_mb * 2**20
 
 
-def push_weights(cfg: RunConfig, trainer: Handle, engine: Handle, weight_version: int) -> SyncResult:
-    mode = engine.call("weight_sync_mode")
+def push_weights(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
+    mode = engine.weight_sync_mode()
     if mode == "tensor":
         return push_ipc(cfg, trainer, engine, weight_version)
     if mode == "distributed":
         return push_distributed(cfg, trainer, engine, weight_version)
-    version = engine.call("update_weights", trainer.submit("named_weights"), weight_version)
+    version = engine.update_weights(trainer.named_weights(), weight_version)
     return SyncResult(mode, version)
 
 
-def push_ipc(cfg: RunConfig, trainer: Handle, engine: Handle, weight_version: int) -> SyncResult:
+def push_ipc(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
     """Bucket by bucket: the trainer serializes (and holds) a bucket, the engine loads it, next one.
     On GPUs the tensors go to the trainer's own device first, so they travel as IPC handles."""
-    copies = engine.call("payloads_per_bucket")
-    n = trainer.call("ipc_begin", bucket_bytes(cfg), copies, engine_dtype(cfg))
+    copies = engine.payloads_per_bucket()
+    n = trainer.ipc_begin(bucket_bytes(cfg), copies, engine_dtype(cfg))
     version, nbytes = weight_version - 1, 0
     try:
         for i in range(n):
-            bucket = trainer.call("ipc_next")
-            nbytes += bucket["nbytes"]
-            version = engine.call("apply_serialized_bucket", bucket["payloads"], i == n - 1, weight_version)
+            bucket = trainer.ipc_next()
+            nbytes += bucket.nbytes
+            version = engine.apply_serialized_bucket(bucket.payloads, i == n - 1, weight_version)
     finally:
-        trainer.call("ipc_end")
+        trainer.ipc_end()
     return SyncResult("tensor", version, n, nbytes)
 
 
-def push_distributed(cfg: RunConfig, trainer: Handle, engine: Handle, weight_version: int) -> SyncResult:
+def push_distributed(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
     """SGLang's order: init group (engines and trainer concurrently) once; per bucket, the engines'
     /update_weights_from_distributed runs while the trainer broadcasts the same tensors in order."""
-    import ray
-
     name, backend = group_name(cfg), cfg.rollout.sglang.weight_sync_backend
     joined = False
-    if not engine.call("in_weight_group", name):
+    if not engine.in_weight_group(name):
         # A fresh or restarted engine: the trainer (rank 0) and every engine rank meet again.
-        address, port = trainer.call("weight_group_address")
-        world = engine.call("weight_group_world_size")
-        pending = engine.submit("join_weight_group", address, port, name, backend)
-        trainer.call("join_weight_group", address, port, world, name, backend)
-        ray.get(pending)
+        address, port = trainer.weight_group_address()
+        world = engine.weight_group_world_size()
+        joining = engine.join_weight_group(address, port, name, backend)
+        trainer.join_weight_group(address, port, world, name, backend)
+        joining.result()
         joined = True
-    plan = trainer.call("weight_bucket_plan", bucket_bytes(cfg), engine_dtype(cfg))
+    plan = trainer.weight_bucket_plan(bucket_bytes(cfg), engine_dtype(cfg))
     version, nbytes = weight_version - 1, 0
     for i, metas in enumerate(plan):
-        pending = engine.submit("receive_weight_bucket", metas, i == len(plan) - 1, weight_version, name)
-        nbytes += trainer.call("broadcast_weight_bucket", i, "cuda" if backend == "nccl" else None)
-        version = ray.get(pending)
+        receiving = engine.receive_weight_bucket(metas, i == len(plan) - 1, weight_version, name)
+        nbytes += trainer.broadcast_weight_bucket(i, "cuda" if backend == "nccl" else None)
+        version = receiving.result()
     return SyncResult("distributed", version, len(plan), nbytes, joined)

@@ -21,14 +21,14 @@ class RemoteServer:
     name: str = ""
     timeout_s: float = 60.0
 
-    def _get(self, method: str, *args):
+    def _get(self, ref):
         import ray
 
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+        return ray.get(ref, timeout=self.timeout_s)
 
     def poll(self) -> int | None:
         try:
-            return self._get("poll")
+            return self._get(self.actor.poll.remote())
         except Exception:  # noqa: BLE001 - an unreachable actor is a dead server
             return ACTOR_GONE
 
@@ -41,7 +41,7 @@ class RemoteServer:
         from rollflow.tasks.rollout.sglang_server import EngineDiedError
 
         try:
-            self._get("check_alive", during)
+            self._get(self.actor.check_alive.remote(during))
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, EngineDiedError):
@@ -53,12 +53,12 @@ class RemoteServer:
 
     def log_tail(self, n: int | None = None) -> list[str]:
         try:
-            return self._get("log_tail", n)
+            return self._get(self.actor.log_tail.remote(n))
         except Exception:  # noqa: BLE001
             return []
 
     def stop(self, timeout: float = 30.0) -> int | None:
         try:
-            return self._get("stop", timeout)
+            return self._get(self.actor.stop.remote(timeout))
         except Exception:  # noqa: BLE001 - already gone
             return ACTOR_GONE

@@ -1,12 +1,12 @@
 """The run's worker group: engine and trainer as long-lived, named Ray actors.
 
-Prefect tasks stay thin and stateless: they look the actors up by run name and call methods,
-passing artifact references, never tensors (weights go actor -> actor through the object store).
+Prefect tasks stay thin and stateless: they look the actors up by run name and call their operations
+through the typed clients of `rollflow.infra.clients`, passing artifact references, never tensors
+(weights go actor -> actor through the object store). This module starts, finds and stops actors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -38,56 +38,30 @@ def actor_name(run: str, role: str) -> str:
     return f"{run}:{role}"
 
 
-@dataclasses.dataclass
-class Handle:
-    """A Ray actor, called synchronously; `submit` returns an ObjectRef another actor can take."""
-
-    actor: Any
-
-    def call(self, method: str, *args, **kwargs):
-        import ray
-
-        return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
-
-    def submit(self, method: str, *args, **kwargs):
-        return getattr(self.actor, method).remote(*args, **kwargs)
-
-    def control(self, method: str, *args, timeout: float | None = 60.0, **kwargs):
-        """Call `method` in the actor's control group: it runs even while the default group is busy."""
-        import ray
-
-        ref = getattr(self.actor, method).options(concurrency_group=CONTROL).remote(*args, **kwargs)
-        return ray.get(ref, timeout=timeout)
-
-    def alive(self) -> bool:
-        try:
-            return bool(self.control("ping"))
-        except Exception:  # noqa: BLE001 - any failure means "not usable"
-            return False
-
-
-def get_actor(run: str, role: str) -> Handle | None:
+def get_actor(run: str, role: str) -> Any | None:
+    """The Ray actor handle of `role` in `run`, or None when there is none."""
     import ray
 
     try:
-        return Handle(ray.get_actor(actor_name(run, role), namespace=NAMESPACE))
+        return ray.get_actor(actor_name(run, role), namespace=NAMESPACE)
     except ValueError:
         return None
 
 
 def start_actor(run_name: str, role: str, cls: type, *args, options: dict[str, Any] | None = None,
-                wait: bool = True, **kwargs) -> Handle:
+                wait: bool = True, **kwargs) -> Any:
     """Start the named actor of `role` for `run`, replacing a leftover one (a fresh start is a restart).
 
     `options`: extra Ray `.options(...)` (a placement group bundle and its GPU share, from
     `rollflow.infra.placement.actor_options`); they override the defaults below. `wait=False` returns before
-    the constructor has run (start several, then `ray.get` their pings).
+    the constructor has run (start several, then wait for them together: the clients' `wait_started`).
+    Returns the Ray actor handle (wrap it in its client, `rollflow.infra.clients`).
     """
     import ray
 
     stale = get_actor(run_name, role)
     if stale is not None:
-        ray.kill(stale.actor, no_restart=True)
+        ray.kill(stale, no_restart=True)
     remote_cls = ray.remote(concurrency_groups={CONTROL: CONTROL_THREADS})(cls).options(
         name=actor_name(run_name, role), namespace=NAMESPACE,
         # Detached: the actor outlives the task that (re)started it; flows stop it explicitly.
@@ -96,15 +70,36 @@ def start_actor(run_name: str, role: str, cls: type, *args, options: dict[str, A
         # fixed inside the worker instead.
         **({"num_cpus": 0, "max_concurrency": 1} | dict(options or {})),
     )
-    handle = Handle(remote_cls.remote(*args, **kwargs))
+    actor = remote_cls.remote(*args, **kwargs)
+    _STARTED.add(actor_name(run_name, role))
     if wait:
-        handle.call("ping")  # surface constructor errors here, with their traceback
-    return handle
+        ray.get(actor.ping.remote())  # surface constructor errors here, with their traceback
+    return actor
+
+
+# Actors this process started and has not stopped: one of them missing later means it died.
+_STARTED: set[str] = set()
+
+
+class WorkerDied(RuntimeError):
+    """An actor this process started is gone: its worker process exited (crash, OOM kill, node lost)."""
+
+
+def missing_actor_error(run: str, role: str) -> RuntimeError:
+    """The error for an actor that is not running: `WorkerDied` when this process started it, else 'start it'."""
+    if actor_name(run, role) in _STARTED:
+        return WorkerDied(
+            f"the {role} actor of run {run!r} died during the run (its Ray worker process exited: a crash, an "
+            "out-of-memory kill or a lost node; its log is under the Ray session's logs, e.g. "
+            "/tmp/ray/session_latest/logs); committed rollouts and checkpoints are kept: run the same command "
+            "again to resume")
+    return RuntimeError(f"no {role} actor for run {run!r}: start the run's workers first (rl_train does)")
 
 
 def stop_actor(run: str, role: str) -> None:
     import ray
 
-    handle = get_actor(run, role)
-    if handle is not None:
-        ray.kill(handle.actor, no_restart=True)
+    _STARTED.discard(actor_name(run, role))
+    actor = get_actor(run, role)
+    if actor is not None:
+        ray.kill(actor, no_restart=True)

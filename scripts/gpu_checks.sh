@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
-# All GPU checks of the megatron backend in one call on the H200 (the `run` device tool), e.g.
-#   run(command="bash scripts/gpu_checks.sh", carry=[".whl"], timeout_s=600)
-# .whl holds megatron-core 0.19.2 + pydantic (and its deps) for Python 3.12: docs/megatron.md says how to
-# fetch them. Writes JSON + logs under $OUT (default ./gpu-out). Knobs (env): GPU_CHECKS_ARGS, SKIP_PYTEST=1,
+# All GPU checks of the megatron backend in one command on any CUDA machine, from the checkout's root:
+#   bash scripts/gpu_checks.sh
+# rollflow need not be installed there: the checkout is mapped to rollflow.* by scripts/use_checkout.sh,
+# and wheels in ./.whl (megatron-core 0.19.2 + pydantic and its deps for that box's Python; docs/megatron.md
+# says how to download them) are installed next to it. With megatron-core already installed, no .whl is needed. Writes JSON + logs under $OUT (default ./gpu-out). Knobs (env): GPU_CHECKS_ARGS, SKIP_PYTEST=1,
 # THROUGHPUT_ARGS, *_TIMEOUT.
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/use_checkout.sh" || exit 1
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'transformers', \

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import socket
+import sys
 
 
 def node_ip() -> str:
-    """This node's IP as Ray knows it (inside an actor), else the host name's address."""
-    try:
-        import ray
+    """This node's IP as Ray knows it (inside an actor), else the host name's address.
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
+    tasks/ never imports Ray: a process where Ray is initialized (an actor, or the driver) has it
+    loaded already, and only then is Ray asked."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
     return socket.gethostbyname(socket.gethostname())
 
 

@@ -342,7 +342,7 @@ class FakeSGLang:
         entry = {"payload": payload, "pg": None}
         if payload.get("backend") == "gloo":  # CPU: really join, as rank rank_offset (tp rank 0)
             sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-            from rollflow.tasks.rollout.sglang_engine import init_weight_group
+            from rollflow.tasks.sync.weight_group import init_weight_group
 
             entry["pg"] = init_weight_group(payload["master_address"], payload["master_port"],
                                             rank=payload["rank_offset"], world_size=payload["world_size"],

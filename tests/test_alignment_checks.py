@@ -8,11 +8,11 @@ import json
 import pytest
 
 from rollflow.artifacts.sample import Sample
-from rollflow.tasks.alignment import CHECK_NAMES, alignment_workers, run_alignment, run_alignment_local
+from rollflow.tasks.debug.alignment import CHECK_NAMES, alignment_workers, run_alignment, run_alignment_local
 from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds, CheckResult, worst
-from rollflow.tasks.faults import AlignmentFaults
+from rollflow.tasks.debug.faults import AlignmentFaults
 from rollflow.tasks.model.tokenizer import CharTokenizer
-from rollflow.tasks.rollout.coherence import printable_units, repetition_fraction
+from rollflow.tasks.debug.coherence import printable_units, repetition_fraction
 from tests.conftest import small_config
 
 

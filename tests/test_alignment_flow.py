@@ -93,13 +93,14 @@ def test_prefect_yaml_declares_the_nightly_deployment():
     from prefect.flows import load_flow_from_entrypoint
 
     project = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
-    (dep,) = [d for d in project["deployments"] if d["name"] == "nightly-alignment"]
+    (dep,) = [d for d in project["deployments"] if d["name"] == "nightly-alignment-pool"]
     assert dep["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
     flow = load_flow_from_entrypoint(dep["entrypoint"])  # a module path of the installed package
     assert flow.name == "alignment_check"
-    from rollflow.flows.config import RunConfig
+    from rollflow.flows.deployments import AlignmentParams, to_run_config
 
-    RunConfig.model_validate(dep["parameters"]["cfg"])  # the default parameters are a valid config
+    # the default parameters are a valid config
+    assert to_run_config(AlignmentParams.model_validate(dep["parameters"]["params"])).run == "nightly"
 
 
 def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):

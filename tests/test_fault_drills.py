@@ -220,9 +220,10 @@ def stoppable_s3(s3_endpoint, monkeypatch):
 
 
 class _StubEngine:
-    def call(self, method, *args, **kwargs):
-        assert method == "describe"
-        return {"backend": "hf", "model": "tiny", "weight_version": "0"}
+    def describe(self):
+        from rollflow.infra.clients import EngineDescription
+
+        return EngineDescription(backend="hf", model="tiny", weight_version=0)
 
 
 def _persist_flow():
@@ -262,7 +263,7 @@ def test_drill3_persist_retries_then_fails_clearly_and_rerun_completes(stoppable
     import rollflow.flows.iteration as iteration
 
     assert iteration.persist_task.retries >= 3 and iteration.persist_task.retry_delay_seconds == [1, 2, 4]
-    monkeypatch.setattr(iteration, "require", lambda cfg, role: _StubEngine())
+    monkeypatch.setattr(iteration.WorkerGroup, "engine", lambda group: _StubEngine())
     attempts: list[int] = []
     original_exists = RolloutStore.exists
     monkeypatch.setattr(RolloutStore, "exists", lambda self, *a: attempts.append(1) or original_exists(self, *a))
@@ -298,7 +299,7 @@ def test_drill3_endpoint_lost_between_payload_and_manifest(stoppable_s3, prefect
     """The endpoint dies after the payload PUT, before the manifest PUT, and comes back in time."""
     import rollflow.flows.iteration as iteration
 
-    monkeypatch.setattr(iteration, "require", lambda cfg, role: _StubEngine())
+    monkeypatch.setattr(iteration.WorkerGroup, "engine", lambda group: _StubEngine())
     original_commit = RolloutStore._commit_manifest
     commits: list[bool] = []
     seen_half: list[list[int]] = []
@@ -335,15 +336,17 @@ def test_drill3_trainer_load_retries_but_a_train_step_never_does(prefect_api, mo
     down = StorageUnavailable("cannot reach bucket 'b' at http://e", uri="s3://b/k", endpoint="http://e", bucket="b")
 
     class FlakyTrainer:
-        def call(self, method, *args, **kwargs):
-            calls.append(method)
-            if method == "load_artifact" and calls.count("load_artifact") == 1:
+        def load_artifact(self, ref):
+            calls.append("load_artifact")
+            if calls.count("load_artifact") == 1:
                 raise down
-            if method == "train_on_artifact":
-                raise down  # e.g. the dump write after the optimizer step
             return 128
 
-    monkeypatch.setattr(iteration, "require", lambda cfg, role: FlakyTrainer())
+        def train_on_artifact(self, ref, *, dump_uri=None):
+            calls.append("train_on_artifact")
+            raise down  # e.g. the dump write after the optimizer step
+
+    monkeypatch.setattr(iteration.WorkerGroup, "trainer", lambda group: FlakyTrainer())
     fast_load = iteration.load_task.with_options(retry_delay_seconds=0.1)
 
     @flow(name="drill-load-train")

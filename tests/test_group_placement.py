@@ -41,8 +41,7 @@ def _starts(run: str) -> list[dict[str, str]]:
 def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_path, ray_local, monkeypatch):
     import ray
 
-    from rollflow.flows.group import (ENGINE, _lookup_placement_group, ensure_engine, start_engine, start_placement,
-                             start_trainer, stop_all)
+    from rollflow.flows.group import ENGINE, WorkerGroup
     from rollflow.infra.workers import stop_actor
     from tests.drill_workers import calls_file
 
@@ -51,11 +50,13 @@ def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_p
     # disaggregated: trainer 1 + engines 1 x 2 = 3 bundles (budget 4): trainer on 0, engine on 1 (+2 for its TP)
     cfg = small_config(tmp_path, run=run, resources={"num_gpus": 4, "trainer_gpus": 1, "num_engines": 1,
                                                      "gpus_per_engine": 2, "gpu_resource": FAKE})
-    pg = start_placement(cfg)
+    group = WorkerGroup.for_run(cfg)
+    assert group.plan is not None and group.plan.needed == 3  # computed once, held by the group
+    pg = group.start_placement()
     try:
         assert pg is not None and ray.util.placement_group_table(pg)["bundles"] == {i: {FAKE: 1.0} for i in range(3)}
-        start_trainer(cfg, None)
-        start_engine(cfg, None)
+        group.start_trainer(None)
+        group.start_engine(None)
         expected = {0: 1.0, 1: 1.0, 2: 0.0}
         assert _wait_use(pg, expected) == expected
         starts = _starts(run)
@@ -67,29 +68,32 @@ def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_p
         # A task retry after the engine died restarts it in the same bundle.
         stop_actor(run, ENGINE)
         assert _wait_use(pg, {0: 1.0, 1: 0.0, 2: 0.0}) == {0: 1.0, 1: 0.0, 2: 0.0}
-        ensure_engine(cfg, 0)
+        group.ensure_engine(0)
         assert _wait_use(pg, expected) == expected
         restarted = _starts(run)[-1]
         assert restarted["role"] == "engine" and restarted["pg"] == pg.id.hex() and restarted["pid"] != starts[1]["pid"]
     finally:
-        stop_all(cfg)
+        group.stop_all()
         calls_file(run).unlink(missing_ok=True)
-    assert _lookup_placement_group(cfg) is None  # released with the actors
+    assert group.placement_group() is None  # released with the actors
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
 
 
 def test_cpu_default_has_no_placement_group(tmp_path):
-    from rollflow.flows.group import engine_base_gpu_id, placement_options, start_placement, uses_placement
+    from rollflow.flows.group import WorkerGroup, uses_placement
 
     cfg = small_config(tmp_path)
     assert not uses_placement(cfg)
     # nothing touches Ray on CPU: these answer without a cluster
-    assert start_placement(cfg) is None and placement_options(cfg, "engine") == {} and engine_base_gpu_id(cfg) is None
+    group = WorkerGroup.for_run(cfg)
+    assert group.plan is None
+    assert group.start_placement() is None and group.placement_options("engine") == {}
+    assert group.engine_base_gpu_id() is None and group.engine_gpu_ids() is None
 
 
 @pytest.mark.parametrize("fake_gpus", [False, True], ids=["cpu", "fake-gpus"])
 def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, monkeypatch):
-    from rollflow.flows.group import _lookup_placement_group
+    from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
     from tests.drill_workers import calls_file
@@ -113,7 +117,7 @@ def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, 
         # trainer and engine share the one bundle of the run's placement group
         assert [s["role"] for s in starts] == ["trainer", "engine"] and len({s["pg"] for s in starts}) == 1
         assert starts[0]["pg"] != "none"
-        assert _lookup_placement_group(cfg) is None  # removed at the end of the flow
+        assert WorkerGroup.for_run(cfg).placement_group() is None  # removed at the end of the flow
     else:
         assert {s["pg"] for s in starts} == {"none"}
     rows = read_metrics(cfg)
@@ -133,10 +137,9 @@ def _starts_from(calls: list[str]) -> list[dict[str, str]]:
 def test_two_data_parallel_trainer_ranks_train_through_the_flow(tmp_path, prefect_api, ray_local):
     """resources.trainer_gpus=2: two trainer actors (one per bundle) train every step together (gloo on
     CPU) and hold identical weights; rank 0 serves the sync, whose parity must hold."""
-    from rollflow.flows.group import start_placement, start_trainer, stop_all, trainer_role
+    from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
-    from rollflow.infra.workers import get_actor
 
     run = f"dp-{uuid.uuid4().hex[:8]}"
     cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 8},
@@ -147,11 +150,13 @@ def test_two_data_parallel_trainer_ranks_train_through_the_flow(tmp_path, prefec
     rows = read_metrics(cfg)
     assert rows[-1]["sync/parity_ok"] == 1.0 and rows[-1]["train/n_samples"] == 32
     # both ranks hold the same weights after the step (checked on a fresh start from the checkpoint)
+    group = WorkerGroup.for_run(cfg)
     try:
-        start_placement(cfg)
-        start_trainer(cfg, 1)
-        sums = [get_actor(run, trainer_role(r)).call("weight_checksums") for r in range(2)]
+        group.start_placement()
+        trainer = group.start_trainer(1)
+        assert trainer.world_size == 2 and group.trainer().world_size == 2
+        sums = [trainer.weight_checksums(rank=r) for r in range(2)]
         assert sums[0] == sums[1]
-        assert get_actor(run, trainer_role(1)).call("describe")["world_size"] == 2
+        assert trainer.describe(rank=1).world_size == 2
     finally:
-        stop_all(cfg)
+        group.stop_all()

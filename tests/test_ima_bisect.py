@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.tasks.rollout.ima import (
+from rollflow.tasks.debug.ima import (
     COREDUMP,
     CRASH,
     ERROR,
@@ -260,7 +260,7 @@ def test_launch_blocking_log_names_kernel_and_call_site(tmp_path):
 
 
 def test_transformers_refusal_is_not_applicable():
-    from rollflow.tasks.rollout.ima_repro import unsupported_combination
+    from rollflow.tasks.debug.ima_repro import unsupported_combination
 
     def refused(message: str, filename: str):
         code = compile(f"raise ValueError({message!r})", filename, "exec")
@@ -291,7 +291,7 @@ def test_classify():
 
 
 def _fake_python(tmp_path: Path, body: str) -> str:
-    """An executable standing in for `python -m rollflow.tasks.rollout.ima_repro ...` (no torch import: fast)."""
+    """An executable standing in for `python -m rollflow.tasks.debug.ima_repro ...` (no torch import: fast)."""
     script = tmp_path / "fake-python"
     script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -380,7 +380,7 @@ def test_flow_isolates_the_crashing_combination(tmp_path, prefect_api):
                         ("on", "off", "on"): NA, ("on", "on", "on"): NA}
     crash = next(c for c in out["cells"] if c["outcome"] == CRASH)
     assert crash["signal"] == "SIGABRT" and "injected fault abort" in crash["first_error"]
-    assert "tasks/rollout/ima_repro.py:" in crash["user_frame"] and crash["user_frame"].endswith(" in fire")
+    assert "tasks/debug/ima_repro.py:" in crash["user_frame"] and crash["user_frame"].endswith(" in fire")
     # Reruns of the crashing cell: launch blocking, then the core-dump environment.
     assert [(r["pass_name"], r["outcome"], r["env"].get("CUDA_LAUNCH_BLOCKING")) for r in out["reruns"]] == \
         [(LAUNCH_BLOCKING, CRASH, "1"), (COREDUMP, CRASH, None)]

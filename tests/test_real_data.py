@@ -12,12 +12,12 @@ import pytest
 
 from rollflow.tasks.model.source import ModelDirError, check_model_dir, resolve_model_path
 from rollflow.tasks.model.tokenizer import CharTokenizer, load_tokenizer, prompt_token_ids
-from rollflow.tasks.rollout.addition import PromptItem
 from rollflow.tasks.rollout.dataset import (
     DataExhausted, DataResumeMismatch, check_resume, data_state, epoch_order, load_records,
 )
 from rollflow.tasks.rollout.evaluation import eval_summary, pass_at_k
 from rollflow.tasks.rollout.generate import build_requests
+from rollflow.tasks.rollout.prompts import PromptItem
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from tests.hf_fixtures import build_model_dir, build_tokenizer, write_jsonl
 
@@ -269,7 +269,7 @@ def test_retokenize_agreement_tells_language_from_arbitrary_ids():
 
     from rollflow.artifacts.sample import Sample
     from rollflow.tasks.checks import AlignmentThresholds
-    from rollflow.tasks.rollout.coherence import coherence_check, response_stats, retokenize_agreement
+    from rollflow.tasks.debug.coherence import coherence_check, response_stats, retokenize_agreement
     from tests.hf_fixtures import CORPUS, build_bpe_tokenizer
 
     tok = build_bpe_tokenizer()

@@ -89,8 +89,8 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
 def test_coherence_on_a_dataset_task_passes_and_fails_on_shuffled_weights(tmp_path):
     """No answer-format check outside the addition task: coherence stands on printable text,
     repetition and the reference NLL, and still catches a model whose weights are shuffled."""
-    from rollflow.tasks.alignment import run_alignment_local
-    from rollflow.tasks.faults import AlignmentFaults
+    from rollflow.tasks.debug.alignment import run_alignment_local
+    from rollflow.tasks.debug.faults import AlignmentFaults
 
     cfg = dataset_config(tmp_path, run="dsalign", rollout={"n_samples_per_prompt": 4, "reward": "exact_match"})
     good = run_alignment_local(cfg).check("coherence")

@@ -26,7 +26,6 @@ from rollflow.tasks.rollout.sglang_engine import (
     SGLangRequestError,
     finish_reason_of,
     generate_payload,
-    init_weight_group,
     output_from_response,
     sampling_params_payload,
     write_hf_checkpoint,
@@ -49,6 +48,7 @@ from rollflow.tasks.rollout.sglang_server import (
     free_port,
     launch_command,
 )
+from rollflow.tasks.sync.weight_group import init_weight_group
 from tests.fake_sglang_server import ENDPOINTS, FakeSGLang, check_fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -497,7 +497,7 @@ def test_update_from_distributed_gloo_end_to_end(tmp_path):
     group as rank 1 (as SGLang's engine does) and receives the tensors the trainer broadcasts."""
     import torch.distributed as dist
 
-    from rollflow.tasks.rollout.sglang_engine import broadcaster
+    from rollflow.tasks.sync.weight_group import broadcaster
 
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher(), skip_tokenizer_init=False)
     with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
@@ -608,9 +608,8 @@ def test_prefect_retry_restarts_the_engine_actor_after_its_server_died(tmp_path,
     and the rollout completes."""
     from prefect import flow
 
-    from rollflow.flows.group import ENGINE, stop_all
+    from rollflow.flows.group import WorkerGroup
     from rollflow.flows.iteration import generate_task
-    from rollflow.infra.workers import get_actor
     from tests.conftest import small_config
 
     marker = tmp_path / "died-once"
@@ -628,7 +627,7 @@ def test_prefect_retry_restarts_the_engine_actor_after_its_server_died(tmp_path,
         samples = rollout_once()
         assert marker.exists()  # the first server really died mid-rollout
         assert len(samples) == 8 and {s.group_index for s in samples} == {0, 1, 2, 3}
-        handle = get_actor(cfg.run, ENGINE)
-        assert handle.alive() and handle.call("describe")["backend"] == "sglang"
+        engine = WorkerGroup.for_run(cfg).engine()
+        assert engine.alive() and engine.describe().backend == "sglang"
     finally:
-        stop_all(cfg)
+        WorkerGroup.for_run(cfg).stop_all()

@@ -39,88 +39,88 @@ def _sglang_cfg(tmp_path, run: str, *, resources: dict, launcher_args=(), **roll
 def test_two_engines_in_their_bundles_see_exactly_their_gpus_and_share_the_rollout(tmp_path, ray_local):
     import ray
 
-    from rollflow.flows.group import (ENGINE, _lookup_placement_group, server_role, start_engine, start_placement,
-                             stop_all)
+    from rollflow.flows.group import WorkerGroup, server_role
     from rollflow.infra.workers import get_actor
 
     run = f"sg2-{uuid.uuid4().hex[:8]}"
     # rollout only: engines 2 x 2 GPUs = 4 bundles of the Ray GPUs (ids 0-3)
     cfg = _sglang_cfg(tmp_path, run, resources={"num_gpus": 4, "num_engines": 2, "gpus_per_engine": 2})
     assert cfg.rollout.sglang.tp_size == 2  # taken from resources.gpus_per_engine
+    group = WorkerGroup.for_run(cfg)
     try:
-        pg = start_placement(cfg)
+        pg = group.start_placement()
         assert pg is not None
-        engine = start_engine(cfg, None)
-        infos = [get_actor(run, server_role(k)).call("info") for k in range(2)]
-        seen = [_environ(info["pid"])["CUDA_VISIBLE_DEVICES"].split(",") for info in infos]
+        engine = group.start_engine(None)
+        infos = [group.server(k).info() for k in range(2)]
+        seen = [_environ(info.pid)["CUDA_VISIBLE_DEVICES"].split(",") for info in infos]
         # each server process sees exactly its two bundles' GPUs; together all four, none shared
         assert [len(s) for s in seen] == [2, 2] and sorted(seen[0] + seen[1]) == ["0", "1", "2", "3"]
         for info in infos:
-            assert "--tp-size" in info["command"] and info["command"][info["command"].index("--tp-size") + 1] == "2"
-            assert "--base-gpu-id" not in info["command"]  # visible devices start at the engine's first GPU
+            assert "--tp-size" in info.command and info.command[info.command.index("--tp-size") + 1] == "2"
+            assert "--base-gpu-id" not in info.command  # visible devices start at the engine's first GPU
         # the actors sit in the engines' bundles: 0 for engine 0, 2 for engine 1
         table = ray.util.placement_group_table(pg)
         assert len(table["bundles"]) == 4
 
-        samples = engine.call("rollout", 0)
+        samples = engine.rollout(0)
         assert len(samples) == 16
-        generated = [_fake_state(info["url"])["generated"] for info in infos]
+        generated = [_fake_state(info.url)["generated"] for info in infos]
         assert all(g > 0 for g in generated) and sum(generated) == 16, generated  # load balanced over both
-        assert engine.call("describe")["backend"] == "sglang" and get_actor(run, ENGINE).alive()
+        assert engine.describe().backend == "sglang" and group.engine().alive()
     finally:
-        stop_all(cfg)
-    assert _lookup_placement_group(cfg) is None
+        group.stop_all()
+    assert group.placement_group() is None
     assert get_actor(run, server_role(0)) is None and get_actor(run, server_role(1)) is None
 
 
 def test_abort_through_the_actor_while_a_rollout_runs(tmp_path, ray_local):
-    import ray
-
     from rollflow.artifacts.sample import Status
-    from rollflow.flows.group import abort_rollout, start_engine, stop_all
+    from rollflow.flows.group import WorkerGroup
 
     run = f"sgab-{uuid.uuid4().hex[:8]}"
     cfg = _sglang_cfg(tmp_path, run, resources={}, launcher_args=("--step-delay", "0.05"), max_inflight=4)
     cfg.rollout.max_new_tokens = 200  # ~10 s per sample unless aborted
+    group = WorkerGroup.for_run(cfg)
     try:
-        engine = start_engine(cfg, None)
-        pending = engine.submit("rollout", 0)
+        engine = group.start_engine(None)
+        pending = engine.start_rollout(0)
         deadline = time.monotonic() + 30
-        while not engine.control("inflight") and time.monotonic() < deadline:
+        while not engine.inflight() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.control("inflight"), "no request in flight"
+        assert engine.inflight(), "no request in flight"
         t0 = time.monotonic()
-        assert abort_rollout(cfg) >= 1
-        samples = ray.get(pending, timeout=60)
+        assert group.abort_rollout() >= 1
+        samples = pending.result(timeout=60)
         assert time.monotonic() - t0 < 20
         statuses = [s.status for s in samples]
         assert len(samples) == 16 and statuses.count(Status.ABORTED) == 16, statuses
     finally:
-        stop_all(cfg)
+        group.stop_all()
 
 
 def test_a_dead_server_actor_is_reported_and_ensure_engine_restarts_all(tmp_path, ray_local):
-    from rollflow.flows.group import ENGINE, ensure_engine, server_role, start_engine, stop_all
-    from rollflow.infra.workers import get_actor, stop_actor
+    from rollflow.flows.group import WorkerGroup, server_role
+    from rollflow.infra.workers import stop_actor
     from rollflow.tasks.rollout.sglang_server import EngineDiedError
 
     run = f"sgdead-{uuid.uuid4().hex[:8]}"
     cfg = _sglang_cfg(tmp_path, run, resources={"num_engines": 2})
+    group = WorkerGroup.for_run(cfg)
     try:
-        engine = start_engine(cfg, None)
-        old = [get_actor(run, server_role(k)).call("info")["pid"] for k in range(2)]
+        engine = group.start_engine(None)
+        old = [group.server(k).info().pid for k in range(2)]
         stop_actor(run, server_role(1))  # the actor (and with it its server process) is gone
         assert not engine.alive()
         with pytest.raises(Exception) as err:
-            engine.call("rollout", 0)
+            engine.rollout(0)
         assert isinstance(err.value.cause if hasattr(err.value, "cause") else err.value, EngineDiedError) or \
             "died" in str(err.value)
-        healed = ensure_engine(cfg, 0)
-        new = [get_actor(run, server_role(k)).call("info")["pid"] for k in range(2)]
+        healed = group.ensure_engine(0)
+        new = [group.server(k).info().pid for k in range(2)]
         assert set(new).isdisjoint(old)
-        assert len(healed.call("rollout", 0)) == 16 and get_actor(run, ENGINE).alive()
+        assert len(healed.rollout(0)) == 16 and group.engine().alive()
     finally:
-        stop_all(cfg)
+        group.stop_all()
 
 
 @pytest.mark.slow
@@ -131,10 +131,9 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
     servers once and broadcasts every bucket; `tensor`: it serializes each bucket itself (CPU tensors
     go by value; on GPUs these are CUDA IPC handles); `disk`: the engine writes safetensors. Parity
     then reads every tensor's head back from BOTH servers."""
-    from rollflow.flows.group import server_role
+    from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
-    from rollflow.infra.workers import get_actor
 
     run = f"sgsync-{mode}-{uuid.uuid4().hex[:6]}"
     cfg = small_config(tmp_path, run=run, iterations=2, eval_every=0, data={"prompts_per_rollout": 4},
@@ -151,7 +150,8 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
 
     def spy(cfg_, weight_version):
         out = original(cfg_, weight_version)
-        states.append([_fake_state(get_actor(run, server_role(k)).call("url")) for k in range(2)])
+        group = WorkerGroup.for_run(cfg_)
+        states.append([_fake_state(group.server(k).url()) for k in range(2)])
         return out
 
     iteration.sync_task.fn = spy

@@ -256,7 +256,7 @@ def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
     """Process mode: `--ignore-update-of` on the command line, the weights arriving over gloo."""
     import torch.distributed as dist
 
-    from rollflow.tasks.rollout.sglang_engine import broadcaster, init_weight_group
+    from rollflow.tasks.sync.weight_group import broadcaster, init_weight_group
     from rollflow.tasks.rollout.sglang_server import LaunchSpec, SGLangServer, free_port
 
     w = checkpoint()

@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from rollflow.artifacts import EngineInfo, RolloutStore, Sample, Status
-from rollflow.artifacts.display import (
+from rollflow.tasks.debug.display import (
     SampleTable,
     discover,
     filter_samples,
@@ -21,7 +21,7 @@ from rollflow.artifacts.display import (
     select_rollout,
 )
 from rollflow.flows.cli_tools import register
-from rollflow.tasks.rollout.replay_reward import replay_reward
+from rollflow.tasks.debug.replay_reward import replay_reward
 
 ENGINE = EngineInfo(backend="hf", model="builtin:addition", weight_version=0)
 

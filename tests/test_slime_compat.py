@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from rollflow.artifacts import ArtifactSchemaError, EngineInfo, RolloutStore, Sample, Status
-from rollflow.artifacts.display import discover
+from rollflow.tasks.debug.display import discover
 from rollflow.artifacts.slime import (
     SlimeTemplateError,
     discover_template_ids,

@@ -6,16 +6,9 @@ at generation time, and the answer is checkable by string comparison.
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from typing import Any
 
-
-@dataclasses.dataclass(frozen=True)
-class PromptItem:
-    prompt: Any  # text, or chat messages [{"role": ..., "content": ...}] (rendered by the chat template)
-    label: str | None
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+from rollflow.tasks.rollout.prompts import PromptItem
 
 
 def addition_item(a: int, b: int, digits: int = 3) -> PromptItem:

@@ -25,7 +25,7 @@ import posixpath
 import random
 from typing import Any
 
-from rollflow.tasks.rollout.addition import PromptItem
+from rollflow.tasks.rollout.prompts import PromptItem
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")

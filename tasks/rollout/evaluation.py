@@ -26,12 +26,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def eval_summary(samples: list[Sample], *, ks: list[int] | tuple[int, ...] = (), threshold: float = 1.0
-                 ) -> dict[str, Any]:
-    """`eval/accuracy` (mean scalar reward over samples), `eval/pass@k` for each k, and counts."""
+def eval_summary(samples: list[Sample], *, ks: list[int] | tuple[int, ...] = (), threshold: float = 1.0,
+                 reward_key: str | None = None) -> dict[str, Any]:
+    """`eval/accuracy` (mean scalar reward over samples), `eval/pass@k` for each k, and counts.
+
+    `reward_key`: the field of dict rewards (the run's `rollout.eval_reward_key`, else `rollout.reward_key`)."""
     if not samples:
         raise ValueError("eval rollout has no samples")
-    rewards = [s.scalar_reward() for s in samples]
+    rewards = [s.scalar_reward(reward_key) for s in samples]
     out: dict[str, Any] = {"eval/accuracy": sum(rewards) / len(rewards)}
     if ks:
         groups: dict[int, list[float]] = {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rollflow.artifacts.sample import Sample, Status
 from rollflow.tasks.model.tokenizer import Tokenizer, decode_response, prompt_token_ids
-from rollflow.tasks.rollout.addition import PromptItem
 from rollflow.tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+from rollflow.tasks.rollout.prompts import PromptItem
 
 FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollflow.artifacts.sample import Sample
+from rollflow.artifacts.storage import redact_url
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
@@ -45,17 +46,19 @@ class RemoteReward:
                  max_concurrency: int = 32, auth_env: str | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"rollout.reward={url!r} is not an http(s) URL")
+            raise ValueError(f"rollout.reward={redact_url(url)!r} is not an http(s) URL")
         if "@" in parts.netloc:
             raise ValueError("rollout.reward: put no credentials in the URL; set rollout.remote_reward.auth_env to "
                              "the name of an environment variable holding the token")
         self.url = url
+        # What messages, logs and stored names show: the URL without its user:secret@ / token= parts.
+        self.display_url = redact_url(url)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
         self.auth_env = auth_env
-        self.__name__ = f"remote:{url}"
+        self.__name__ = f"remote:{self.display_url}"
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -112,21 +115,21 @@ class RemoteReward:
                 last = f"HTTP {exc.code}: {text}"
                 if exc.code in RETRY_STATUS:
                     continue
-                raise RemoteRewardError(f"reward server {self.url} answered {last} (not retried)") from None
+                raise RemoteRewardError(f"reward server {self.display_url} answered {last} (not retried)") from None
             except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
                 continue
             return self._parse(raw)
-        raise RemoteRewardError(f"reward server {self.url} failed {self.retries + 1} time(s) (timeout "
+        raise RemoteRewardError(f"reward server {self.display_url} failed {self.retries + 1} time(s) (timeout "
                                 f"{self.timeout_s:g}s); last error: {last}")
 
     def _parse(self, raw: bytes) -> Any:
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
-            raise RemoteRewardError(f"reward server {self.url} answered non-JSON: {raw[:200]!r}") from None
+            raise RemoteRewardError(f"reward server {self.display_url} answered non-JSON: {raw[:200]!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
-            raise RemoteRewardError(f"reward server {self.url} answered {value!r}: expected a number or an object")
+            raise RemoteRewardError(f"reward server {self.display_url} answered {value!r}: expected a number or an object")
         return float(value) if not isinstance(value, dict) else value
 
     async def __call__(self, sample: Sample) -> Any:

@@ -6,8 +6,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollflow.tasks.rollout.addition import PromptItem, addition_prompts
+from rollflow.tasks.rollout.addition import addition_prompts
 from rollflow.tasks.rollout.engine import SamplingParams
+from rollflow.tasks.rollout.prompts import PromptItem
 from rollflow.tasks.rollout.sglang_config import SGLangConfig
 
 
@@ -111,7 +112,10 @@ class RolloutConfig(_Strict):
     max_new_tokens: int = Field(5, ge=1)
     reward: str = Field("addition", description="built-in (addition, exact_match, math, f1), dotted path "
                                                 "'pkg.mod:fn', or an http(s) URL of a reward server")
-    reward_key: Optional[str] = None
+    reward_key: Optional[str] = Field(
+        None, description="field of a dict reward used for training and metrics (slime's --reward-key)")
+    eval_reward_key: Optional[str] = Field(
+        None, description="field of a dict reward for the eval split (slime's --eval-reward-key; default reward_key)")
     reward_scope: Literal["sample", "group"] = Field(
         "sample", description="group: the function gets the samples of one prompt and returns their rewards")
     remote_reward: RemoteRewardConfig = Field(default_factory=RemoteRewardConfig)
@@ -124,6 +128,24 @@ class RolloutConfig(_Strict):
                             "auto = on for CUDA, off on CPU")
     seed: int = 0
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="engine='sglang' only: server settings")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_url_without_credentials(cls, value: str) -> str:
+        # The config travels as Prefect parameters and into logs: a token in the URL would be stored there.
+        if "://" in value:
+            from rollflow.artifacts.storage import redact_url
+
+            if redact_url(value) != value:
+                raise ValueError(
+                    f"rollout.reward={redact_url(value)!r} carries credentials (user:secret@ or a token query "
+                    "parameter); put the token in an environment variable and name it in "
+                    "rollout.remote_reward.auth_env")
+        return value
+
+    def reward_key_for(self, split: str) -> Optional[str]:
+        """The dict-reward field of `split`, as slime: eval uses eval_reward_key, falling back to reward_key."""
+        return (self.eval_reward_key or self.reward_key) if split == "eval" else self.reward_key
 
     def sampling(self, rollout_id: int, *, greedy: bool = False) -> SamplingParams:
         return SamplingParams(

@@ -36,10 +36,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from rollflow.tasks.rollout.sglang_server import EngineDiedError, SGLangServer  # noqa: F401 - EngineDiedError re-exported
 from rollflow.tasks.sync.buckets import buckets_by_bytes  # noqa: F401 - re-exported
+from rollflow.tasks.sync.weight_group import DEFAULT_GROUP
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 MEMORY_TAGS = ("weights", "kv_cache")
-DEFAULT_GROUP = "rollflow_weight_sync"
 
 
 class SGLangRequestError(RuntimeError):
@@ -211,39 +211,6 @@ def write_hf_checkpoint(named_tensors: Mapping[str, Any], out_dir: str | Path, *
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-# ----------------------------------------------------------------------------------------------
-# Trainer side of the distributed path (torch.distributed; NCCL on GPUs, gloo on CPU)
-# ----------------------------------------------------------------------------------------------
-
-
-def init_weight_group(master_address: str, master_port: int, *, rank: int, world_size: int,
-                      group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 600.0):
-    """Join the weight-update group the way SGLang's engines do (tcp:// rendezvous, store prefixed by
-    the group name); the trainer is rank 0. Works without a default process group."""
-    import datetime
-
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # so broadcast(src=0, group=pg) resolves
-    return pg
-
-
-def broadcaster(pg) -> Callable[[Any], None]:
-    import torch.distributed as dist
-
-    def broadcast(tensor) -> None:
-        dist.broadcast(tensor, src=0, group=pg)
-
-    return broadcast
 
 
 # ----------------------------------------------------------------------------------------------
@@ -638,7 +605,7 @@ class SGLangEngine:
         """The trainer's side of the NCCL path, in SGLang's call order:
 
         1. (once, when `join_group` is given) POST /init_weights_update_group to every server while
-           `join_group()` makes the trainer rank 0 of the same group (e.g. `init_weight_group(...)`);
+           `join_group()` makes the trainer rank 0 of the same group (e.g. `init_weight_group(...)`, tasks/sync/weight_group.py);
         2. per bucket: POST /update_weights_from_distributed (names, dtypes, shapes) to every server
            while `broadcast(tensor)` sends each tensor of the bucket in the same order.
         Returns the number of buckets.

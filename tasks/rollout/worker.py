@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from rollflow.artifacts.sample import Sample
+from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.model.tokenizer import load_tokenizer
@@ -20,7 +21,6 @@ from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.hf_engine import HFEngine
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from rollflow.tasks.sync.parity import checksums
-from rollflow.tasks.train.torch_backend import DTYPES
 
 
 def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,

@@ -1,6 +1,8 @@
 """Per-token policy-loss kernels: PPO clip (asymmetric + dual clip), reductions, entropy, and
 train/rollout importance correction (TIS / icepop). Plain tensor in, tensor out; callers mask and
-reduce with ``masked_mean``.
+reduce with ``masked_mean``, the one masked mean of the package (the `rollout/*` metrics of
+tasks/train/step.py and the alignment checks use it; objective.py's ``reduce`` is a micro-batch's share
+of a mini-batch mean, with the mini-batch's denominators).
 """
 
 from __future__ import annotations

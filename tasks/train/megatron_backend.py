@@ -42,14 +42,13 @@ from typing import Any
 
 import torch
 
+from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.sync import megatron_names as mn
 from rollflow.tasks.train.batch import TrainBatch
 from rollflow.tasks.train.fused_ops import install_rope_fusion, token_log_probs
 from rollflow.tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.torch_backend import split_rows
 from rollflow.tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 MISSING_MESSAGE = ("train.backend='megatron' needs megatron-core: pip install 'rollflow[megatron]' "
                    "(Python >= 3.12 for megatron-core >= 0.17; 0.16.1 on 3.11)")

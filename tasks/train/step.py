@@ -14,6 +14,7 @@ from rollflow.artifacts.sample import Sample
 from rollflow.tasks.train.advantages import compute_advantages
 from rollflow.tasks.train.batch import TrainBatch, batch_from_samples, per_sample, to_dense
 from rollflow.tasks.train.kl import approx_kl
+from rollflow.tasks.train.losses import masked_mean
 from rollflow.tasks.train.settings import AlgoConfig
 
 
@@ -35,11 +36,6 @@ class TrainBackend(Protocol):
 class TrainResult:
     metrics: dict[str, float]
     batch: TrainBatch  # with log_probs / ref_log_probs / advantages filled, for dumps and checks
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    total = mask.sum()
-    return float((values * mask).sum() / total) if total > 0 else 0.0
 
 
 def prepare_batch(backend: TrainBackend, samples: list[Sample], algo: AlgoConfig, *, group_size: int,
@@ -72,14 +68,14 @@ def prepare_batch(backend: TrainBackend, samples: list[Sample], algo: AlgoConfig
         "rollout/raw_reward": float(batch.rewards.mean()),
         "rollout/response_len": float(batch.response_lengths().mean()),
         "rollout/truncated_ratio": float(batch.truncated.float().mean()),
-        "rollout/log_probs": masked_mean(batch.log_probs, mask),
-        "rollout/rollout_log_probs": masked_mean(batch.rollout_log_probs, mask),
-        "rollout/advantages": masked_mean(batch.advantages, mask),
+        "rollout/log_probs": float(masked_mean(batch.log_probs, mask)),
+        "rollout/rollout_log_probs": float(masked_mean(batch.rollout_log_probs, mask)),
+        "rollout/advantages": float(masked_mean(batch.advantages, mask)),
     }
     if batch.ref_log_probs is not None:
         on = mask > 0
-        metrics["rollout/ref_log_probs"] = masked_mean(batch.ref_log_probs, mask)
-        metrics["rollout/kl"] = masked_mean(batch.log_probs - batch.ref_log_probs, mask)
+        metrics["rollout/ref_log_probs"] = float(masked_mean(batch.ref_log_probs, mask))
+        metrics["rollout/kl"] = float(masked_mean(batch.log_probs - batch.ref_log_probs, mask))
         metrics["rollout/log_probs_equal_ref"] = float(torch.equal(batch.log_probs[on], batch.ref_log_probs[on]))
     return batch, metrics
 

@@ -9,6 +9,7 @@ import io
 
 import torch
 
+from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.train.batch import TrainBatch
 from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.data_parallel import (
@@ -22,7 +23,6 @@ from rollflow.tasks.train.data_parallel import (
 from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def response_log_probs(model, batch: TrainBatch, temperature: float, with_entropy: bool

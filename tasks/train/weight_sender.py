@@ -18,8 +18,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.net import free_port, node_ip
-from rollflow.tasks.train.torch_backend import DTYPES
 
 NamedTensors = Callable[[], dict[str, torch.Tensor]]
 
@@ -100,7 +100,7 @@ class WeightSender:
                    backend: str = "nccl", timeout_s: float = 600.0) -> None:
         """Rank 0 of the group (blocks until every engine rank has joined). A previous group (engines
         restarted since) is destroyed first."""
-        from rollflow.tasks.rollout.sglang_engine import init_weight_group
+        from rollflow.tasks.sync.weight_group import init_weight_group
 
         self.leave_group()
         self._group = init_weight_group(master_address, master_port, rank=0, world_size=world_size,

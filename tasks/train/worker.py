@@ -41,7 +41,7 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp
         return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature)
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
-    from rollflow.tasks.train.torch_backend import DTYPES
+    from rollflow.tasks.model.dtypes import DTYPES
 
     # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
     model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
@@ -100,10 +100,24 @@ class TrainWorker:
             return loaded[1]
         return self.store.load_uri(uri)
 
+    def _vocab_size(self) -> int | None:
+        config = getattr(getattr(self.backend, "model", None), "config", None)
+        value = getattr(config, "vocab_size", None)
+        return int(value) if isinstance(value, int) else None
+
     def train_on_artifact(self, ref: dict, *, subsample: float | None = None,
-                          dump_uri: str | None = None) -> dict[str, float]:
+                          dump_uri: str | None = None, reward_key: str | None = None) -> dict[str, float]:
+        from rollflow.artifacts.slime import check_token_ids
+
         artifact = self._artifact(ref)
         samples = artifact.samples
+        # An id >= the vocab would be an IndexError deep in the forward (a device-side assert on GPU).
+        check_token_ids(samples, self._vocab_size(), rollout_id=artifact.manifest.rollout_id,
+                        split=artifact.manifest.split, uri=ArtifactRef.from_dict(ref).uri)
+        if reward_key is not None:  # the run's key of dict rewards wins over the samples' own (as slime)
+            for sample in samples:
+                if isinstance(sample.reward, dict):
+                    sample.reward_key = reward_key
         group_size = artifact.manifest.n_samples_per_prompt
         if group_size <= 1 and len(samples) > 1:
             group_size = infer_group_size(samples)
@@ -128,12 +142,13 @@ class TrainWorker:
         return metrics
 
     def replay_step(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
-                    subsample: float | None = None, dump_uri: str | None = None) -> dict[str, float]:
+                    subsample: float | None = None, dump_uri: str | None = None,
+                    reward_key: str | None = None) -> dict[str, float]:
         """Train on one pinned artifact from a given state, and save the resulting state."""
         start = load_state(start_state_uri, storage_options=self.storage_options) if start_state_uri \
             else self._initial_state
         self.backend.load_checkpoint_bytes(start)
-        metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri)
+        metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri, reward_key=reward_key)
         if self.is_primary:  # every rank holds the same state after the step
             save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
         return metrics
@@ -167,7 +182,7 @@ class TrainWorker:
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
         """First `n` values of every tensor (cast like the engine holds them), for prefix parity."""
         from rollflow.tasks.sync.parity import tensor_prefix
-        from rollflow.tasks.train.torch_backend import DTYPES
+        from rollflow.tasks.model.dtypes import DTYPES
 
         dtype = DTYPES[as_dtype] if as_dtype else None
         return {k: tensor_prefix(v.to(dtype) if dtype else v, n) for k, v in self.backend.named_weights().items()}
@@ -176,7 +191,7 @@ class TrainWorker:
         """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
         named = self.backend.named_weights()
         if as_dtype is not None:
-            from rollflow.tasks.train.torch_backend import DTYPES
+            from rollflow.tasks.model.dtypes import DTYPES
 
             named = {k: v.to(DTYPES[as_dtype]) for k, v in named.items()}
         return checksums(named)

@@ -1,5 +1,8 @@
 """Supervised warm-start of the tiny default model on the addition task.
 
+A whole-model recipe (it trains the model and measures it by generating), so it sits above both
+tasks/rollout and tasks/train (rollflow.tasks.recipes), not inside either.
+
 RL needs a policy that is sometimes right: learning here is a sharp phase transition, so training
 stops on held-out greedy accuracy, not after a fixed time (DESIGN.md section 8).
 """
@@ -14,10 +17,11 @@ import torch
 
 from rollflow.tasks.model.tiny import build_tiny_model
 from rollflow.tasks.model.tokenizer import CharTokenizer
-from rollflow.tasks.rollout.addition import PromptItem, addition_prompts, addition_reward
+from rollflow.tasks.rollout.addition import addition_prompts, addition_reward
 from rollflow.tasks.rollout.engine import SamplingParams
 from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.hf_engine import HFEngine
+from rollflow.tasks.rollout.prompts import PromptItem
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.checks import FAIL, PASS, WARN, AlignmentThresholds, CheckResult
-from rollflow.tasks.faults import perturb_module
+from rollflow.tasks.debug.faults import perturb_module
+from rollflow.tasks.train.losses import masked_mean
 from rollflow.tasks.train.settings import AlgoConfig
 from rollflow.tasks.train.step import TrainBackend, prepare_batch, train_on_samples
 
@@ -71,11 +72,6 @@ def one_optimizer_step(backend: Any) -> Iterator[None]:
         backend.optim_cfg = optim
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    total = mask.sum()
-    return float((values * mask).sum() / total) if total > 0 else 0.0
-
-
 def first_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *, group_size: int,
                        perturb_policy_std: float = 0.0, seed: int = 0, worst_samples: int = 5) -> dict[str, Any]:
     """Score `samples` (policy + reference), compare with the engine's log-probs, take one step."""
@@ -91,10 +87,10 @@ def first_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *,
         "equal": bool(torch.equal(lp[on], ref[on])),
         "n_unequal_tokens": int((lp[on] != ref[on]).sum()),
         "max_abs_diff": float(diff_ref.max()) if diff_ref.numel() else 0.0,
-        "kl_mean": _masked_mean(lp - ref, mask),
-        "mean_log_prob": _masked_mean(lp, mask),
-        "mean_ref_log_prob": _masked_mean(ref, mask),
-        "ref_nll": -_masked_mean(ref, mask),
+        "kl_mean": float(masked_mean(lp - ref, mask)),
+        "mean_log_prob": float(masked_mean(lp, mask)),
+        "mean_ref_log_prob": float(masked_mean(ref, mask)),
+        "ref_nll": -float(masked_mean(ref, mask)),
     }
 
     diff = (lp - roll).abs() * mask
@@ -102,10 +98,10 @@ def first_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *,
     per_row_mean = diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     order = torch.argsort(per_row_max, descending=True)[:worst_samples].tolist()
     figs["mismatch"] = {
-        "mean_abs_diff": _masked_mean(diff, mask),
+        "mean_abs_diff": float(masked_mean(diff, mask)),
         "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
-        "mean_train_log_prob": _masked_mean(lp, mask),
-        "mean_rollout_log_prob": _masked_mean(roll, mask),
+        "mean_train_log_prob": float(masked_mean(lp, mask)),
+        "mean_rollout_log_prob": float(masked_mean(roll, mask)),
         "worst_samples": [
             {"index": samples[i].index, "prompt": samples[i].prompt if isinstance(samples[i].prompt, str) else "<chat>",
              "response": samples[i].response, "max_abs_diff": float(per_row_max[i]),

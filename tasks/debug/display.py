@@ -27,11 +27,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .codec import _read_table, samples_from_parquet_bytes
-from .errors import ArtifactNotFound, ArtifactSchemaError, format_ids
-from .sample import Sample, Status
-from .slime import discover_template_ids, expand_template, has_rollout_id, import_slime_pt
-from .store import SAMPLES_NAME, SPLITS, ArtifactRef, RolloutStore, join_uri, validate_run
+from rollflow.artifacts.codec import samples_from_parquet_bytes
+from rollflow.artifacts.errors import ArtifactNotFound, format_ids
+from rollflow.artifacts.sample import Sample, Status
+from rollflow.artifacts.slime import discover_template_ids, expand_template, has_rollout_id, import_slime_pt
+from rollflow.artifacts.store import SAMPLES_NAME, SPLITS, ArtifactRef, RolloutStore, join_uri, validate_run
 
 # A response is "repetitive" when one token n-gram of this size occurs this often in it.
 REPETITION_NGRAM = 3
@@ -97,22 +97,7 @@ class SampleTable(Sequence):
 
 def load_sample_table(store: RolloutStore, run: str, split: str, rollout_id: int) -> SampleTable:
     """One committed artifact as a SampleTable; checksums verified before anything is parsed."""
-    manifest = store.manifest(run, split, rollout_id)
-    uri = store.artifact_uri(run, split, rollout_id)
-    folder = store._artifact_path(run, split, rollout_id)
-    payloads = {e.name: store._read_verified(folder, e, join_uri(uri, e.name)) for e in manifest.files}
-    entry = manifest.file(SAMPLES_NAME)
-    try:
-        table = _read_table(payloads[entry.name])
-    except ArtifactSchemaError as exc:
-        raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, entry.name)) from None
-    if table.num_rows != manifest.n_samples:
-        raise ArtifactSchemaError(
-            f"manifest says n_samples={manifest.n_samples} but {SAMPLES_NAME} holds {table.num_rows} rows",
-            field="n_samples",
-            uri=uri,
-        )
-    return SampleTable(table)
+    return SampleTable(store.load_table(run, split, rollout_id))
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -317,7 +302,7 @@ def _scalar_reward(reward: Any, reward_key: str | None) -> float:
         return math.nan
 
 
-def _columns_from_table(st: SampleTable) -> _Columns:
+def _columns_from_table(st: SampleTable, reward_key: str | None = None) -> _Columns:
     view = st.view
     n = view.num_rows
     rewards = pc.fill_null(view.column("reward").cast(pa.float64()), math.nan).to_numpy(zero_copy_only=False)
@@ -327,7 +312,7 @@ def _columns_from_table(st: SampleTable) -> _Columns:
         keys = view.column("reward_key").to_pylist()
         for i, text in enumerate(reward_json.to_pylist()):
             if text is not None:
-                rewards[i] = _scalar_reward(json.loads(text), keys[i])
+                rewards[i] = _scalar_reward(json.loads(text), reward_key or keys[i])
     statuses = np.array(view.column("status").to_pylist(), dtype=object)
     lengths = view.column("response_length").to_numpy().astype(np.int64)
     groups = view.column("group_index").to_numpy().astype(np.int64)
@@ -350,8 +335,8 @@ def _response_spans(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
     return values[np.repeat(starts, lengths) + within], owner
 
 
-def _columns_from_samples(samples: Sequence[Sample]) -> _Columns:
-    rewards = np.array([_scalar_reward(s.reward, s.reward_key) for s in samples], dtype=np.float64)
+def _columns_from_samples(samples: Sequence[Sample], reward_key: str | None = None) -> _Columns:
+    rewards = np.array([_scalar_reward(s.reward, reward_key or s.reward_key) for s in samples], dtype=np.float64)
     statuses = np.array([Status.parse(s.status).value for s in samples], dtype=object)
     lengths = np.array([s.response_length for s in samples], dtype=np.int64)
     groups = np.array([s.group_index for s in samples], dtype=np.int64)
@@ -360,10 +345,10 @@ def _columns_from_samples(samples: Sequence[Sample]) -> _Columns:
     return _Columns(rewards, statuses, lengths, groups, flat, owner)
 
 
-def _columns(samples: Sequence[Sample]) -> _Columns:
+def _columns(samples: Sequence[Sample], reward_key: str | None = None) -> _Columns:
     if isinstance(samples, SampleTable):
-        return _columns_from_table(samples)
-    return _columns_from_samples(list(samples))
+        return _columns_from_table(samples, reward_key)
+    return _columns_from_samples(list(samples), reward_key)
 
 
 def repetitive_mask(tokens: np.ndarray, owner: np.ndarray, n_samples: int, *, ngram: int = REPETITION_NGRAM,
@@ -401,19 +386,20 @@ def _num(value: float) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-def rollout_metrics(samples: Sequence[Sample]) -> dict[str, Any]:
+def rollout_metrics(samples: Sequence[Sample], reward_key: str | None = None) -> dict[str, Any]:
     """Recomputed rollout metrics (JSON-able; None where undefined, e.g. no rewards yet).
 
     - response_len_mean/min/max: response tokens per sample;
     - truncated_ratio: fraction of samples with status truncated;
-    - reward_mean/std/min/max over samples with a scalar reward (dict rewards via their reward_key;
+    - reward_mean/std/min/max over samples with a scalar reward (dict rewards at `reward_key`, the run's
+      rollout.reward_key / eval_reward_key as slime, else at the sample's own reward_key;
       std is the population std), n_scored how many had one;
     - zero_std_groups: groups (by group_index) with >= 2 scored samples whose rewards are all equal
       (they give GRPO no signal); zero_std_group_fraction is over groups with >= 2 scored samples;
     - repetition_fraction: fraction of responses in which some 3-gram of token ids occurs 3+ times;
     - status_counts: samples per status (every status listed).
     """
-    cols = _columns(samples)
+    cols = _columns(samples, reward_key)
     n = len(cols.response_lengths)
     status_counts = {s.value: int(np.count_nonzero(cols.statuses == s.value)) for s in Status}
     scored = ~np.isnan(cols.rewards)
@@ -455,7 +441,7 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, Any]:
 
 
 def filter_positions(samples: Sequence[Sample], status: str | None = None, reward_min: float | None = None,
-                     reward_max: float | None = None) -> np.ndarray:
+                     reward_max: float | None = None, reward_key: str | None = None) -> np.ndarray:
     """Positions of the samples passing every filter. A reward filter drops unscored samples."""
     cols_needed = status is not None or reward_min is not None or reward_max is not None
     if not cols_needed:
@@ -463,10 +449,10 @@ def filter_positions(samples: Sequence[Sample], status: str | None = None, rewar
     if isinstance(samples, SampleTable):
         view = samples.view
         statuses = np.array(view.column("status").to_pylist(), dtype=object)
-        rewards = _columns_from_table(samples).rewards if (reward_min is not None or reward_max is not None) else None
+        rewards = _columns_from_table(samples, reward_key).rewards if (reward_min is not None or reward_max is not None) else None
     else:
         statuses = np.array([Status.parse(s.status).value for s in samples], dtype=object)
-        rewards = np.array([_scalar_reward(s.reward, s.reward_key) for s in samples], dtype=np.float64)
+        rewards = np.array([_scalar_reward(s.reward, reward_key or s.reward_key) for s in samples], dtype=np.float64)
     keep = np.ones(len(samples), dtype=bool)
     if status is not None:
         try:
@@ -482,12 +468,12 @@ def filter_positions(samples: Sequence[Sample], status: str | None = None, rewar
 
 
 def filter_samples(samples: Sequence[Sample], status: str | None = None, reward_min: float | None = None,
-                   reward_max: float | None = None) -> Sequence[Sample]:
+                   reward_max: float | None = None, reward_key: str | None = None) -> Sequence[Sample]:
     """The samples with the given status and a reward in [reward_min, reward_max] (bounds optional).
 
     A SampleTable in gives a (lazy) SampleTable out; a list gives a list.
     """
-    positions = filter_positions(samples, status, reward_min, reward_max)
+    positions = filter_positions(samples, status, reward_min, reward_max, reward_key)
     if isinstance(samples, SampleTable):
         return samples.select(positions)
     items = list(samples)
@@ -624,7 +610,11 @@ def train_dump_summary(loader: RolloutLoader) -> dict[str, Any] | None:
     if not store.exists_path(rel):
         return None
     with store.open(rel, "rb") as f:
-        table = pq.read_table(f)
+        data = f.read()
+    from rollflow.artifacts.codec import _arrow_owned
+
+    # Not the Python file object: Arrow's threads would call into Python (see codec._arrow_owned).
+    table = pq.read_table(pa.BufferReader(_arrow_owned(data)), pre_buffer=False)
     summary: dict[str, Any] = {"uri": store.path_uri(rel), "rows": table.num_rows}
     for name in ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns"):
         if name in table.column_names and table.column(name).null_count < table.num_rows:

@@ -33,15 +33,15 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
-from rollflow.tasks.faults import AlignmentFaults, apply_sync_fault, perturb_module, scramble_module
-from rollflow.tasks.memory import peak_memory
-from rollflow.tasks.rollout.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
+from rollflow.tasks.debug.faults import AlignmentFaults, apply_sync_fault, perturb_module, scramble_module
+from rollflow.tasks.debug.memory import peak_memory
+from rollflow.tasks.debug.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
 from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import prompts_for
-from rollflow.tasks.sync.alignment import NAME as SYNC, sync_check
+from rollflow.tasks.debug.sync_check import NAME as SYNC, sync_check
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
-from rollflow.tasks.train.alignment import (
+from rollflow.tasks.debug.train_checks import (
     FIRST_STEP, MISMATCH, REF_EQUAL, backend_of, first_step_check, first_step_figures, mismatch_check,
     ref_equal_check, train_step_figures,
 )

@@ -1,19 +1,19 @@
 """The IMA triage's reproducer: one rollout-only generation on pinned prompts, with the cell's toggles.
 
-    python -m rollflow.tasks.rollout.ima_repro --config CONFIG_JSON --toggles '{"cuda_graph": "on"}' \
+    python -m rollflow.tasks.debug.ima_repro --config CONFIG_JSON --toggles '{"cuda_graph": "on"}' \
         [--crash-when cuda_graph=on,speculative=on] [--fault auto|abort|raise|triton_oob|device_assert]
 
 The generation path is the rollout-only flow's without Prefect or Ray: `RolloutWorker.rollout(rollout_id)`
 (prompts are a pure function of the data config and the rollout id, so they are pinned) through the `hf`
 engine and transformers' `generate`. The toggles become `generate` keyword arguments (see
-`rollflow.tasks.rollout.ima.HFToggles`), injected around the engine model's `generate`; the engine code is unchanged.
+`rollflow.tasks.debug.ima.HFToggles`), injected around the engine model's `generate`; the engine code is unchanged.
 
 Debug switch: with `--crash-when`, a logits processor armed only in cells that match the condition faults
 inside a decode step (`--fault-step`, default 1 = the first decode step after prefill):
 - `abort` (CPU default): `os.abort()`, the process dies by SIGABRT, as a native crash does;
 - `raise`: a RuntimeError carrying a CUDA-style message (CPU tests of the log scan);
 - `triton_oob` (CUDA default): a tiny Triton kernel stores 2**40 elements past the logits buffer, a real
-  illegal memory access (`tasks/rollout/ima_kernels.py`);
+  illegal memory access (`tasks/debug/ima_kernels.py`);
 - `device_assert`: an out-of-range index on the GPU (a device-side assert).
 
 Exit status: 0 generated, `EXIT_UNSUPPORTED` (78) the backend cannot run this cell, else a failure.
@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Sequence
 
-from rollflow.tasks.rollout.ima import (
+from rollflow.tasks.debug.ima import (
     EXIT_UNSUPPORTED,
     HFToggles,
     Cell,
@@ -106,7 +106,7 @@ def fire(kind: str, scores, step: int) -> None:
     if not scores.is_cuda:
         raise ValueError(f"fault {kind!r} needs the engine on a CUDA device (rollout.device=cuda)")
     if kind == "triton_oob":
-        from rollflow.tasks.rollout.ima_kernels import oob_store
+        from rollflow.tasks.debug.ima_kernels import oob_store
 
         oob_store(scores)
         return
@@ -247,7 +247,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rollflow.tasks.rollout.ima_repro", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rollflow.tasks.debug.ima_repro", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="RunConfig JSON (inline or a file)")
     ap.add_argument("--toggles", default=None, help='cell: JSON or cuda_graph=on,speculative=off,deepep=off')
     ap.add_argument("--backend", default="hf")

@@ -50,7 +50,7 @@ def _old_reward(sample: Sample, reward_key: str | None) -> float | None:
     if sample.reward is None:
         return None
     if isinstance(sample.reward, dict):
-        key = sample.reward_key or reward_key
+        key = reward_key or sample.reward_key  # the run's key wins (slime's --reward-key)
         if key is None or key not in sample.reward:
             return None
         return float(sample.reward[key])
@@ -74,7 +74,7 @@ def replay_reward(samples: Sequence[Sample], fn: RewardFn | str, reward_key: str
     score_samples(copies, fn, reward_key=reward_key)
 
     old = [_old_reward(s, reward_key) for s in originals]
-    new = [c.scalar_reward() for c in copies]
+    new = [c.scalar_reward(reward_key) for c in copies]
     changed, diffs = [], []
     for position, (a, b) in enumerate(zip(old, new)):
         if a is None:

@@ -9,9 +9,9 @@ The triage that slime's debug guide prescribes when an engine dies with a CUDA i
 3. rerun it once more with the CUDA core-dump variables set and open the dump with cuda-gdb
    (``cuda-gdb -ex "target cudacore <file>"``): it names the kernel, the PC and the faulting address.
 
-Every cell runs the reproducer (``python -m rollflow.tasks.rollout.ima_repro``) in its own process (a new
+Every cell runs the reproducer (``python -m rollflow.tasks.debug.ima_repro``) in its own process (a new
 session, killed as a group on timeout), so a crash or a hang never takes the caller down.
-`flows/bisect.py` runs the same steps as Prefect tasks; ``python -m rollflow.tasks.rollout.ima --matrix``
+`flows/bisect.py` runs the same steps as Prefect tasks; ``python -m rollflow.tasks.debug.ima --matrix``
 runs them here, with no Prefect (the GPU box has none).
 """
 
@@ -322,7 +322,7 @@ def repo_root() -> Path:
 def repro_command(config_json: str, cell: Cell, *, backend: str = "hf", crash_when: str | None = None,
                   fault: str | None = None, rollout_ids: Sequence[int] = (0,),
                   python: str | None = None) -> list[str]:
-    cmd = [python or sys.executable, "-m", "rollflow.tasks.rollout.ima_repro", "--config", config_json,
+    cmd = [python or sys.executable, "-m", "rollflow.tasks.debug.ima_repro", "--config", config_json,
            "--toggles", json.dumps(cell.toggles()), "--backend", backend,
            "--rollout-ids", ",".join(str(i) for i in rollout_ids)]
     if crash_when is not None:
@@ -816,7 +816,7 @@ def load_config_arg(text: str | None) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rollflow.tasks.rollout.ima",
+    ap = argparse.ArgumentParser(prog="python -m rollflow.tasks.debug.ima",
                                  description="IMA triage without Prefect: toggle matrix + reruns, report to --out")
     ap.add_argument("--matrix", action="store_true", help="run the toggle matrix (the only mode)")
     ap.add_argument("--config", help="RunConfig JSON (inline or a file); model/rollout/data sections are used")

@@ -1,0 +1,372 @@
+"""Typed clients of the run's actors: one method per operation, typed arguments and results.
+
+flows/ talks to its Ray actors only through these (DESIGN.md section 3): "go to definition" lands on
+the operation and a type checker sees a typo, where a method name in a string failed at run time.
+Each method calls the actor method of the same name by attribute (`self.actor.rollout.remote(...)`).
+
+- `TrainerClient`: every data-parallel rank of the trainer (tasks/train/worker.py:TrainWorker).
+  Operations that run collectives (load, train, replay) go to every rank at once and return rank 0's
+  result; the rest (checkpoint, weights, weight sync) ask rank 0, which holds the same state.
+- `EngineClient`: the rollout worker (tasks/rollout/worker.py:RolloutWorker). `abort`, `inflight` and
+  `alive` run in the actor's control concurrency group, so they answer while a rollout runs.
+- `ServerClient`: one SGLang server actor (tasks/rollout/server_worker.py:SGLangServerWorker).
+
+Calls that another actor consumes, or that must overlap (weight sync), return `Pending[T]`: its `ref`
+goes to the other actor as an argument (Ray resolves it there: tensors go actor to actor), its
+`result()` waits.
+
+Placement, start, restart and stop live in the run's worker group (flows/group.py:WorkerGroup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Generic, Literal, Sequence, TypeVar
+
+from rollflow.infra.workers import CONTROL
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollflow.artifacts.sample import Sample
+
+T = TypeVar("T")
+ArtifactRefDict = dict[str, Any]  # rollflow.artifacts.store.ArtifactRef.to_dict()
+WeightSyncMode = Literal["object_store", "disk", "tensor", "distributed"]
+ALIVE_TIMEOUT_S = 60.0
+
+
+def _get(ref: Any, timeout: float | None = None) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending(Generic[T]):
+    """An actor call in flight. `ref` (a Ray ObjectRef) may be passed to another actor's call;
+    `result()` waits for the value."""
+
+    ref: Any
+
+    def result(self, timeout: float | None = None) -> T:
+        return _get(self.ref, timeout)
+
+
+def gather(pending: Sequence[Pending[T]], timeout: float | None = None) -> list[T]:
+    """Wait for several calls at once (they run concurrently); their results in order."""
+    return _get([p.ref for p in pending], timeout)
+
+
+def _ping(actor: Any, timeout: float | None = ALIVE_TIMEOUT_S) -> bool:
+    """The actor's `ping`, in its control group (answers while the default group is busy)."""
+    return bool(_get(actor.ping.options(concurrency_group=CONTROL).remote(), timeout))
+
+
+def _alive(actor: Any) -> bool:
+    try:
+        return _ping(actor)
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+
+
+# -- results ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EngineDescription:
+    """What the engine serves: backend ("hf", "sglang"), model and weight version."""
+
+    backend: str
+    model: str
+    weight_version: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineDescription:
+        return cls(backend=str(d["backend"]), model=str(d["model"]), weight_version=int(d["weight_version"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerDescription:
+    """One trainer rank: its backend and data-parallel placement."""
+
+    backend: str
+    rank: int
+    world_size: int
+    dp_backend: str | None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainerDescription:
+        return cls(backend=str(d["backend"]), rank=int(d["rank"]), world_size=int(d["world_size"]),
+                   dp_backend=d.get("dp_backend"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineChecks:
+    """Engine-side checks after a sync: names (or `weight_version@url`) that disagree, and notes on
+    checks that could not run."""
+
+    mismatched: list[str]
+    notes: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOverwriteCheck:
+    """The whole-tensor check (debug.check_weight_update_equal): did the sync overwrite every engine
+    tensor with exactly the trainer's bytes, per server."""
+
+    ok: bool
+    mismatched: list[str]
+    servers: list[dict[str, Any]]
+    summary: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class IpcBucket:
+    """One bucket of the tensor (CUDA IPC) path: a serialized payload per engine TP rank."""
+
+    payloads: list[str]
+    names: list[str]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    """Where an SGLang server runs (for reports and tests)."""
+
+    index: int
+    url: str
+    pid: int | None
+    gpu_ids: list[str]
+    cuda_visible_devices: str | None
+    command: list[str]
+    log_path: str
+    host: str
+    node_ip: str
+
+
+# -- trainer ---------------------------------------------------------------------------------------------
+class TrainerClient:
+    """The trainer's ranks (rank 0 first; one rank without data parallelism)."""
+
+    def __init__(self, ranks: Sequence[Any]):
+        if not ranks:
+            raise ValueError("a trainer has at least one rank")
+        self.ranks = list(ranks)
+
+    @property
+    def actor(self) -> Any:
+        """Rank 0's Ray actor handle (the one that writes checkpoints and serves weights)."""
+        return self.ranks[0]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def _rank0_of_all(self, refs: list[Any]) -> Any:
+        return _get(refs)[0]
+
+    # lifecycle
+    def wait_started(self) -> None:
+        """Wait until every rank's constructor ran (data-parallel ranks rendezvous in them)."""
+        _get([a.ping.remote() for a in self.ranks])
+
+    def alive(self) -> bool:
+        return _alive(self.actor)
+
+    def describe(self, rank: int = 0) -> TrainerDescription:
+        return TrainerDescription.from_dict(_get(self.ranks[rank].describe.remote()))
+
+    # training: every rank at once (collectives), rank 0's result
+    def load_artifact(self, ref: ArtifactRefDict) -> int:
+        """Load and checksum a rollout artifact ahead of `train_on_artifact`; its sample count."""
+        return self._rank0_of_all([a.load_artifact.remote(ref) for a in self.ranks])
+
+    def train_on_artifact(self, ref: ArtifactRefDict, *, subsample: float | None = None,
+                          dump_uri: str | None = None, reward_key: str | None = None) -> dict[str, float]:
+        """Train on the artifact (each rank on its share); the global metrics. `reward_key`: the run's
+        field of dict rewards (slime's --reward-key), over the samples' own."""
+        return self._rank0_of_all([a.train_on_artifact.remote(ref, subsample=subsample, dump_uri=dump_uri,
+                                                              reward_key=reward_key)
+                                   for a in self.ranks])
+
+    def replay_step(self, ref: ArtifactRefDict, *, start_state_uri: str | None, out_state_uri: str,
+                    subsample: float | None = None, dump_uri: str | None = None,
+                    reward_key: str | None = None) -> dict[str, float]:
+        """Train on a pinned artifact from a saved state (None: the initial one), save the result."""
+        return self._rank0_of_all([
+            a.replay_step.remote(ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
+                                 subsample=subsample, dump_uri=dump_uri, reward_key=reward_key) for a in self.ranks])
+
+    # rank 0
+    def save_checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> str:
+        """Commit checkpoint `iteration` (`extra` goes into its meta.json); its folder."""
+        return _get(self.actor.save_checkpoint.remote(iteration, extra=extra))
+
+    def named_weights(self) -> Pending[dict[str, torch.Tensor]]:
+        """HF-named weights, left in Ray's object store: pass `.ref` to an engine's call."""
+        return Pending(self.actor.named_weights.remote())
+
+    def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
+        return _get(self.actor.weight_prefixes.remote(n, as_dtype))
+
+    def weight_checksums(self, as_dtype: str | None = None, *, rank: int = 0) -> dict[str, str]:
+        return _get(self.ranks[rank].weight_checksums.remote(as_dtype))
+
+    # weight sync into SGLang engines (flows/weight_sync.py)
+    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None) -> int:
+        """Start the tensor (IPC) path; the number of buckets."""
+        return _get(self.actor.ipc_begin.remote(bucket_bytes, tp_size, dtype))
+
+    def ipc_next(self) -> IpcBucket:
+        out = _get(self.actor.ipc_next.remote())
+        return IpcBucket(payloads=list(out["payloads"]), names=list(out["names"]), nbytes=int(out["nbytes"]))
+
+    def ipc_end(self) -> None:
+        _get(self.actor.ipc_end.remote())
+
+    def weight_group_address(self) -> tuple[str, int]:
+        address, port = _get(self.actor.weight_group_address.remote())
+        return str(address), int(port)
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str = "nccl") -> None:
+        _get(self.actor.join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
+
+    def weight_bucket_plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict[str, Any]]]:
+        """Per bucket, the metadata (name, dtype, shape) of its tensors in broadcast order."""
+        return _get(self.actor.weight_bucket_plan.remote(bucket_bytes, dtype))
+
+    def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
+        """Broadcast bucket `index` to the weight-update group; bytes sent."""
+        return _get(self.actor.broadcast_weight_bucket.remote(index, device))
+
+
+# -- rollout worker ------------------------------------------------------------------------------------
+class EngineClient:
+    """The rollout worker actor (engine + tokenizer + prompt source)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def alive(self) -> bool:
+        """The actor answers and its engine (server processes) lives."""
+        return _alive(self.actor)
+
+    def wait_started(self) -> None:
+        _get(self.actor.ping.remote())
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription.from_dict(_get(self.actor.describe.remote()))
+
+    def weight_version(self) -> int:
+        return int(_get(self.actor.weight_version.remote()))
+
+    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> list[Sample]:
+        return _get(self.actor.rollout.remote(rollout_id, split, greedy=greedy))
+
+    def start_rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> Pending[list[Sample]]:
+        """`rollout` without waiting (abort it with `abort`)."""
+        return Pending(self.actor.rollout.remote(rollout_id, split, greedy=greedy))
+
+    # control group: answers while a rollout runs
+    def abort(self, rids: list[str] | None = None, *, timeout: float | None = 60.0) -> int:
+        """Abort the running rollout's requests (all, or these); the abort calls sent."""
+        return int(_get(self.actor.abort.options(concurrency_group=CONTROL).remote(rids), timeout))
+
+    def inflight(self, *, timeout: float | None = 60.0) -> list[str]:
+        """Request ids in flight now (SGLang engines; empty for in-process ones)."""
+        return list(_get(self.actor.inflight.options(concurrency_group=CONTROL).remote(), timeout))
+
+    # colocation (placement=colocate, offload=true)
+    def release_memory(self) -> None:
+        _get(self.actor.release_memory.remote())
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None = both)."""
+        _get(self.actor.resume_memory.remote(tags))
+
+    # weights and parity
+    def update_weights(self, weights: Pending[dict[str, torch.Tensor]] | dict[str, torch.Tensor],
+                       weight_version: int) -> int:
+        """Load these weights (e.g. `trainer.named_weights()`, which goes actor to actor); the new version."""
+        named = weights.ref if isinstance(weights, Pending) else weights
+        return int(_get(self.actor.update_weights.remote(named, weight_version)))
+
+    def weight_checksums(self) -> dict[str, str]:
+        return _get(self.actor.weight_checksums.remote())
+
+    def weight_prefixes(self, names: list[str], n: int) -> dict[str, list[float]] | None:
+        """First `n` values of the named tensors as served (None: the model cannot export them)."""
+        return _get(self.actor.weight_prefixes.remote(names, n))
+
+    def engine_checks(self, weight_version: int) -> EngineChecks:
+        out = _get(self.actor.engine_checks.remote(weight_version))
+        return EngineChecks(mismatched=list(out["mismatched"]), notes=list(out["notes"]))
+
+    def prepare_overwrite_check(self) -> None:
+        _get(self.actor.prepare_overwrite_check.remote())
+
+    def finish_overwrite_check(self) -> WeightOverwriteCheck:
+        out = _get(self.actor.finish_overwrite_check.remote())
+        return WeightOverwriteCheck(ok=bool(out["ok"]), mismatched=list(out["mismatched"]),
+                                    servers=list(out["servers"]), summary=str(out["summary"]))
+
+    # weight sync paths (flows/weight_sync.py)
+    def weight_sync_mode(self) -> WeightSyncMode:
+        return _get(self.actor.weight_sync_mode.remote())
+
+    def payloads_per_bucket(self) -> int:
+        return int(_get(self.actor.payloads_per_bucket.remote()))
+
+    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int) -> int:
+        return int(_get(self.actor.apply_serialized_bucket.remote(payloads, last, weight_version)))
+
+    def in_weight_group(self, group_name: str) -> bool:
+        return bool(_get(self.actor.in_weight_group.remote(group_name)))
+
+    def weight_group_world_size(self) -> int:
+        return int(_get(self.actor.weight_group_world_size.remote()))
+
+    def join_weight_group(self, master_address: str, master_port: int, group_name: str,
+                          backend: str) -> Pending[None]:
+        """Start joining (it completes once the trainer joins too)."""
+        return Pending(self.actor.join_weight_group.remote(master_address, master_port, group_name, backend))
+
+    def receive_weight_bucket(self, metas: list[dict[str, Any]], last: bool, weight_version: int,
+                              group_name: str) -> Pending[int]:
+        """Start receiving a bucket (completes when the trainer has broadcast it); the engine's version."""
+        return Pending(self.actor.receive_weight_bucket.remote(metas, last, weight_version, group_name))
+
+
+# -- SGLang server actors --------------------------------------------------------------------------------
+class ServerClient:
+    """One engine's SGLang server actor."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    @staticmethod
+    def wait_started(servers: Sequence[ServerClient]) -> list[str]:
+        """Wait for every server's constructor (launch + /health; they start concurrently); their URLs."""
+        _get([s.actor.ping.remote() for s in servers])  # constructor errors (e.g. died at startup) surface here
+        return list(_get([s.actor.url.remote() for s in servers]))
+
+    def alive(self) -> bool:
+        return bool(_get(self.actor.alive.remote()))
+
+    def url(self) -> str:
+        return _get(self.actor.url.remote())
+
+    def info(self) -> ServerInfo:
+        return ServerInfo(**_get(self.actor.info.remote()))
+
+    def poll(self) -> int | None:
+        return _get(self.actor.poll.remote())
+
+    def log_tail(self, n: int | None = None) -> list[str]:
+        return _get(self.actor.log_tail.remote(n))
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        return _get(self.actor.stop.remote(timeout))

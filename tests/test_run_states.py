@@ -1,0 +1,215 @@
+"""Run states you can trust, against a real local Prefect server (its own database, a free loopback port):
+
+- a SIGKILLed flow run process becomes `Crashed` through heartbeats + the crash-detection automation;
+- a UI/API cancel of a directly-called (CLI-style) flow run ends it `Cancelled` and stops its Ray actors;
+- the deployment alert automation exists after the deploy step and fires on a failed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`prefect server start` in a subprocess on a free port with its own PREFECT_HOME; stopped by pid."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, **OFFLINE, "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(api + "/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: api}):
+            yield api
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _spawn(api: str, *args: str, extra_env: dict | None = None) -> subprocess.Popen:
+    from rollflow.infra.automations import heartbeat_env
+
+    env = {**os.environ, **OFFLINE, **heartbeat_env(), "PREFECT_API_URL": api,
+           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", **(extra_env or {})}
+    return subprocess.Popen([sys.executable, "-m", "tests.run_state_flows", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _flow_run_id(proc: subprocess.Popen, timeout: float = 90) -> tuple[str, list[str]]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("the flow process ended before its run started:\n" + "".join(lines))
+        lines.append(line)
+        if line.startswith("FLOW_RUN_ID "):
+            return line.split()[1], lines
+    raise AssertionError("no flow run id:\n" + "".join(lines))
+
+
+def _state(flow_run_id: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def _wait_state(flow_run_id: str, names: set[str], timeout: float) -> tuple[object, float]:
+    started = time.monotonic()
+    while True:
+        state = _state(flow_run_id)
+        if state is not None and state.name in names:
+            return state, time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"flow run {flow_run_id} is {state.name if state else None} after {timeout:.0f}s")
+        time.sleep(1.0)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_sigkilled_run_becomes_crashed(server):
+    from rollflow.infra.automations import CRASH_AUTOMATION, ensure_crash_detection
+
+    first = ensure_crash_detection()
+    assert ensure_crash_detection() == first  # idempotent: one automation by name
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert len(client.read_automations_by_name(CRASH_AUTOMATION)) == 1
+
+    proc = _spawn(server, "beat", "600")
+    try:
+        run_id, _ = _flow_run_id(proc)
+        _wait_state(run_id, {"Running"}, 30)
+        time.sleep(3)  # the first heartbeat is sent when the run starts
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        assert _state(run_id).name == "Running"
+        state, _ = _wait_state(run_id, {"Crashed"}, 120)
+        elapsed = time.monotonic() - killed
+        print(f"kill -> Crashed: {elapsed:.1f}s ({state.message})")
+        assert elapsed < 120
+        assert "heartbeat" in (state.message or "")
+    finally:
+        _stop(proc)
+
+
+def _named_actors(lines: list[str]) -> str:
+    for line in lines:
+        if line.startswith("ACTORS "):
+            return line.split(" ", 1)[1].strip()
+    raise AssertionError("no ACTORS line:\n" + "".join(lines))
+
+
+def test_api_cancel_ends_cancelled_and_stops_actors(server):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    proc = _spawn(server, "watched", "cancel-me", "300", extra_env={"RAY_AUTH_MODE": "disabled",
+                                                                     "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        run_id, lines = _flow_run_id(proc, timeout=120)
+        time.sleep(3)  # some task runs (actor calls) going on
+        assert _state(run_id).name == "Running"
+        with get_client(sync_client=True) as client:  # what the UI's Cancel button sends
+            result = client.set_flow_run_state(run_id, Cancelling(), force=False)
+        assert result.status.value == "ACCEPT"
+        asked = time.monotonic()
+        state, _ = _wait_state(run_id, {"Cancelled"}, 30)
+        elapsed = time.monotonic() - asked
+        print(f"cancel -> Cancelled: {elapsed:.1f}s ({state.message})")
+        out, _ = proc.communicate(timeout=60)
+        lines += out.splitlines(keepends=True)
+        assert proc.returncode == 0, "".join(lines)
+        assert "FINAL CANCELLED" in "".join(lines)
+        assert _named_actors(lines) == "[]"  # the run's engine and trainer are gone
+        assert elapsed < 10
+    finally:
+        _stop(proc)
+
+
+def test_nightly_alert_exists_after_deploy_and_fires(server):
+    from prefect.client.orchestration import get_client
+
+    from rollflow.flows.alignment import FLOW_NAME, NIGHTLY, nightly_parameters, register_nightly
+    from rollflow.flows.config import RunConfig
+    from rollflow.infra.automations import alert_name, automation_events
+
+    cfg = RunConfig(run="nightly-test")
+    deployment_id = register_nightly(cfg=cfg)  # the deploy step (`rollflow serve --register-only`)
+    assert register_nightly(cfg=cfg) == deployment_id
+    with get_client(sync_client=True) as client:
+        [auto] = client.read_automations_by_name(alert_name(f"{FLOW_NAME}/{NIGHTLY}"))  # one, however often deployed
+        assert auto.enabled
+        assert auto.trigger.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.Late"}
+        assert str(deployment_id) in str(auto.trigger.match_related)
+        # A forced-failing nightly run: a parameter the flow rejects (credentials in store.root), so the
+        # run fails at parameter validation without starting Ray.
+        params = nightly_parameters(cfg)
+        params["cfg"]["store"]["root"] = "s3://key:secret@bucket/prefix"
+        run = client.create_flow_run_from_deployment(deployment_id, parameters=params)
+    # executed as a worker / `rollflow serve` executes a deployment's run
+    env = {**os.environ, **OFFLINE, "PREFECT_API_URL": server, "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}
+    done = subprocess.run([str(Path(sys.executable).with_name("prefect")), "flow-run", "execute", str(run.id)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    _wait_state(str(run.id), {"Failed"}, 30)
+    deadline = time.monotonic() + 30
+    while True:
+        events = automation_events(auto.id)
+        fired = [e for e in events if e["event"] == "prefect.automation.triggered"]
+        if fired:
+            break
+        assert time.monotonic() < deadline, f"no firing of the alert: {events}\n{done.stdout}\n{done.stderr}"
+        time.sleep(1)
+    assert any(str(run.id) in json.dumps(e) for e in fired), fired
