@@ -162,8 +162,11 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
 
 def nightly_parameters(cfg: RunConfig | None = None, memory_budget_mb: float | None = None,
                        thresholds: AlignmentThresholds | None = None) -> dict[str, Any]:
+    """The nightly deployment's parameters: the alignment form (only the sections the check reads)."""
+    from rollflow.flows.deployments import params_of
+
     cfg = cfg or RunConfig(run="nightly")
-    params: dict[str, Any] = {"cfg": cfg.model_dump(mode="json"), "memory_budget_mb": memory_budget_mb}
+    params: dict[str, Any] = {"params": params_of(FLOW_NAME, cfg), "memory_budget_mb": memory_budget_mb}
     if thresholds is not None:
         params["thresholds"] = thresholds.model_dump(mode="json")
     return params
@@ -172,11 +175,15 @@ def nightly_parameters(cfg: RunConfig | None = None, memory_budget_mb: float | N
 def nightly_deployment(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
                        memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None,
                        timezone: str = "UTC"):
-    """The `nightly-alignment` deployment of `alignment_check` with a cron schedule (a RunnerDeployment)."""
+    """The `nightly-alignment` deployment with a cron schedule (a RunnerDeployment): the same one `rollflow
+    worker` serves next to the other flows (flows/deployments.py), so the two commands never disagree."""
+    from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
-    return alignment_check.to_deployment(
-        name=NIGHTLY,
+    from rollflow.flows.deployments import alignment_check as entry
+
+    return entry.to_deployment(
+        name=NIGHTLY, entrypoint_type=EntrypointType.MODULE_PATH,
         schedules=[Cron(cron, timezone=timezone)],
         parameters=nightly_parameters(cfg, memory_budget_mb, thresholds),
         description="Nightly precision-alignment check (coherence, step-1 log-prob equality, train/rollout "

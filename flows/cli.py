@@ -30,6 +30,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 server_app = typer.Typer(no_args_is_help=True, help="The local Prefect server (and S3 endpoint) on loopback.")
 app.add_typer(server_app, name="server")
 
+SubmitOpt = typer.Option(False, "--submit", help="create the run through its deployment (served by `rollflow worker` "
+                                                "or a work pool) instead of running it here; prints its UI URL")
+WatchOpt = typer.Option(False, "--watch", help="with --submit: follow the run until it ends (exit 1 unless Completed)")
+
 
 @app.callback()
 def _options(traceback: bool = typer.Option(
@@ -55,8 +59,13 @@ def run_training(cfg) -> dict:
 
     console.print(f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under "
                   f"{public(cfg.store.root)}/{cfg.run}; Prefect UI at {api.removesuffix('/api')}")
-    with iteration_progress(console):
-        summary = rl_train(cfg)
+    from prefect import tags
+
+    from rollflow.flows.naming import run_tags
+
+    flow = rl_train.with_options(retries=cfg.retries, retry_delay_seconds=5, timeout_seconds=cfg.timeout_s)
+    with iteration_progress(console), tags(*run_tags(cfg.run, "train")):
+        summary = flow(cfg)
     return summary
 
 
@@ -94,12 +103,18 @@ def demo(iterations: int = typer.Option(12, min=1), run: Optional[str] = typer.O
 def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
           resume_from: Optional[int] = typer.Option(
               None, "--resume-from", min=0, help="resume after this committed checkpoint instead of the latest "
-                                                 "(e.g. when the latest one's payload is corrupt)")) -> None:
+                                                 "(e.g. when the latest one's payload is corrupt)"),
+          submit: bool = SubmitOpt, watch: bool = WatchOpt) -> None:
     """Run (or resume) an RL training run: `rl_train` with the given RunConfig."""
     extra = [f"resume_from={resume_from}"] if resume_from is not None else []
     cfg = build_config(config, [*(sets or []), *extra])
     if cfg.debug.rollout_only or cfg.debug.train_only:
         fail("debug.rollout_only / debug.train_only: use `rollflow rollout` or `rollflow replay`")
+    if submit:
+        with user_errors("train"):
+            preflight(cfg, "train")
+            submit_run(cfg, "rl_train", "train", watch)
+        return
     with user_errors("train"):
         summary = run_training(cfg)
     print_summary(cfg, summary)
@@ -115,8 +130,32 @@ def run_flow(cfg, flow_fn, command: str, preflight_kwargs: dict | None = None, *
         notice(text)
     console.print(f"run [bold]{cfg.run}[/], artifacts under {public(cfg.store.root)}/{cfg.run}; "
                   f"Prefect UI at {api.removesuffix('/api')}")
-    with iteration_progress(console):
+    from prefect import tags
+
+    from rollflow.flows.naming import run_tags
+
+    with iteration_progress(console), tags(*run_tags(cfg.run, command)):
         return flow_fn(cfg, **kwargs)
+
+
+def submit_run(cfg, flow_name: str, mode: str, watch: bool, **flow_params) -> None:
+    """The same run as the local command, created through `flow_name`'s deployment (the UI's "Run" call)."""
+    from rollflow.flows.deployments import params_of
+    from rollflow.flows.naming import run_tags
+    from rollflow.flows.submit import submit
+    from rollflow.flows.submit import watch as follow
+
+    api = ensure_prefect_api()
+    params = {"params": params_of(flow_name, cfg), **{k: v for k, v in flow_params.items() if v is not None}}
+    try:
+        run = submit(flow_name, params, api, tags=run_tags(cfg.run, mode))
+    except LookupError as exc:
+        fail(str(exc))
+    console.print(f"submitted {run.deployment} as flow run {run.name} ({run.id}): {run.url}")
+    if watch:
+        final = follow(run.id, lambda name: console.print(f"  {name}"))
+        if final != "Completed":
+            raise typer.Exit(1)
 
 
 def ids_option(spec: Optional[str]) -> Optional[list[int]]:
@@ -133,13 +172,20 @@ def rollout(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOp
             ids: Optional[str] = typer.Option(None, help="rollout ids: 3, 0,2,5 or 0-4 (default 0..iterations-1)"),
             checkpoint: Optional[int] = typer.Option(None, help="engine weights from this run's checkpoint N"),
             save_debug_rollout_data: Optional[str] = typer.Option(
-                None, help="also export slime .pt files: template with {rollout_id}")) -> None:
+                None, help="also export slime .pt files: template with {rollout_id}"),
+            submit: bool = SubmitOpt, watch: bool = WatchOpt) -> None:
     """Rollout only (slime --debug-rollout-only): engines generate and persist artifacts; no trainer."""
     extra = ["debug.rollout_only=true"]
     if save_debug_rollout_data:
         extra.append(f"debug.save_debug_rollout_data={save_debug_rollout_data}")
     cfg = build_config(config, [*(sets or []), *extra])
     rollout_ids = ids_option(ids)
+    if submit:
+        with user_errors("rollout"):
+            preflight(cfg, "rollout")
+            submit_run(cfg, "rollout_only", "rollout", watch, rollout_ids=rollout_ids, checkpoint=checkpoint,
+                       save_debug_rollout_data=cfg.debug.save_debug_rollout_data)
+        return
     with user_errors("rollout"):
         result = run_flow(cfg, _flow("rollout_only"), "rollout", rollout_ids=rollout_ids, checkpoint=checkpoint)
     console.print_json(json.dumps(result))
@@ -157,7 +203,7 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
            import_run: Optional[str] = typer.Option(
                None, "--import-run", help="import the slime dumps into this (new) run instead of --set run: for a "
                                           "changed dump whose rollout id that run already imported"),
-           ) -> None:
+           submit: bool = SubmitOpt, watch: bool = WatchOpt) -> None:
     """Replay training (slime --debug-train-only): train on pinned rollouts; no engine is started."""
     extra = ["debug.train_only=true"]
     for key, value in (("load_debug_rollout_data", load_debug_rollout_data),
@@ -172,6 +218,16 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
         fail("--source-run replays a run's committed rollouts and --load-debug-rollout-data replays slime dumps: "
              "drop one of them")
     kwargs = {"import_run": import_run} if import_run is not None else {}
+    if submit:
+        if import_run is not None:
+            fail("--import-run is a local replay option; drop --submit or --import-run")
+        with user_errors("replay"):
+            preflight(cfg, "replay", rollout_ids=rollout_ids, source_run=source_run)
+            submit_run(cfg, "replay_train", "replay", watch, rollout_ids=rollout_ids, source_run=source_run,
+                       load_debug_rollout_data=cfg.debug.load_debug_rollout_data,
+                       subsample=cfg.debug.load_debug_rollout_data_subsample, dump_details=cfg.debug.dump_details,
+                       use_cache=not no_cache)
+        return
     with user_errors("replay"):
         result = run_flow(cfg, _flow("replay_train"), "replay",
                           preflight_kwargs={"rollout_ids": rollout_ids, "source_run": source_run},
@@ -183,6 +239,32 @@ def _flow(name: str):
     import rollflow.flows.debug as debug
 
     return getattr(debug, name)
+
+
+@app.command()
+def worker(nightly_cron: str = typer.Option("0 2 * * *", help="cron (UTC) of the nightly alignment check; '' for none"),
+           config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+    """Serve every flow as a deployment (`<flow>/worker`) plus the nightly alignment check, from this process.
+
+    Runs created in the UI, by `--submit` or by the schedule execute here; keep it alive as a service
+    (infra/rollflow-worker.service). --config/--set give the nightly check's parameters."""
+    from rollflow.flows.cli_common import plain_console
+
+    with user_errors("worker"):
+        cfg = build_config(config, [*(sets or [])], {"run": "nightly"})
+        api = ensure_prefect_api()
+        from prefect import serve
+
+        from rollflow.flows.deployments import served_deployments
+        from rollflow.infra.automations import apply_with_alert
+
+        deployments = served_deployments(nightly_cron or None, cfg)
+        for dep in deployments:
+            if "nightly" in (dep.tags or []):
+                apply_with_alert(dep)  # the alert on Failed/Crashed/Late nightly runs exists before any run
+        names = ", ".join(f"{d.flow_name}/{d.name}" for d in deployments)
+        plain_console().print(f"serving {names}; UI: {api.removesuffix('/api')}/deployments")
+        serve(*deployments, print_starting_message=False)
 
 
 @app.command("config")

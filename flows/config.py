@@ -46,6 +46,10 @@ def reject_credentials(value: Optional[str], field: str) -> Optional[str]:
 class StoreConfig(_Strict):
     root: str = Field("runs", description="artifact root: a local path or any fsspec URL (file://, s3://); "
                                           "S3 credentials and endpoint come from the AWS environment variables")
+    results: Optional[str] = Field(
+        None, description="Prefect result storage of cached task results (replay steps): a local path, or a saved "
+                          "Prefect filesystem block as 'type/name' (e.g. remote-file-system/rollflow-s3 with basepath "
+                          "s3://bucket/results) so workers on other machines reuse them; default: Prefect's own")
 
     @field_validator("root")
     @classmethod
@@ -71,6 +75,9 @@ class DebugConfig(_Strict):
         None, gt=0, le=1, description="keep this fraction of prompt groups (first and last halves)")
     dump_details: Optional[str] = Field(
         None, description="folder for rollout artifacts + per-token train dumps (log-probs, advantages)")
+    fail_after_iteration: Optional[int] = Field(
+        None, ge=1, description="fault drill: rl_train fails right after committing this iteration's checkpoint, on "
+                                "the first attempt of its flow run only (exercises retry -> resume; off by default)")
     check_weight_update_equal: bool = Field(
         False, description="SGLang engines, at startup: snapshot the engine's weights, randomise them, sync the "
                            "trainer's, and require every tensor back bit for bit (the whole name mapping, fusing "
@@ -97,6 +104,9 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(1, ge=1)
     eval_every: int = Field(0, ge=0, description="greedy eval every k iterations (0 = off)")
     resume: bool = Field(True, description="continue after the last committed checkpoint of this run")
+    retries: int = Field(0, ge=0, le=100, description="flow-level retries of rl_train: each retry continues the same "
+                                                     "flow run from the last committed checkpoint")
+    timeout_s: Optional[float] = Field(None, gt=0, description="flow run timeout in seconds (None = no limit)")
     resume_from: Optional[int] = Field(
         None, ge=0, description="resume after this committed checkpoint instead of the latest (e.g. the latest "
                                 "one's payload is corrupt); later checkpoints are redone")

@@ -77,15 +77,84 @@ def replay_cache_key(context, parameters: dict) -> str:
     return parameters["cache_key"]
 
 
+def start_replay_workers(cfg: RunConfig) -> None:
+    """Ray, the run's placement (GPUs only) and its trainer ranks; no engine."""
+    connect_ray(cfg)
+    group = WorkerGroup.for_run(cfg)
+    group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
+    group.start_trainer(None)
+
+
+@task(name="start-workers", cache_policy=NO_CACHE)
+def start_replay_workers_task(cfg: RunConfig) -> None:
+    start_replay_workers(cfg)
+
+
+def replay_trainer(cfg: RunConfig):
+    """The run's trainer; started here if the cache pre-check expected a hit that then missed (a result
+    deleted in between), so a replay never fails for want of a worker."""
+    connect_ray(cfg)
+    group = WorkerGroup.for_run(cfg)
+    if not group.any_running():
+        start_replay_workers(cfg)
+    return group.trainer()
+
+
+def replay_keys(cfg: RunConfig, store: RolloutStore, refs: list[dict]) -> list[str]:
+    """One cache key per step: content, starting state (the previous step's key), train config; never the run
+    name, so an identical replay under another run name hits."""
+    keys, start_key = [], "initial"
+    for ref in refs:
+        parts = [artifact_digest(store, ArtifactRef.from_dict(ref)), start_key, cfg.train_hash(),
+                 str(cfg.debug.load_debug_rollout_data_subsample), str(cfg.rollout.reward_key_for("train"))]
+        start_key = "replay-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+        keys.append(start_key)
+    return keys
+
+
+def cached_step(cfg: RunConfig, key: str, result_storage) -> bool:
+    """Whether step `key` is a cache hit: its Prefect result and its resulting trainer state both exist."""
+    if not state_exists(replay_cache_uri(cfg, key)):
+        return False
+    from prefect.results import get_result_store
+
+    task_obj = replay_train_task.with_options(result_storage=result_storage) if result_storage else replay_train_task
+    try:
+        return get_result_store().update_for_task(task_obj, _sync=True).exists(key)
+    except Exception:  # noqa: BLE001 - unknown means "train": correct, only slower
+        return False
+
+
 @task(name="replay-train", cache_key_fn=replay_cache_key, persist_result=True)
 def replay_train_task(cfg: RunConfig, ref: dict, *, cache_key: str, start_state_uri: str | None,
                       out_state_uri: str) -> dict[str, float]:
     """Train on one pinned artifact from a fixed starting state; cached on `cache_key`."""
-    return WorkerGroup.for_run(cfg).trainer().replay_step(
+    return replay_trainer(cfg).replay_step(
         ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
         subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref["rollout_id"]),
         reward_key=cfg.rollout.reward_key_for(ref["split"]),
     )
+
+
+def replay_cache_uri(cfg: RunConfig, key: str) -> str:
+    """Where a replay step's resulting trainer state lives: by cache key, not by run name, so an identical
+    replay under another run name reuses it."""
+    return RolloutStore(cfg.store.root).path_uri(f"_replay_cache/{key}/trainer.pt")
+
+
+def replay_result_storage(cfg: RunConfig):
+    """Prefect result storage of the replay step's cached metrics: `store.results` (a local path or a saved
+    Prefect filesystem block such as 'remote-file-system/rollflow-results' for S3), else Prefect's default."""
+    value = cfg.store.results
+    if not value:
+        return None
+    if "/" in value and not value.startswith(("/", ".", "~")) and "://" not in value:
+        from prefect.filesystems import WritableFileSystem
+
+        return WritableFileSystem.load(value)
+    from pathlib import Path
+
+    return Path(value).expanduser()
 
 
 def artifact_digest(store: RolloutStore, ref: ArtifactRef) -> str:
@@ -159,7 +228,6 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     log = get_run_logger()
     for notice in cfg.notices:
         log.warning(notice)
-    connect_ray(cfg)
     RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     source_run = source_run or cfg.run
     vocab_size = model_vocab_size(cfg.model.path)
@@ -167,21 +235,24 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     verify_pinned(cfg, [*refs, *eval_refs.values()], vocab_size)
     store = RolloutStore(cfg.store.root)
     rows: list[dict] = []
-    start_state, start_key = None, "initial"
-    group = WorkerGroup.for_run(cfg)  # a trainer only: no engine
-    group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
+    start_state = None
+    result_storage = replay_result_storage(cfg)
+    keys = replay_keys(cfg, store, refs)
+    # The cache is consulted before any worker exists: an all-hit replay starts no Ray and no trainer.
+    all_cached = use_cache and all(cached_step(cfg, key, result_storage) for key in keys)
     try:
-        group.start_trainer(None)
-        for ref in refs:
+        if not all_cached:
+            reporting.stage("start-workers")
+            start_replay_workers_task(cfg)
+        for ref, key in zip(refs, keys):
             art = ArtifactRef.from_dict(ref)
             reporting.stage("start", art.rollout_id)
             copy_to_dump(cfg, ref)
-            key_parts = [artifact_digest(store, art), start_key, cfg.train_hash(),
-                         str(cfg.debug.load_debug_rollout_data_subsample), str(cfg.rollout.reward_key_for("train"))]
-            key = "replay-" + hashlib.sha256("|".join(key_parts).encode()).hexdigest()[:32]
-            out_state = f"{store.run_uri(cfg.run)}/replay_states/{key}/trainer.pt"
+            out_state = replay_cache_uri(cfg, key)
             reporting.stage("train")
-            options = {} if use_cache and state_exists(out_state) else {"refresh_cache": True}
+            options: dict = {} if use_cache and state_exists(out_state) else {"refresh_cache": True}
+            if result_storage is not None:
+                options["result_storage"] = result_storage
             state = replay_train_task.with_options(**options)(
                 cfg, ref, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True)
             metrics = state.result()
@@ -193,12 +264,19 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
             reporting.stage("done", art.rollout_id,
                             f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
                             f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}")
-            start_state, start_key = out_state, key
+            start_state = out_state
     finally:
-        group.stop_all()
+        if _ray_started():
+            WorkerGroup.for_run(cfg).stop_all()
     _publish_replay(cfg, rows)
     return {"run": cfg.run, "source_run": import_run or source_run, "steps": rows, "final_state": start_state,
-            "eval_ids": sorted(eval_refs)}
+            "eval_ids": sorted(eval_refs), "workers_started": not all_cached}
+
+
+def _ray_started() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def _publish_replay(cfg: RunConfig, rows: list[dict]) -> None:

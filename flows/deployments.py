@@ -30,14 +30,14 @@ from rollflow.tasks.checks import AlignmentThresholds
 
 SERVED = "worker"  # deployment name of every flow served by `rollflow worker`
 POOL = "pool"  # deployment name of every flow in infra/prefect.yaml (a process work pool)
-NIGHTLY = "nightly-alignment"
+NIGHTLY = _alignment.NIGHTLY
 NIGHTLY_POOL = "nightly-alignment-pool"
 
 _COMMON = ("run", "model", "store", "ray", "resources")
 SECTIONS: dict[str, tuple[str, ...]] = {
     # what each flow reads of RunConfig; the rest keeps RunConfig's defaults
     "rl_train": (*_COMMON, "iterations", "checkpoint_every", "eval_every", "resume", "data", "rollout", "algo",
-                 "train", "placement", "offload", "debug"),
+                 "train", "placement", "offload", "debug"),  # retries: the deployment's own (UI Retry resumes)
     "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
     "alignment_check": (*_COMMON, "data", "rollout", "algo", "train"),
@@ -90,17 +90,17 @@ def _like(original: Flow, fn: Callable[..., Any]) -> Flow:
     )
 
 
-def _rl_train_entry(params: TrainParams) -> dict:  # type: ignore[valid-type]
+def rl_train(params: TrainParams) -> dict:  # type: ignore[valid-type]
     return _train.rl_train.fn(to_run_config(params))
 
 
-def _rollout_only_entry(params: RolloutParams, rollout_ids: Optional[list[int]] = None,  # type: ignore[valid-type]
+def rollout_only(params: RolloutParams, rollout_ids: Optional[list[int]] = None,  # type: ignore[valid-type]
                         checkpoint: Optional[int] = None, save_debug_rollout_data: Optional[str] = None) -> dict:
     cfg = to_run_config(params, rollout_only=True, save_debug_rollout_data=save_debug_rollout_data)
     return _debug.rollout_only.fn(cfg, rollout_ids=rollout_ids, checkpoint=checkpoint)
 
 
-def _replay_train_entry(params: ReplayParams, rollout_ids: Optional[list[int]] = None,  # type: ignore[valid-type]
+def replay_train(params: ReplayParams, rollout_ids: Optional[list[int]] = None,  # type: ignore[valid-type]
                         source_run: Optional[str] = None, load_debug_rollout_data: Optional[str] = None,
                         subsample: Optional[float] = None, dump_details: Optional[str] = None,
                         use_cache: bool = True) -> dict:
@@ -109,25 +109,27 @@ def _replay_train_entry(params: ReplayParams, rollout_ids: Optional[list[int]] =
     return _debug.replay_train.fn(cfg, rollout_ids=rollout_ids, source_run=source_run, use_cache=use_cache)
 
 
-def _alignment_entry(params: AlignmentParams, memory_budget_mb: Optional[float] = None,  # type: ignore[valid-type]
+def alignment_check(params: AlignmentParams, memory_budget_mb: Optional[float] = None,  # type: ignore[valid-type]
                      thresholds: Optional[AlignmentThresholds] = None) -> dict:
     return _alignment.alignment_check.fn(to_run_config(params), memory_budget_mb=memory_budget_mb,
                                      thresholds=thresholds)
 
 
-def _bisect_entry(params: BisectParams, crash_when: Optional[str] = None,  # type: ignore[valid-type]
+def ima_bisect(params: BisectParams, crash_when: Optional[str] = None,  # type: ignore[valid-type]
                   timeout_s: float = 300, coredump: bool = True, fault: Optional[str] = None, parallel: int = 1,
                   rollout_id: int = 0) -> dict:
     return _bisect.ima_bisect.fn(to_run_config(params), crash_when=crash_when, timeout_s=timeout_s,
                                 coredump=coredump, fault=fault, parallel=parallel, rollout_id=rollout_id)
 
 
-# The deployable flows (entrypoints `rollflow.flows.deployments:<name>` in infra/prefect.yaml).
-rl_train = _like(_train.rl_train, _rl_train_entry)
-rollout_only = _like(_debug.rollout_only, _rollout_only_entry)
-replay_train = _like(_debug.replay_train, _replay_train_entry)
-alignment_check = _like(_alignment.alignment_check, _alignment_entry)
-ima_bisect = _like(_bisect.ima_bisect, _bisect_entry)
+# The deployable flows (entrypoints `rollflow.flows.deployments:<name>` in infra/prefect.yaml): each name is
+# first the plain entry function above, then the Flow wrapping it, so an entrypoint loads the Flow itself
+# (with its run names, retries and hooks), never a bare function Prefect would wrap anew.
+rl_train = _like(_train.rl_train, rl_train)
+rollout_only = _like(_debug.rollout_only, rollout_only)
+replay_train = _like(_debug.replay_train, replay_train)
+alignment_check = _like(_alignment.alignment_check, alignment_check)
+ima_bisect = _like(_bisect.ima_bisect, ima_bisect)
 
 
 def entry_flows() -> dict[str, Flow]:
@@ -148,20 +150,15 @@ def deployment_name(flow_name: str, route: str = SERVED) -> str:
 def served_deployments(nightly_cron: str | None = "0 2 * * *", nightly_cfg: RunConfig | None = None,
                        memory_budget_mb: float | None = None) -> list:
     """RunnerDeployments of all five flows (`<flow>/worker`), plus the scheduled nightly alignment check."""
-    from prefect.schedules import Cron
+    from prefect.deployments.runner import EntrypointType
 
     flows = entry_flows()
     out = []
     for name, entry in flows.items():
         out.append(entry.to_deployment(
-            name=SERVED, parameters=default_parameters(name), tags=["rollflow", name],
+            name=SERVED, entrypoint_type=EntrypointType.MODULE_PATH, parameters=default_parameters(name),
+            tags=["rollflow", name],
             description=f"{entry.description or name} (served by `rollflow worker`)"))
     if nightly_cron:
-        cfg = nightly_cfg or RunConfig(run="nightly")
-        out.append(flows["alignment_check"].to_deployment(
-            name=NIGHTLY, schedules=[Cron(nightly_cron, timezone="UTC")],
-            parameters={"params": params_of("alignment_check", cfg), "memory_budget_mb": memory_budget_mb},
-            tags=["rollflow", "alignment", "nightly"],
-            description="Nightly precision-alignment check (coherence, step-1 log-prob equality, train/rollout "
-                        "mismatch, one-step update, weight-sync parity, step-2 load and peak memory)."))
+        out.append(_alignment.nightly_deployment(nightly_cron, nightly_cfg, memory_budget_mb=memory_budget_mb))
     return out

@@ -16,6 +16,7 @@ from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
+from rollflow.flows.naming import flow_run_name
 from rollflow.flows.exports import dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup
 from rollflow.flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
@@ -160,7 +161,8 @@ def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train",
     if store.exists(cfg.run, split, rollout_id):
         return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
     reporting.stage("generate")
-    samples = generate_task(cfg, rollout_id, split, greedy, weight_version)
+    # distinct task names in the UI: the train rollout and the (greedy) eval rollout
+    samples = generate_task.with_options(name=f"generate-{split}")(cfg, rollout_id, split, greedy, weight_version)
     reporting.stage("reward")
     # quote(): Prefect would otherwise walk every Sample of the argument twice (~0.4 s at 2,048).
     samples = reward_task(cfg, quote(samples))
@@ -176,7 +178,7 @@ def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = N
                         reward_key=cfg.rollout.reward_key_for("eval"))
 
 
-@flow(name="rl_iteration")
+@flow(name="rl_iteration", flow_run_name=flow_run_name("/iter-{rollout_id:04d}"))
 def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     """One RL iteration on rollout `rollout_id`; afterwards the engine holds weight version rollout_id + 1."""
     started = time.perf_counter()

@@ -113,13 +113,62 @@ def artifact_key(*parts: str) -> str:
 
 def publish_iteration(cfg: RunConfig, rows: list[dict], rollout_uri: str) -> None:
     """Metrics table (versioned by key) and a link to the rollout artifact in the Prefect UI."""
-    from prefect.artifacts import create_link_artifact, create_table_artifact
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
     columns = ["iteration", *HEADLINE, "rollout_uri"]
     table = [{c: (round(r[c], 6) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows]
     create_table_artifact(key=artifact_key(cfg.run, "metrics"), table=table,
                           description=f"Per-iteration metrics of run `{cfg.run}`")
     last = rows[-1]["iteration"]
-    create_link_artifact(key=artifact_key(cfg.run, "rollout"), link=rollout_uri,
-                         link_text=f"rollout artifact of iteration {last}",
-                         description=f"Rollout artifact of iteration {last} of run `{cfg.run}`")
+    if rollout_uri.startswith(("http://", "https://")):
+        create_link_artifact(key=artifact_key(cfg.run, "rollout"), link=rollout_uri,
+                             link_text=f"rollout artifact of iteration {last}",
+                             description=f"Rollout artifact of iteration {last} of run `{cfg.run}`")
+    else:
+        # file paths and s3:// URIs are no browser links: show them as text, with the command that reads them
+        create_markdown_artifact(key=artifact_key(cfg.run, "rollout"),
+                                 markdown=f"Rollout artifact of iteration {last}:\n\n`{rollout_uri}`\n\n"
+                                          f"Inspect it with `rollflow show {rollout_uri}`.",
+                                 description=f"Rollout artifact of iteration {last} of run `{cfg.run}`")
+
+
+def publish_note(cfg: RunConfig, topic: str, text: str) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(key=artifact_key(cfg.run, topic), markdown=text, description=text[:500])
+
+
+def publish_summary(cfg: RunConfig, summary: dict, rows: list[dict], plot_path: str | None,
+                    note: str | None = None) -> None:
+    """The rl_train run's own artifact: final metrics, eval accuracy, where everything is, the reward curve."""
+    import base64
+
+    from prefect.artifacts import create_markdown_artifact
+
+    from rollflow.artifacts.store import RolloutStore
+
+    store = RolloutStore(cfg.store.root)
+    lines = [f"# rollflow run `{cfg.run}`", ""]
+    if note:
+        lines += [f"> {note}", ""]
+    lines += ["| metric | value |", "|---|---|"]
+    for key, value in summary.items():
+        lines.append(f"| {key} | {round(value, 6) if isinstance(value, float) else value} |")
+    if rows:
+        lines += ["", "## Last iteration", "", "| metric | value |", "|---|---|"]
+        for key in ["iteration", *HEADLINE]:
+            if key in rows[-1]:
+                value = rows[-1][key]
+                lines.append(f"| {key} | {round(value, 6) if isinstance(value, float) else value} |")
+    lines += ["", "## Where things are", "",
+              f"- rollout artifacts: `{store.run_uri(cfg.run)}/rollouts/`",
+              f"- checkpoints: `{store.run_uri(cfg.run)}/checkpoints/`",
+              f"- metrics: `{run_file(cfg, 'metrics.jsonl')[1]}`"]
+    if plot_path:
+        fs, _ = run_file(cfg, "reward_curve.png")
+        with fs.open(plot_path, "rb") as f:
+            png = base64.b64encode(f.read()).decode()
+        lines += [f"- reward curve: `{plot_path}`", "", "## Reward curve", "",
+                  f"![reward curve](data:image/png;base64,{png})"]
+    create_markdown_artifact(key=artifact_key(cfg.run, "summary"), markdown="\n".join(lines),
+                             description=f"Summary of rollflow run `{cfg.run}`")

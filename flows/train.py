@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.store import RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
 from rollflow.flows.config import RunConfig
+from rollflow.flows.naming import flow_run_name
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
 
 
 class RunExistsError(RuntimeError):
     pass
+
+
+class InjectedFault(RuntimeError):
+    """debug.fail_after_iteration fired (a drill, not a bug)."""
 
 
 def resume_point(cfg: RunConfig) -> int:
@@ -46,15 +52,45 @@ def resume_point(cfg: RunConfig) -> int:
 
 
 # The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
-@flow(name="rl_train", on_failure=[stop_actors_hook], on_crashed=[stop_actors_hook])
+@task(name="start-workers", cache_policy=NO_CACHE)
+def start_workers_task(cfg: RunConfig, start: int) -> None:
+    """Placement, trainer and engine (the ~10 s of start-up, visible as its own task in the UI)."""
+    group = WorkerGroup.for_run(cfg)
+    group.start_placement()
+    group.start_trainer(start)
+    group.start_engine(start)
+
+
+def retry_note(cfg: RunConfig, start: int) -> str | None:
+    """On a retry of this flow run (UI Retry, `prefect flow-run retry`, flow-level retries): what it continues."""
+    from prefect.runtime import flow_run
+
+    count = flow_run.run_count or 1
+    if count <= 1:
+        return None
+    where = f"checkpoint {start}" if start else "the start (no committed checkpoint)"
+    return (f"retry {count - 1} of flow run {flow_run.name} ({flow_run.id}): run {cfg.run!r} resumes from {where}, "
+            "reusing every committed rollout")
+
+
+# The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
+@flow(name="rl_train", flow_run_name=flow_run_name(), on_failure=[stop_actors_hook], on_crashed=[stop_actors_hook])
 def rl_train(cfg: RunConfig) -> dict:
     if cfg.debug.rollout_only or cfg.debug.train_only:
         raise ValueError(
             "rl_train runs the full loop; debug.rollout_only / debug.train_only select the rollout_only and "
             "replay_train flows (`rollflow rollout` / `rollflow replay`)"
         )
-    connect_ray(cfg)
+    from prefect.runtime import flow_run
+
+    if (flow_run.run_count or 1) > 1 and not cfg.resume:
+        cfg = cfg.model_copy(update={"resume": True})  # a retry of this flow run continues it
     start = resume_point(cfg)
+    note = retry_note(cfg, start)
+    if note:
+        get_run_logger().warning(note)
+        reporting.publish_note(cfg, "resume", note)
+    connect_ray(cfg)
     reporting.truncate_metrics(cfg, start)
     if start >= cfg.iterations:
         get_run_logger().warning(f"run {cfg.run!r} already finished {start} iterations; nothing to do")
@@ -70,15 +106,17 @@ def rl_train(cfg: RunConfig) -> dict:
     # UI cancel (Cancelling) of a run no runner watches (a CLI call): stop the actors, end Cancelled.
     watcher = CancellationWatcher(current_flow_run_id(), group.stop_all).start()
     try:
-        group.start_placement()
-        group.start_trainer(start)
-        group.start_engine(start)
+        reporting.stage("start-workers")
+        start_workers_task(cfg, start)
         if cfg.debug.check_weight_update_equal and cfg.rollout.engine == "sglang":
             reporting.stage("check weight update")
             check_weight_update_task(cfg, start)
         for rollout_id in range(start, cfg.iterations):
             row = rl_iteration(cfg, rollout_id)
             get_run_logger().info(reporting.metrics_line(row))
+            if cfg.debug.fail_after_iteration == rollout_id + 1 and (flow_run.run_count or 1) == 1:
+                raise InjectedFault(f"debug.fail_after_iteration={rollout_id + 1}: failing after the committed "
+                                    "checkpoint on purpose; retry this flow run to resume it")
         if cfg.eval_every:
             reporting.stage("final eval")
             final = eval_metrics(cfg, cfg.iterations)
@@ -94,8 +132,10 @@ def rl_train(cfg: RunConfig) -> dict:
         watcher.stop()
         group.stop_all()
     rows = reporting.read_metrics(cfg)
-    reporting.plot_rewards(cfg, rows)
-    return summarize(cfg, rows, start)
+    plot = reporting.plot_rewards(cfg, rows)
+    summary = summarize(cfg, rows, start)
+    reporting.publish_summary(cfg, summary, rows, plot, note=note)
+    return summary
 
 
 def check_data_resume(cfg: RunConfig, start: int) -> dict:

@@ -13,6 +13,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+PREFECT_OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+                   "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+
 
 @pytest.fixture(scope="session")
 def prefect_api():
@@ -22,6 +25,52 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` in a subprocess (its own PREFECT_HOME and database, a free loopback port) for the
+    session: what deployments, workers and automations need. Yields the API URL; stopped by pid. Tests set
+    it as their current API themselves (temporary_settings / env), so it never leaks into other tests."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    def healthy(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback
+                return resp.status == 200
+        except OSError:
+            return False
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, **PREFECT_OFFLINE, "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy(api + "/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield api
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 # Dummy credentials for the loopback S3 endpoint. The secret is distinctive so tests can assert it

@@ -30,7 +30,8 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
     from prefect import get_client
     from prefect.artifacts import Artifact
 
-    from rollflow.flows.alignment import alignment_check, register_nightly
+    from rollflow.flows.alignment import register_nightly
+    from rollflow.flows.deployments import alignment_check
 
     cfg = small_config(tmp_path, run="nightly-t")
     dep_id = register_nightly("0 2 * * *", cfg)
@@ -40,8 +41,8 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
     assert len(dep.schedules) == 1 and dep.schedules[0].active
     schedule = dep.schedules[0].schedule
     assert schedule.cron == "0 2 * * *" and schedule.timezone == "UTC"
-    assert dep.parameters["cfg"]["run"] == "nightly-t" and dep.parameters["memory_budget_mb"] is None
-    assert "cfg" in dep.parameter_openapi_schema["properties"]  # pydantic parameters: a form in the UI
+    assert dep.parameters["params"]["run"] == "nightly-t" and dep.parameters["memory_budget_mb"] is None
+    assert "params" in dep.parameter_openapi_schema["properties"]  # pydantic parameters: a form in the UI
 
     # What a scheduled run executes: the flow with the deployment's (JSON) parameters.
     out = alignment_check(**dep.parameters)
@@ -118,4 +119,4 @@ def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
     assert result.exit_code == 0, result.output
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("alignment_check/nightly-alignment")
-    assert dep.schedules[0].schedule.cron == "30 3 * * *" and dep.parameters["cfg"]["run"] == "cli-nightly"
+    assert dep.schedules[0].schedule.cron == "30 3 * * *" and dep.parameters["params"]["run"] == "cli-nightly"

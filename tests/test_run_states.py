@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,51 +22,13 @@ OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`prefect server start` in a subprocess on a free port with its own PREFECT_HOME; stopped by pid."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, **OFFLINE, "PREFECT_HOME": str(home)}
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(api + "/health"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+def server(prefect_server):
+    """The session's real Prefect server (tests/conftest.py), as this module's current API."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        with temporary_settings({PREFECT_API_URL: api}):
-            yield api
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        yield prefect_server
 
 
 def _spawn(api: str, *args: str, extra_env: dict | None = None) -> subprocess.Popen:
@@ -197,7 +158,7 @@ def test_nightly_alert_exists_after_deploy_and_fires(server):
         # A forced-failing nightly run: a parameter the flow rejects (credentials in store.root), so the
         # run fails at parameter validation without starting Ray.
         params = nightly_parameters(cfg)
-        params["cfg"]["store"]["root"] = "s3://key:secret@bucket/prefix"
+        params["params"]["store"]["root"] = "s3://key:secret@bucket/prefix"
         run = client.create_flow_run_from_deployment(deployment_id, parameters=params)
     # executed as a worker / `rollflow serve` executes a deployment's run
     env = {**os.environ, **OFFLINE, "PREFECT_API_URL": server, "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}

@@ -1,0 +1,228 @@
+"""Every flow a deployment, against a real Prefect server and a real `rollflow worker` process:
+
+- the five flows are listed as deployments, each with a form of only the RunConfig sections it reads;
+- a replay_train run created from its deployment (the UI's "Run" call) completes, and an identical replay
+  under another run name is Cached without starting Ray;
+- a failed rl_train deployment run retried through the UI's Retry call resumes in the same flow run,
+  regenerates no rollout, and ends with the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOWS = {"rl_train", "rollout_only", "replay_train", "alignment_check", "ima_bisect"}
+# small enough for the 2-core CI box; the same shape in every run so results are comparable
+SMALL = {"data": {"prompts_per_rollout": 8}, "rollout": {"n_samples_per_prompt": 2, "threads": 1},
+         "train": {"threads": 1}}
+
+
+def test_each_flow_has_a_form_of_what_it_reads():
+    from prefect.utilities.callables import parameter_schema
+
+    from rollflow.flows.config import RunConfig
+    from rollflow.flows.deployments import PARAMS_MODELS, SECTIONS, entry_flows, to_run_config
+
+    flows = entry_flows()
+    assert set(flows) == FLOWS
+    all_fields = set(RunConfig.model_fields)
+    for name, entry in flows.items():
+        assert entry.name == name  # the UI groups deployment runs with CLI runs of the same flow
+        schema = parameter_schema(entry.fn).model_dump()
+        assert "params" in schema["properties"]
+        fields = set(PARAMS_MODELS[name].model_fields)
+        assert fields == set(SECTIONS[name]) and fields < all_fields
+        # defaults of every form are a valid RunConfig
+        assert isinstance(to_run_config(PARAMS_MODELS[name]()), RunConfig)
+    assert "train" not in PARAMS_MODELS["rollout_only"].model_fields
+    assert "train" not in PARAMS_MODELS["ima_bisect"].model_fields
+    assert "debug" not in PARAMS_MODELS["alignment_check"].model_fields
+
+
+def test_prefect_yaml_and_worker_use_distinct_names():
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    from rollflow.flows.deployments import NIGHTLY, POOL, SERVED
+
+    project = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
+    deps = project["deployments"]
+    assert {d["entrypoint"].rsplit(":", 1)[1] for d in deps} == FLOWS
+    pool_names = {(d["entrypoint"].rsplit(":", 1)[1], d["name"]) for d in deps}
+    served = {(f, SERVED) for f in FLOWS} | {("alignment_check", NIGHTLY)}
+    assert not pool_names & served  # the two routes never overwrite each other
+    assert {(f, POOL) for f in FLOWS} <= pool_names
+    for dep in deps:
+        flow = load_flow_from_entrypoint(dep["entrypoint"])
+        assert flow.name == dep["entrypoint"].rsplit(":", 1)[1]
+
+
+# ---- a real worker ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def worker(prefect_server, tmp_path_factory):
+    """`rollflow worker` serving every flow from one process, against the session's Prefect server."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from rollflow.infra.automations import heartbeat_env
+
+    cwd = tmp_path_factory.mktemp("worker")
+    env = {**os.environ, **heartbeat_env(), "PREFECT_API_URL": prefect_server,
+           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled"}
+    log = open(cwd / "worker.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("rollflow")), "worker", "--nightly-cron", ""],
+                            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_server}):
+            _wait_deployments(proc, cwd / "worker.log")
+            yield cwd
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _wait_deployments(proc, log_path: Path, timeout: float = 120) -> None:
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            names = {(client.read_flow(d.flow_id).name, d.name) for d in client.read_deployments()}
+        if {(f, "worker") for f in FLOWS} <= names:
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"worker did not register its deployments: {names}\n{log_path.read_text()[-3000:]}")
+        time.sleep(1)
+
+
+def _run(flow_name: str, parameters: dict, timeout: float = 240):
+    """Create a run from the deployment (the UI's "Run" call) and wait until it is final."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(f"{flow_name}/worker")
+        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters)
+    return _wait_final(run.id, timeout)
+
+
+def _wait_final(flow_run_id, timeout: float):
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            if time.monotonic() > deadline:
+                raise AssertionError(f"flow run {run.name} still {run.state.name if run.state else None}")
+            time.sleep(1)
+
+
+def _task_runs(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def _logs(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(entry.message for entry in logs)
+
+
+def _params(flow_name: str, run: str, root: Path, **extra) -> dict:
+    """A flow's form: only the sections it has (the server validates runs against the deployment's schema)."""
+    from rollflow.flows.deployments import SECTIONS
+
+    small = {k: v for k, v in SMALL.items() if k in SECTIONS[flow_name]}
+    return {"run": run, "store": {"root": str(root)}, **small, **extra}
+
+
+@pytest.mark.slow
+def test_replay_deployment_runs_then_hits_cache_across_run_names(worker, tmp_path):
+    root = tmp_path / "runs"
+    src = _run("rollout_only", {"params": _params("rollout_only", "src", root, iterations=2)})
+    assert src.state.name == "Completed", _logs(src.id)
+
+    first = _run("replay_train", {"params": _params("replay_train", "replay-a", root), "rollout_ids": [0, 1],
+                                  "source_run": "src"})
+    assert first.state.name == "Completed", _logs(first.id)
+    names = [t.name for t in _task_runs(first.id)]
+    assert any(n.startswith("start-workers") for n in names)
+    assert sum(n.startswith("replay-train") for n in names) == 2
+
+    again = _run("replay_train", {"params": _params("replay_train", "replay-b", root), "rollout_ids": [0, 1],
+                                  "source_run": "src"})
+    assert again.state.name == "Completed", _logs(again.id)
+    tasks = _task_runs(again.id)
+    replays = [t for t in tasks if t.name.startswith("replay-train")]
+    assert len(replays) == 2 and all(t.state.name == "Cached" for t in replays)
+    assert not any(t.name.startswith("start-workers") for t in tasks)  # no Ray, no trainer
+    assert again.total_run_time.total_seconds() < 3.0, again.total_run_time
+
+
+def _weights(root: Path, run: str, iteration: int) -> dict:
+    import torch
+
+    from rollflow.tasks.train.checkpoint import load_checkpoint
+
+    return torch.load(io.BytesIO(load_checkpoint(str(root), run, iteration)), map_location="cpu",
+                      weights_only=True)["model"]
+
+
+def _manifests(root: Path, run: str) -> dict:
+    out = {}
+    for path in sorted((root / run / "rollouts").rglob("manifest.json")):
+        out[str(path.relative_to(root))] = (path.stat().st_mtime_ns, path.read_bytes())
+    return out
+
+
+@pytest.mark.slow
+def test_failed_rl_train_retried_from_ui_resumes_in_the_same_run(worker, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.states import AwaitingRetry
+
+    root = tmp_path / "runs"
+    failed = _run("rl_train", {"params": _params("rl_train", "retry", root, iterations=3,
+                                                 debug={"fail_after_iteration": 2})})
+    assert failed.state.name == "Failed", _logs(failed.id)
+    assert failed.name == "retry", _logs(failed.id)  # flow runs are named after the rollflow run
+    before = _manifests(root, "retry")
+    assert len(before) == 2
+
+    with get_client(sync_client=True) as client:  # the UI's Retry button
+        client.set_flow_run_state(failed.id, AwaitingRetry(message="Retry from the UI"), force=True)
+    retried = _wait_final(failed.id, 240)
+    assert retried.state.name == "Completed", _logs(failed.id)
+    assert retried.run_count == 2
+    logs = _logs(failed.id)
+    assert "resumes from checkpoint 2" in logs
+    after = _manifests(root, "retry")
+    assert {k: v for k, v in after.items() if k in before} == before  # no rollout regenerated
+    assert len(after) == 3
+
+    reference = _run("rl_train", {"params": _params("rl_train", "straight", root, iterations=3)})
+    assert reference.state.name == "Completed", _logs(reference.id)
+    resumed, straight = _weights(root, "retry", 3), _weights(root, "straight", 3)
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        assert (resumed[name] == straight[name]).all(), name
