@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
+from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.tasks.debug.alignment import WorkerRunner, run_alignment
 from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds
@@ -89,6 +90,19 @@ def _phase_as_task(name: str, fn: Callable[[], Any]) -> Any:
     return task(name=name, cache_policy=NO_CACHE, retries=0)(body)()
 
 
+class CheckFailed(RuntimeError):
+    """One alignment check failed (its task ends Failed; the flow fails after publishing the report)."""
+
+
+@task(name="check", cache_policy=NO_CACHE, retries=0)
+def check_task(check: dict) -> dict:
+    """A check's verdict as a task state: Completed (pass / warn) or Failed (fail), with its message."""
+    if check["status"] == "fail":
+        causes = "; ".join(check.get("causes") or [])
+        raise CheckFailed(f"{check['name']}: {check['message']}" + (f" (likely causes: {causes})" if causes else ""))
+    return check
+
+
 def report_path(cfg: RunConfig, stamp: str) -> tuple[Any, str]:
     fs, path = reporting.run_file(cfg, posixpath.join("alignment", f"{stamp}.json"))
     return fs, path
@@ -124,6 +138,7 @@ def publish_report(cfg: RunConfig, report: AlignmentReport, json_path: str) -> N
 
 
 @flow(name=FLOW_NAME)
+@one_run_at_a_time(lambda cfg: alignment_config(cfg).run)
 def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
                     thresholds: Optional[AlignmentThresholds] = None,
                     faults: Optional[AlignmentFaults] = None) -> dict:
@@ -148,6 +163,8 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
         workers.clear()
     report.context["run"] = cfg.run
     report.context["actors"] = acfg.run
+    for check in report.checks:  # one task per check: a failed check is a red task in the UI, not only the flow
+        check_task.with_options(name=f"check-{check.name}")(check.to_dict(), return_state=True)
     path = write_report_json(cfg, report)
     publish_report(cfg, report, path)
     out = report.to_dict() | {"json_path": path}

@@ -267,6 +267,30 @@ def worker(nightly_cron: str = typer.Option("0 2 * * *", help="cron (UTC) of the
         serve(*deployments, print_starting_message=False)
 
 
+@app.command()
+def automations(alert_on: Optional[List[str]] = typer.Option(
+        None, "--alert-on", help="deployment to alert on (Failed/Crashed/Late runs), repeatable; default "
+                                 "alignment_check/nightly-alignment-pool (infra/prefect.yaml's nightly)")) -> None:
+    """Create (idempotently) the crash-detection automation and the alerts of deployments registered with
+    `prefect deploy` (`rollflow worker` and `rollflow serve` do this themselves)."""
+    with user_errors("automations"):
+        ensure_prefect_api()
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        from rollflow.infra.automations import ensure_crash_detection, ensure_deployment_alert
+
+        console.print(f"crash detection: automation {ensure_crash_detection()}")
+        for name in alert_on or ["alignment_check/nightly-alignment-pool"]:
+            with get_client(sync_client=True) as client:
+                try:
+                    dep = client.read_deployment_by_name(name)
+                except ObjectNotFound:
+                    fail(f"deployment {name!r} is not registered: run `prefect deploy --prefect-file "
+                         "infra/prefect.yaml --all` first, or name another with --alert-on FLOW/DEPLOYMENT")
+            console.print(f"alert on {name}: automation {ensure_deployment_alert(dep.id, name)}")
+
+
 @app.command("config")
 def show_config(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Print the validated RunConfig (every field with its value) as JSON."""

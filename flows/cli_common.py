@@ -32,7 +32,7 @@ LOG_DIR_ENV = "ROLLFLOW_LOG_DIR"
 # wrappers, which subclass the original type, and classes of lazily imported modules both count).
 USER_ERROR_NAMES = frozenset({
     "ConfigError", "PreflightError", "ArtifactError", "CheckpointError", "DataResumeMismatch", "DataExhausted",
-    "RunExistsError", "ModelDirError", "ValueError", "FileNotFoundError", "PermissionError", "NotADirectoryError",
+    "RunExistsError", "RunBusy", "ModelDirError", "ValueError", "FileNotFoundError", "PermissionError", "NotADirectoryError",
     "IsADirectoryError", "KeyError", "NotImplementedError", "typer.BadParameter",
 })
 
@@ -158,6 +158,9 @@ def _actor_died(exc: BaseException) -> bool:
 def error_line(exc: BaseException) -> tuple[str, int]:
     """(one-line message, exit code) for an exception that ended a command."""
     chain = list(_chain(exc))
+    if any(type(e).__name__ in ("CancelledRun", "RunCancelled") for e in chain):
+        return ("the run was cancelled (from the Prefect UI or API) and its workers were stopped; committed "
+                "rollouts and checkpoints are kept: run the same command again to resume"), 1
     died = next((e for e in chain if _actor_died(e)), None)
     if died is not None:
         first = next((line for line in str(died).splitlines() if line.strip()), type(died).__name__)

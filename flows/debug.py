@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
+from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
@@ -25,6 +26,7 @@ from rollflow.tasks.train.checkpoint import state_exists
 
 
 @flow(name="rollout_only")
+@one_run_at_a_time()
 def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoint: int | None = None) -> dict:
     """Generate, score and persist rollouts with engines only (`--debug-rollout-only`)."""
     log = get_run_logger()
@@ -217,6 +219,7 @@ def replay_eval_metrics(cfg: RunConfig, ref: dict) -> dict[str, float]:
 
 
 @flow(name="replay_train")
+@one_run_at_a_time()
 def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_run: str | None = None,
                  use_cache: bool = True, import_run: str | None = None) -> dict:
     """Train on pinned rollouts without any engine (`--debug-train-only` / `--load-debug-rollout-data`).

@@ -9,6 +9,7 @@ from rollflow.artifacts.store import RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
 from rollflow.flows.config import RunConfig
+from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.naming import flow_run_name
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
@@ -75,6 +76,7 @@ def retry_note(cfg: RunConfig, start: int) -> str | None:
 
 # The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
 @flow(name="rl_train", flow_run_name=flow_run_name(), on_failure=[stop_actors_hook], on_crashed=[stop_actors_hook])
+@one_run_at_a_time()
 def rl_train(cfg: RunConfig) -> dict:
     if cfg.debug.rollout_only or cfg.debug.train_only:
         raise ValueError(

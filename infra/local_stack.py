@@ -69,7 +69,8 @@ def start_prefect(port: int = 4200, timeout: float = 90.0) -> str:
     prefect = Path(sys.executable).with_name("prefect")
     argv = [str(prefect) if prefect.exists() else "prefect", "server", "start", "--host", "127.0.0.1",
             "--port", str(port)]
-    _spawn("prefect", argv, OFFLINE_ENV)
+    # the browser app asks PREFECT_UI_API_URL (default port 4200): point it at this server's port
+    _spawn("prefect", argv, {**OFFLINE_ENV, "PREFECT_UI_API_URL": api})
     _wait(api + "/health", timeout, "prefect")
     return api
 

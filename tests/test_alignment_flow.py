@@ -87,6 +87,16 @@ def test_tiny_memory_budget_fails_the_flow_run(tmp_path, prefect_api, ray_local)
     markdown = Artifact.get("budget-t-alignment")
     assert markdown is not None and "**Result: FAIL**" in markdown.data
     assert "FAILED" in _flow_run_states("alignment_check")
+    # the failing check is a Failed task of that flow run; the passing ones are Completed
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        run_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        tasks = client.read_task_runs(flow_run_filter=run_filter)
+    check_states = {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks if t.name.startswith("check-")}
+    assert check_states["check-step2_load_and_memory"] == "Failed"
+    assert check_states["check-coherence"] == "Completed" and len(check_states) == 6
 
 
 def test_prefect_yaml_declares_the_nightly_deployment():

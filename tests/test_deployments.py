@@ -68,40 +68,52 @@ def test_prefect_yaml_and_worker_use_distinct_names():
 
 # ---- a real worker ----------------------------------------------------------------------------------------
 
+def _start_worker(api: str, cwd: Path, *args: str) -> subprocess.Popen:
+    from rollflow.infra.automations import heartbeat_env
+
+    env = {**os.environ, **heartbeat_env(), "PREFECT_API_URL": api,
+           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled"}
+    log = open(cwd / "worker.log", "ab")  # noqa: SIM115 - the child holds it
+    try:
+        return subprocess.Popen([str(Path(sys.executable).with_name("rollflow")), "worker", *args], cwd=cwd, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()
+
+
+def _stop_worker(proc: subprocess.Popen) -> None:
+    """What a service manager does: SIGINT (the unit's KillSignal), then wait."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def worker(prefect_server, tmp_path_factory):
     """`rollflow worker` serving every flow from one process, against the session's Prefect server."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from rollflow.infra.automations import heartbeat_env
-
     cwd = tmp_path_factory.mktemp("worker")
-    env = {**os.environ, **heartbeat_env(), "PREFECT_API_URL": prefect_server,
-           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled"}
-    log = open(cwd / "worker.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("rollflow")), "worker", "--nightly-cron", ""],
-                            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _start_worker(prefect_server, cwd, "--nightly-cron", "")
     try:
         with temporary_settings({PREFECT_API_URL: prefect_server}):
             _wait_deployments(proc, cwd / "worker.log")
             yield cwd
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        _stop_worker(proc)
 
 
-def _wait_deployments(proc, log_path: Path, timeout: float = 120) -> None:
+def _wait_deployments(proc, log_path: Path, timeout: float = 120, also: tuple = ()) -> None:
     from prefect.client.orchestration import get_client
 
     deadline = time.monotonic() + timeout
     while True:
         with get_client(sync_client=True) as client:
-            names = {(client.read_flow(d.flow_id).name, d.name) for d in client.read_deployments()}
-        if {(f, "worker") for f in FLOWS} <= names:
+            names = {(client.read_flow(d.flow_id).name, d.name) for d in client.read_deployments() if not d.paused}
+        if {(f, "worker") for f in FLOWS} | set(also) <= names:
             return
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"worker did not register its deployments: {names}\n{log_path.read_text()[-3000:]}")
@@ -226,3 +238,56 @@ def test_failed_rl_train_retried_from_ui_resumes_in_the_same_run(worker, tmp_pat
     assert resumed.keys() == straight.keys()
     for name in straight:
         assert (resumed[name] == straight[name]).all(), name
+
+
+@pytest.mark.slow
+def test_nightly_schedule_and_alert_survive_a_worker_restart(prefect_server, tmp_path):
+    """Stopping `rollflow worker` pauses its deployments (Prefect's serve); the restarted service brings the
+    nightly schedule back, and the alert automation exists from the first start on (one, however often)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from rollflow.flows.deployments import NIGHTLY
+    from rollflow.infra.automations import alert_name
+
+    nightly = ("alignment_check", NIGHTLY)
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        for attempt in range(2):  # first start, then the restart a service manager does
+            proc = _start_worker(prefect_server, tmp_path, "--nightly-cron", "15 3 * * *")
+            try:
+                _wait_deployments(proc, tmp_path / "worker.log", also=(nightly,))
+                with get_client(sync_client=True) as client:
+                    dep = client.read_deployment_by_name("alignment_check/" + NIGHTLY)
+                    assert not dep.paused
+                    assert [s.schedule.cron for s in dep.schedules if s.active] == ["15 3 * * *"]
+                    autos = client.read_automations_by_name(alert_name("alignment_check/" + NIGHTLY))
+                    assert len(autos) == 1 and autos[0].enabled
+                    assert str(dep.id) in str(autos[0].trigger.match_related)
+            finally:
+                _stop_worker(proc)
+
+
+def test_automations_command_after_prefect_deploy(prefect_server, monkeypatch):
+    """The pool route (`prefect deploy` runs none of our code) gets its crash detection and nightly alert
+    from `rollflow automations`; a deployment that is not registered is one clear line, exit 2."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from typer.testing import CliRunner
+
+    from rollflow.flows.cli import app
+    from rollflow.flows.deployments import NIGHTLY_POOL, alignment_check
+    from rollflow.infra.automations import CRASH_AUTOMATION, alert_name
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+    name = f"alignment_check/{NIGHTLY_POOL}"
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        missing = CliRunner().invoke(app, ["automations", "--alert-on", "alignment_check/not-deployed"])
+        assert missing.exit_code == 2 and "'alignment_check/not-deployed' is not registered" in missing.output
+        dep_id = alignment_check.to_deployment(name=NIGHTLY_POOL).apply()  # what `prefect deploy` registers
+        for _ in range(2):  # idempotent
+            done = CliRunner().invoke(app, ["automations"])
+            assert done.exit_code == 0, done.output
+        with get_client(sync_client=True) as client:
+            assert len(client.read_automations_by_name(CRASH_AUTOMATION)) == 1
+            [alert] = client.read_automations_by_name(alert_name(name))
+        assert str(dep_id) in str(alert.trigger.match_related)
