@@ -21,7 +21,7 @@ from uuid import UUID
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rollflow.flows import reporting
+from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
 from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.group import WorkerGroup, connect_ray
@@ -168,6 +168,7 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
     path = write_report_json(cfg, report)
     publish_report(cfg, report, path)
     out = report.to_dict() | {"json_path": path}
+    tracking.log_alignment(cfg, out, path)  # one point per check figure per run: the nightly trend
     if not report.ok:
         logger.error(report.summary())
         raise AlignmentFailed(f"{report.summary()} (report: {path})", out, path)

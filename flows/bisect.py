@@ -24,7 +24,7 @@ import fsspec
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rollflow.flows import reporting
+from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
 from rollflow.tasks.debug.ima import (
     COREDUMP,
@@ -199,4 +199,7 @@ def _publish(cfg: RunConfig, report: BisectReport, fs, run_path: str, scratch: P
     out = report.to_dict()
     out.update({"json_path": report_path if local else report_uri, "report_uri": report_uri,
                 "coredump_links": links, "rows": report.rows()})
+    with tracking.start(cfg, "ima_bisect", suffix="-ima-bisect", links={"rollflow.ima_report": report_uri}) as tracker:
+        tracker.log_text("ima_verdict", markdown)  # the verdict table
+        tracker.set_summary({"ima.verdict": report.verdict.text})
     return out

@@ -98,6 +98,40 @@ class DebugConfig(_Strict):
         return reject_credentials(value, "debug.dump_details")
 
 
+TRACKING_BACKENDS = ("tensorboard", "mlflow", "wandb")
+
+
+class TrackingConfig(_Strict):
+    """Experiment tracking next to metrics.jsonl (flows/tracking.py); every backend is optional
+    (`pip install 'rollflow[tracking]'`) and none is on by default."""
+
+    backends: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list, description="any of tensorboard, mlflow, wandb (empty = metrics.jsonl only)")
+    project: str = Field("rollflow", description="W&B project (and the MLflow experiment unless `experiment` is set)")
+    experiment: Optional[str] = Field(None, description="MLflow experiment name (default: `project`)")
+    run_name: Optional[str] = Field(None, description="tracking run name (default: the rollflow run name)")
+    uri: Optional[str] = Field(
+        None, description="MLflow tracking URI: a server URL, sqlite:///path or a folder; default: "
+                          "{store.root}/mlruns for a local store, ./mlruns otherwise")
+    dir: Optional[str] = Field(
+        None, description="local folder for TensorBoard event files and W&B run files; default: "
+                          "{store.root}/{run}/ for a local store, ./rollflow-tracking/{run}/ otherwise")
+    wandb_mode: Optional[Literal["online", "offline"]] = Field(
+        None, description="W&B mode (default: WANDB_MODE, else online); offline needs no account")
+    fatal: bool = Field(False, description="a tracking backend that errors fails the run (default: it is reported "
+                                           "once and disabled, training goes on)")
+
+    @field_validator("backends")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_no_credentials(cls, value: Optional[str]) -> Optional[str]:
+        return reject_credentials(value, "tracking.uri")
+
+
 class RunConfig(_Strict):
     run: str = Field("demo", description="run name: the namespace of artifacts, checkpoints and actors")
     iterations: int = Field(12, ge=1, description="RL iterations (one rollout each)")
@@ -123,6 +157,8 @@ class RunConfig(_Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig,
                                        description="GPU budget and layout (all 0 = CPU, no placement group)")
     debug: DebugConfig = DebugConfig()
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig,
+                                     description="TensorBoard / MLflow / W&B logging of the metrics (off by default)")
     _notices: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("run")

@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
-from rollflow.flows import reporting
+from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
 from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
@@ -35,6 +35,7 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
     connect_ray(cfg)
     RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
     ids = rollout_ids if rollout_ids is not None else list(range(cfg.iterations))
+    tracker = tracking.start(cfg, "rollout_only", suffix="-rollout")  # a new tracking run per call; step = rollout id
     group = WorkerGroup.for_run(cfg)  # engines only: no trainer
     group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
     try:
@@ -50,9 +51,16 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
             if cfg.eval_every and rollout_id % cfg.eval_every == 0:
                 row.update(eval_metrics(cfg, rollout_id, weight_version=checkpoint or 0))
             out["rollouts"][rollout_id] = row
+            tracker.log(tracking.numeric_metrics({"rollout/raw_reward": row["raw_reward"],
+                                                  **{k: v for k, v in row.items() if k.startswith("eval/")}}),
+                        rollout_id)
             reporting.stage("done", rollout_id, f"rollout {rollout_id}: reward {row['raw_reward']:.4f}  {row['uri']}")
+    except BaseException:
+        tracker.close(ok=False)
+        raise
     finally:
         group.stop_all()
+    tracker.close(ok=True)
     return out
 
 
@@ -272,6 +280,8 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
         if _ray_started():
             WorkerGroup.for_run(cfg).stop_all()
     _publish_replay(cfg, rows)
+    with tracking.start(cfg, "replay_train", suffix="-replay") as tracker:  # step = rollout id
+        tracker.log_rows(rows, step_key="rollout_id")
     return {"run": cfg.run, "source_run": import_run or source_run, "steps": rows, "final_state": start_state,
             "eval_ids": sorted(eval_refs), "workers_started": not all_cached}
 

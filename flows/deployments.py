@@ -33,7 +33,7 @@ POOL = "pool"  # deployment name of every flow in infra/prefect.yaml (a process 
 NIGHTLY = _alignment.NIGHTLY
 NIGHTLY_POOL = "nightly-alignment-pool"
 
-_COMMON = ("run", "model", "store", "ray", "resources")
+_COMMON = ("run", "model", "store", "ray", "resources", "tracking")
 SECTIONS: dict[str, tuple[str, ...]] = {
     # what each flow reads of RunConfig; the rest keeps RunConfig's defaults
     "rl_train": (*_COMMON, "iterations", "checkpoint_every", "eval_every", "resume", "data", "rollout", "algo",
@@ -41,7 +41,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
     "alignment_check": (*_COMMON, "data", "rollout", "algo", "train"),
-    "ima_bisect": ("run", "model", "store", "data", "rollout"),
+    "ima_bisect": ("run", "model", "store", "data", "rollout", "tracking"),
 }
 
 

@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.store import RolloutStore
-from rollflow.flows import reporting
+from rollflow.flows import reporting, tracking
 from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
 from rollflow.flows.config import RunConfig
 from rollflow.flows.run_lock import one_run_at_a_time
@@ -105,6 +105,15 @@ def rl_train(cfg: RunConfig) -> dict:
     # With GPUs (resources.num_gpus > 0) the run's placement group is reserved once, here; the actors
     # (and any restart of them) go into its bundles, and stop_all releases it.
     group = WorkerGroup.for_run(cfg)
+    # TensorBoard / MLflow / W&B (tracking.backends): the same tracking run across resumes; a row is logged
+    # once its checkpoint is committed, so no step is logged twice. A failing sink never fails the run.
+    with tracking.start_train(cfg, start) as tracker:
+        return _train_loop(cfg, start, group, tracker, note)
+
+
+def _train_loop(cfg: RunConfig, start: int, group: WorkerGroup, tracker: tracking.Tracker, note: str | None) -> dict:
+    from prefect.runtime import flow_run
+
     # UI cancel (Cancelling) of a run no runner watches (a CLI call): stop the actors, end Cancelled.
     watcher = CancellationWatcher(current_flow_run_id(), group.stop_all).start()
     try:
@@ -116,6 +125,8 @@ def rl_train(cfg: RunConfig) -> dict:
         for rollout_id in range(start, cfg.iterations):
             row = rl_iteration(cfg, rollout_id)
             get_run_logger().info(reporting.metrics_line(row))
+            if tracking.checkpointed(cfg, row["iteration"]):
+                tracking.log_committed(tracker, cfg, row["iteration"])
             if cfg.debug.fail_after_iteration == rollout_id + 1 and (flow_run.run_count or 1) == 1:
                 raise InjectedFault(f"debug.fail_after_iteration={rollout_id + 1}: failing after the committed "
                                     "checkpoint on purpose; retry this flow run to resume it")
@@ -126,6 +137,8 @@ def rl_train(cfg: RunConfig) -> dict:
             rows[-1]["eval/final_accuracy"] = final["eval/accuracy"]
             rows[-1].update({k.replace("eval/", "eval/final_"): v for k, v in final.items() if "pass@" in k})
             reporting.write_metrics(cfg, rows)
+            tracker.log(tracking.numeric_metrics({k: v for k, v in rows[-1].items() if k.startswith("eval/final_")}),
+                        cfg.iterations)
     except BaseException:
         if watcher.cancelled:
             return watcher.cancelled_state()
@@ -137,6 +150,9 @@ def rl_train(cfg: RunConfig) -> dict:
     plot = reporting.plot_rewards(cfg, rows)
     summary = summarize(cfg, rows, start)
     reporting.publish_summary(cfg, summary, rows, plot, note=note)
+    if tracker.active:
+        tracker.log_file(plot if plot and tracking.local_store_root(cfg) else None)
+        tracker.set_summary(summary)
     return summary
 
 

@@ -27,3 +27,30 @@ def test_second_run_of_a_name_is_refused_while_the_first_holds_it(prefect_api, t
     # other names are independent
     with exclusive_run("busy-run"), exclusive_run("other-run", wait_s=2):
         pass
+
+
+def test_a_killed_holder_is_reclaimed_at_once(prefect_api, tmp_path):
+    """kill -9 of the run holding the name, then the same command again: no wait for the lease to expire."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom rollflow.flows.run_lock import exclusive_run\n"
+                               "with exclusive_run('killed-run'):\n    print('HELD', flush=True)\n    time.sleep(600)\n"],
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    from rollflow.flows.run_lock import exclusive_run
+
+    started = time.monotonic()
+    with exclusive_run("killed-run", wait_s=0):  # wait_s=0: only a reclaim can get it
+        pass
+    assert time.monotonic() - started < 5

@@ -174,3 +174,51 @@ def test_nightly_alert_exists_after_deploy_and_fires(server):
         assert time.monotonic() < deadline, f"no firing of the alert: {events}\n{done.stdout}\n{done.stderr}"
         time.sleep(1)
     assert any(str(run.id) in json.dumps(e) for e in fired), fired
+
+
+@pytest.mark.slow
+def test_ui_cancel_of_a_cli_train_run_ends_cancelled_and_stops_its_actors(server, ray_local, tmp_path):
+    """The real thing: `rollflow train` in a terminal, Cancel in the UI. The CLI joins the test's Ray cluster
+    (ray.address), so its detached actors would outlive the process unless the cancel stopped them."""
+    import ray
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.states import Cancelling
+
+    from rollflow.infra.automations import heartbeat_env
+    from rollflow.infra.workers import NAMESPACE
+
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, **OFFLINE, **heartbeat_env(), "PREFECT_API_URL": server, "RAY_AUTH_MODE": "disabled"}
+    argv = [str(Path(sys.executable).with_name("rollflow")), "train", "--set", "run=cancel-cli",
+            "--set", "iterations=200", "--set", f"store.root={tmp_path}", "--set", f"ray.address={address}",
+            "--set", "data.prompts_per_rollout=8", "--set", "rollout.n_samples_per_prompt=2"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+    def run_actors() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NAMESPACE and a["name"].startswith("cancel-cli:")]
+
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "cancel-cli" / "metrics.jsonl").exists():  # training is under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(1)
+        assert run_actors()
+        with get_client(sync_client=True) as client:
+            [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["cancel-cli"])))
+            assert run.state.name == "Running"
+            client.set_flow_run_state(run.id, Cancelling(), force=False)  # the UI's Cancel button
+        asked = time.monotonic()
+        _wait_state(str(run.id), {"Cancelled"}, 30)
+        elapsed = time.monotonic() - asked
+        out, _ = proc.communicate(timeout=60)
+        assert "the run was cancelled" in out and proc.returncode == 1, out
+        assert elapsed < 10, elapsed
+        deadline = time.monotonic() + 10
+        while run_actors():  # a kill frees the name shortly after
+            assert time.monotonic() < deadline, run_actors()
+            time.sleep(0.5)
+    finally:
+        _stop(proc)
