@@ -111,8 +111,9 @@ class TrackingConfig(_Strict):
     experiment: Optional[str] = Field(None, description="MLflow experiment name (default: `project`)")
     run_name: Optional[str] = Field(None, description="tracking run name (default: the rollflow run name)")
     uri: Optional[str] = Field(
-        None, description="MLflow tracking URI: a server URL, sqlite:///path or a folder; default: "
-                          "{store.root}/mlruns for a local store, ./mlruns otherwise")
+        None, description="MLflow tracking URI: a server URL, sqlite:///path, or a local folder (a SQLite store "
+                          "mlflow.db plus artifacts in it); default: the folder {store.root}/mlruns for a local "
+                          "store, ./mlruns otherwise")
     dir: Optional[str] = Field(
         None, description="local folder for TensorBoard event files and W&B run files; default: "
                           "{store.root}/{run}/ for a local store, ./rollflow-tracking/{run}/ otherwise")

@@ -25,6 +25,7 @@ import os
 import posixpath
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -272,7 +273,7 @@ class WandbSink(Sink):
             import wandb
         except ImportError as exc:
             raise ImportError(f"tracking backend 'wandb' is not installed: {EXTRA}") from exc
-        run_id = state.get("wandb_run_id") or wandb.util.generate_id()
+        run_id = state.get("wandb_run_id") or uuid.uuid4().hex[:8]
         self.folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=self.project, name=self.run_name, id=run_id, resume="allow",
                               dir=str(self.folder), mode=self.mode or os.environ.get("WANDB_MODE") or "online",

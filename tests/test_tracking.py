@@ -144,6 +144,20 @@ def test_import_of_the_cli_loads_no_tracking_backend():
     assert out.stdout.strip() == "[]"
 
 
+def test_schema_helpers():
+    from rollflow.flows.tracking import alignment_metrics, config_params, mlflow_key, numeric_metrics
+    from rollflow.flows.config import RunConfig
+
+    row = {"iteration": 2, "rollout_id": 1, "train/loss": 0.5, "sync/parity_ok": True, "rollout_uri": "file:///x"}
+    assert numeric_metrics(row) == {"rollout_id": 1.0, "train/loss": 0.5, "sync/parity_ok": 1.0}
+    assert mlflow_key("eval/pass@4") == "eval/pass_at_4" and mlflow_key("train/loss") == "train/loss"
+    report = {"checks": [{"name": "one_step_update", "status": "warn", "figures": {"ppo_kl": 0.0, "note": "x"}}]}
+    assert alignment_metrics(report) == {"alignment/one_step_update/status": 0.5,
+                                         "alignment/one_step_update/ppo_kl": 0.0}
+    params = config_params(RunConfig())
+    assert params["algo.advantage_estimator"] == "grpo" and "tracking.backends" in params
+
+
 def test_missing_backend_is_one_line_naming_the_extra(tmp_path, monkeypatch, problems):
     from rollflow.flows import tracking
 
@@ -230,9 +244,12 @@ def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api,
     [wandb_run] = list((tmp_path / "tracked" / "wandb").glob("offline-run-*"))
     assert state["wandb_run_id"] in wandb_run.name
     assert wandb_steps(tmp_path / "tracked") == expected
-    files = wandb_run / "files"
-    assert "algo" in (files / "config.yaml").read_text()
-    assert (files / "reward_curve.png").exists()
+    config = {item.key: json.loads(item.value_json) for log in wandb_run.glob("run-*.wandb")
+              for record in wandb_records(log) if record.WhichOneof("record_type") == "run"
+              for item in record.run.config.update}  # the config logged with the run's start
+    assert config["algo.advantage_estimator"] == cfg.algo.advantage_estimator
+    assert not [k for k in config if "secret" in k.lower() or "token" in k.lower()]
+    assert (wandb_run / "files" / "reward_curve.png").exists()
 
 
 @pytest.mark.slow
