@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
+from rollflow.flows.naming import tag_current_run
 from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.tasks.debug.alignment import WorkerRunner, run_alignment
@@ -147,6 +148,7 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
     Fails (after publishing the report) when any check fails. `memory_budget_mb` bounds the largest
     worker peak (host RSS or CUDA); `faults` injects known failures, to see what they look like.
     """
+    tag_current_run(cfg.run, "align")
     logger = get_run_logger()
     acfg = alignment_config(cfg)
     connect_ray(acfg)

@@ -26,6 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
+from rollflow.flows.naming import tag_current_run
 from rollflow.tasks.debug.ima import (
     COREDUMP,
     ERROR,
@@ -107,6 +108,7 @@ def ima_bisect(cfg: RunConfig, crash_when: str | None = None, timeout_s: float =
     step in matching cells only (`fault`: abort | raise on CPU, triton_oob | device_assert on CUDA; default
     by device). `parallel` cells run at once (mind GPU memory with a real model).
     """
+    tag_current_run(cfg.run, "bisect")
     log = get_run_logger()
     if crash_when is not None:
         crash_when = format_toggles(parse_toggles(crash_when))  # a typo fails here, before anything runs

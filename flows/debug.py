@@ -21,6 +21,7 @@ from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
+from rollflow.flows.naming import tag_current_run
 from rollflow.flows.preflight import parse_ids  # noqa: F401 - re-exported
 from rollflow.tasks.train.checkpoint import state_exists
 
@@ -29,6 +30,7 @@ from rollflow.tasks.train.checkpoint import state_exists
 @one_run_at_a_time()
 def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoint: int | None = None) -> dict:
     """Generate, score and persist rollouts with engines only (`--debug-rollout-only`)."""
+    tag_current_run(cfg.run, "rollout")
     log = get_run_logger()
     for notice in cfg.notices:
         log.warning(notice)
@@ -236,6 +238,7 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     their eval metrics are added to the rows of ids that are multiples of it."""
     from rollflow.flows.preflight import model_vocab_size
 
+    tag_current_run(cfg.run, "replay")
     log = get_run_logger()
     for notice in cfg.notices:
         log.warning(notice)

@@ -29,3 +29,23 @@ def flow_run_name(suffix: str = "") -> Callable[[], str]:
 
 def run_tags(run: str, mode: str) -> list[str]:
     return ["rollflow", f"run:{run}", f"mode:{mode}"]
+
+
+def tag_current_run(run: str, mode: str) -> None:
+    """Add `run:<name>` and `mode:<mode>` to the current flow run's tags: runs created in the UI or by a
+    schedule carry only their deployment's tags. Best effort: tags never fail a run."""
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            current = set(client.read_flow_run(flow_run.id).tags or [])
+            wanted = current | set(run_tags(run, mode))
+            if wanted != current:
+                client.update_flow_run(flow_run.id, tags=sorted(wanted))
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger("rollflow.naming").warning(f"could not tag flow run {flow_run.id}: {exc}")

@@ -10,7 +10,7 @@ from rollflow.flows import reporting, tracking
 from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
 from rollflow.flows.config import RunConfig
 from rollflow.flows.run_lock import one_run_at_a_time
-from rollflow.flows.naming import flow_run_name
+from rollflow.flows.naming import flow_run_name, tag_current_run
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
 
@@ -85,6 +85,7 @@ def rl_train(cfg: RunConfig) -> dict:
         )
     from prefect.runtime import flow_run
 
+    tag_current_run(cfg.run, "train")
     if (flow_run.run_count or 1) > 1 and not cfg.resume:
         cfg = cfg.model_copy(update={"resume": True})  # a retry of this flow run continues it
     start = resume_point(cfg)

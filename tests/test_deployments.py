@@ -190,6 +190,7 @@ def test_replay_deployment_runs_then_hits_cache_across_run_names(worker, tmp_pat
     assert len(replays) == 2 and all(t.state.name == "Cached" for t in replays)
     assert not any(t.name.startswith("start-workers") for t in tasks)  # no Ray, no trainer
     assert again.total_run_time.total_seconds() < 3.0, again.total_run_time
+    assert {"run:replay-b", "mode:replay"} <= set(again.tags)  # a UI-created run is tagged like a CLI run
 
 
 def _weights(root: Path, run: str, iteration: int) -> dict:
@@ -226,6 +227,7 @@ def test_failed_rl_train_retried_from_ui_resumes_in_the_same_run(worker, tmp_pat
     retried = _wait_final(failed.id, 240)
     assert retried.state.name == "Completed", _logs(failed.id)
     assert retried.run_count == 2
+    assert {"run:retry", "mode:train"} <= set(retried.tags)
     logs = _logs(failed.id)
     assert "resumes from checkpoint 2" in logs
     after = _manifests(root, "retry")
