@@ -10,9 +10,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "columns_from_parquet": "codec",
+    "columns_to_parquet": "codec",
     "samples_from_parquet_bytes": "codec",
     "samples_table_from_parquet_bytes": "codec",
     "samples_to_parquet_bytes": "codec",
+    "ListColumn": "columns",
+    "SampleColumns": "columns",
     "ArtifactCorrupt": "errors",
     "ArtifactError": "errors",
     "ArtifactExists": "errors",

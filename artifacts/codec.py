@@ -1,131 +1,62 @@
-"""Samples <-> parquet bytes.
+"""Sample columns <-> parquet, through pyarrow's native reader and writer.
 
 One row per sample, plain columns only (token ids as list columns, free-form values as JSON text),
 so pandas/duckdb read the file without rollflow and nothing is ever unpickled (DESIGN.md section 2).
+The per-token columns go between Arrow buffers and parquet pages in C++; Python touches rows only
+for the small JSON fields, and only when `Sample` objects are asked for.
+
+Payload formats (recorded in the manifest's file entry and in the parquet key-value metadata):
+- 1 (`rollflow.samples/1`): token ids int64; written row by row from `Sample` lists.
+- 2 (`rollflow.samples/2`): token ids int32, written from Arrow columns; no dictionary pages or
+  statistics on the per-token columns (random-access ids gain nothing from them and they cost most
+  of the encode time). Both read into the same columns: readers cast format 1's int64 ids safely.
 """
 
 from __future__ import annotations
 
-import io
-import json
 from collections.abc import Sequence
-from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .columns import PER_TOKEN, SAMPLES_SCHEMA, SampleColumns
 from .errors import ArtifactSchemaError
 from .sample import Sample, Status
 
-CODEC_NAME = b"rollflow.samples/1"
+PAYLOAD_FORMAT = "rollflow.samples/2"
+READABLE_FORMATS = frozenset({"rollflow.samples/1", PAYLOAD_FORMAT})
+CODEC_NAME = PAYLOAD_FORMAT.encode()
+_SCALARS = [f.name for f in SAMPLES_SCHEMA if f.name not in PER_TOKEN]
 
-SAMPLES_SCHEMA = pa.schema(
-    [
-        pa.field("group_index", pa.int64(), nullable=False),
-        pa.field("index", pa.int64(), nullable=False),
-        pa.field("prompt", pa.string(), nullable=False),
-        pa.field("prompt_is_chat", pa.bool_(), nullable=False),
-        pa.field("tokens", pa.list_(pa.int64()), nullable=False),
-        pa.field("response", pa.string(), nullable=False),
-        pa.field("response_length", pa.int64(), nullable=False),
-        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
-        pa.field("rollout_log_probs", pa.list_(pa.float64()), nullable=False),
-        pa.field("reward", pa.float64(), nullable=True),
-        pa.field("reward_json", pa.string(), nullable=True),
-        pa.field("label", pa.string(), nullable=True),
-        pa.field("status", pa.string(), nullable=False),
-        pa.field("weight_version", pa.int64(), nullable=False),
-        pa.field("reward_key", pa.string(), nullable=True),
-        pa.field("metadata", pa.string(), nullable=False),
-    ],
-    metadata={b"rollflow.codec": CODEC_NAME},
-)
-
-_JSON_TYPES_HINT = "use JSON types only (str, int, float, bool, None, list, dict with str keys)"
+__all__ = [
+    "CODEC_NAME", "PAYLOAD_FORMAT", "READABLE_FORMATS", "SAMPLES_SCHEMA", "SampleColumns", "columns_from_parquet",
+    "columns_to_parquet", "samples_from_parquet_bytes", "samples_table_from_parquet_bytes",
+    "samples_to_parquet_bytes",
+]
 
 
-def _to_json(value: Any, *, column: str, where: str) -> str:
-    try:
-        # allow_nan (the default) keeps NaN/inf metrics lossless; the column is text either way.
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise ArtifactSchemaError(
-            f"{where}: {column} is not JSON-serializable ({exc}); {_JSON_TYPES_HINT}", field=column
-        ) from None
+# Row groups of about this many bytes of columns: a reader decodes one group at a time, so its transient
+# memory (Arrow's list decoders peak near 3x what they decode) stays a few groups, not 3x the rollout.
+ROW_GROUP_BYTES = 16 << 20
 
 
-def _where(sample: Sample, position: int) -> str:
-    return f"samples[{position}] (group {sample.group_index}, index {sample.index})"
-
-
-def _encode_reward(sample: Sample, where: str) -> tuple[float | None, str | None]:
-    reward = sample.reward
-    if reward is None:
-        return None, None
-    if isinstance(reward, dict):
-        return None, _to_json(reward, column="reward", where=where)
-    if isinstance(reward, (int, float)):
-        return float(reward), None
-    try:  # numpy / torch scalars
-        return float(reward), None
-    except (TypeError, ValueError):
-        raise ArtifactSchemaError(
-            f"{where}: reward must be a float, a dict or None, got {type(reward).__name__}", field="reward"
-        ) from None
+def columns_to_parquet(columns: SampleColumns) -> pa.Buffer:
+    """Encode columns as one parquet file in Arrow memory (no Python `bytes` copy)."""
+    sink = pa.BufferOutputStream()
+    table = columns.table.replace_schema_metadata({b"rollflow.codec": CODEC_NAME})
+    rows = max(1, int(ROW_GROUP_BYTES * len(columns) / max(1, columns.nbytes)))
+    pq.write_table(table, sink, compression="zstd", use_dictionary=_SCALARS, write_statistics=_SCALARS,
+                   row_group_size=rows)
+    return sink.getvalue()
 
 
 def samples_to_parquet_bytes(samples: Sequence[Sample]) -> bytes:
     """Encode samples as one parquet file. Raises ArtifactSchemaError naming a bad field."""
-    columns: dict[str, list[Any]] = {field.name: [] for field in SAMPLES_SCHEMA}
-    for position, sample in enumerate(samples):
-        where = _where(sample, position)
-        is_chat = not isinstance(sample.prompt, str)
-        if is_chat and not isinstance(sample.prompt, list):
-            raise ArtifactSchemaError(
-                f"{where}: prompt must be a str or a list of chat messages, "
-                f"got {type(sample.prompt).__name__}",
-                field="prompt",
-            )
-        if sample.label is not None and not isinstance(sample.label, str):
-            raise ArtifactSchemaError(
-                f"{where}: label must be a str or None, got {type(sample.label).__name__}; "
-                "convert it (e.g. str() or json.dumps) before storing",
-                field="label",
-            )
-        reward, reward_json = _encode_reward(sample, where)
-        columns["group_index"].append(sample.group_index)
-        columns["index"].append(sample.index)
-        prompt = _to_json(sample.prompt, column="prompt", where=where) if is_chat else sample.prompt
-        columns["prompt"].append(prompt)
-        columns["prompt_is_chat"].append(is_chat)
-        columns["tokens"].append(sample.tokens)
-        columns["response"].append(sample.response)
-        columns["response_length"].append(sample.response_length)
-        columns["loss_mask"].append(sample.loss_mask)
-        columns["rollout_log_probs"].append(sample.rollout_log_probs)
-        columns["reward"].append(reward)
-        columns["reward_json"].append(reward_json)
-        columns["label"].append(sample.label)
-        columns["status"].append(Status.parse(sample.status).value)
-        columns["weight_version"].append(sample.weight_version)
-        columns["reward_key"].append(sample.reward_key)
-        columns["metadata"].append(_to_json(sample.metadata, column="metadata", where=where))
-
-    arrays = []
-    for field in SAMPLES_SCHEMA:
-        try:
-            arrays.append(pa.array(columns[field.name], type=field.type))
-        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-            raise ArtifactSchemaError(
-                f"column {field.name!r} cannot be stored as {field.type} ({exc})", field=field.name
-            ) from None
-    table = pa.Table.from_arrays(arrays, schema=SAMPLES_SCHEMA)
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue()
+    return columns_to_parquet(SampleColumns.from_samples(samples)).to_pybytes()
 
 
-def _arrow_owned(data: bytes) -> pa.Buffer:
+def arrow_owned(data: bytes | memoryview) -> pa.Buffer:
     """A copy of `data` in Arrow-allocated memory.
 
     Parquet reads run on Arrow's thread pools. Handed the Python `bytes` itself, a pool thread may drop
@@ -133,22 +64,31 @@ def _arrow_owned(data: bytes) -> pa.Buffer:
     GIL: at interpreter exit that thread cannot take it and the process aborts ("terminate called
     without an active exception", rc 134, about 1 run in 16 of `rollflow export-slime`). Arrow-owned
     memory is released without Python; pre-buffering (read-ahead tasks that outlive the call) is off too.
+    The system allocator (not Arrow's default pool, which keeps freed pages for reuse): a payload is one
+    large block, mapped and unmapped whole, so its memory is back with the OS as soon as it is decoded.
     """
-    buf = pa.allocate_buffer(len(data))
+    buf = pa.allocate_buffer(len(data), memory_pool=pa.system_memory_pool())
     if len(data):
         memoryview(buf).cast("B")[:] = data
     return buf
 
 
-def samples_table_from_parquet_bytes(data: bytes) -> pa.Table:
-    """The samples payload as a pyarrow table with `SAMPLES_SCHEMA`'s columns and types (safe casts of
-    other writers' types), for columnar readers; `samples_from_parquet_bytes` decodes it to `Sample`s."""
+_arrow_owned = arrow_owned  # the name display.py and tests know
+
+
+def _read_table(data: bytes | pa.Buffer) -> pa.Table:
+    buf = data if isinstance(data, pa.Buffer) else arrow_owned(data)
     try:
-        table = pq.read_table(pa.BufferReader(_arrow_owned(data)), pre_buffer=False)
+        return pq.read_table(pa.BufferReader(buf), pre_buffer=False)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ArtifactSchemaError(
             f"samples payload is not a readable parquet file ({exc})", field="samples.parquet"
         ) from None
+
+
+def _conform(table: pa.Table) -> pa.Table:
+    """`SAMPLES_SCHEMA`'s columns and types (safe casts of format 1 and of other writers' types)."""
+    arrays = []
     for field in SAMPLES_SCHEMA:
         if field.name not in table.column_names:
             raise ArtifactSchemaError(
@@ -158,92 +98,57 @@ def samples_table_from_parquet_bytes(data: bytes) -> pa.Table:
             )
         column = table.column(field.name)
         if column.type != field.type:
-            # Files written by other tools (duckdb, pandas) may widen/narrow types: accept safe casts.
+            # Format 1 (int64 ids) and files written by other tools (duckdb, pandas) differ in widths.
             try:
                 column = column.cast(field.type, safe=True)
             except (pa.ArrowException, TypeError, ValueError):
                 raise ArtifactSchemaError(
                     f"column {field.name!r} has type {column.type}, expected {field.type}", field=field.name
                 ) from None
-            table = table.set_column(table.column_names.index(field.name), field.name, column)
         if not field.nullable and column.null_count:
             raise ArtifactSchemaError(f"column {field.name!r} contains nulls", field=field.name)
-    return table
+        if field.name in PER_TOKEN and pc.list_flatten(column).null_count:
+            raise ArtifactSchemaError(f"column {field.name!r} contains null elements", field=field.name)
+        arrays.append(column)
+    table = pa.Table.from_arrays(arrays, schema=SAMPLES_SCHEMA)
+    return _canonical_status(table)
 
 
-def _list_column(table: pa.Table, name: str) -> list[list[Any]]:
-    """Split a list column into Python lists without per-element Arrow scalars (fast for big rollouts)."""
-    array = table.column(name).combine_chunks()
-    if array.values.null_count:
-        raise ArtifactSchemaError(f"column {name!r} contains null elements", field=name)
-    # `offsets` respects slicing and indexes into the unsliced `values`, so both pair up directly.
-    offsets = array.offsets.to_pylist()
-    flat = array.values.to_numpy(zero_copy_only=False).tolist()
-    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(array))]
+def _canonical_status(table: pa.Table) -> pa.Table:
+    """Status spelled as our values; other writers' spellings ("COMPLETED", "Status.TRUNCATED") are
+    parsed once per distinct value; an unknown one is an error naming its first row."""
+    column = table.column("status")
+    allowed = pa.array([s.value for s in Status])
+    if pc.all(pc.is_in(column, value_set=allowed)).as_py() is not False:
+        return table
+    mapping = {}
+    for row, value in enumerate(column.to_pylist()):
+        if value not in mapping:
+            try:
+                mapping[value] = Status.parse(value).value
+            except ValueError as exc:
+                raise ArtifactSchemaError(f"row {row}: column 'status': {exc}", field="status") from None
+    fixed = pa.array([mapping[v] for v in column.to_pylist()], pa.string())
+    return table.set_column(table.column_names.index("status"), SAMPLES_SCHEMA.field("status"), fixed)
 
 
-def _from_json(text: str, *, column: str, row: int, expected: type) -> Any:
-    try:
-        value = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as exc:
+def columns_from_parquet(data: bytes | pa.Buffer) -> SampleColumns:
+    """Decode a samples payload (format 1 or 2) into columns. Raises ArtifactSchemaError naming the column."""
+    table = _conform(_read_table(data))
+    both = pc.and_(table.column("reward").is_valid(), table.column("reward_json").is_valid())
+    if pc.any(both).as_py():
+        row = int(pc.index(both, True).as_py())
         raise ArtifactSchemaError(
-            f"row {row}: column {column!r} holds invalid JSON ({exc})", field=column
-        ) from None
-    if not isinstance(value, expected):
-        raise ArtifactSchemaError(
-            f"row {row}: column {column!r} must hold a JSON {expected.__name__}, got {type(value).__name__}",
-            field=column,
-        )
-    return value
+            f"row {row}: both 'reward' and 'reward_json' are set; exactly one may hold the reward", field="reward")
+    return SampleColumns(table)
 
 
-def samples_from_parquet_bytes(data: bytes) -> list[Sample]:
-    """Decode what samples_to_parquet_bytes wrote. Raises ArtifactSchemaError naming the column."""
-    table = samples_table_from_parquet_bytes(data)
-    plain = {
-        name: table.column(name).to_pylist()
-        for name in SAMPLES_SCHEMA.names
-        if name not in ("tokens", "loss_mask", "rollout_log_probs")
-    }
-    tokens = _list_column(table, "tokens")
-    loss_mask = _list_column(table, "loss_mask")
-    log_probs = _list_column(table, "rollout_log_probs")
+def samples_table_from_parquet_bytes(data: bytes | pa.Buffer) -> pa.Table:
+    """The samples payload as a pyarrow table with `SAMPLES_SCHEMA`'s columns and types, for columnar
+    readers; `samples_from_parquet_bytes` decodes it to `Sample`s."""
+    return columns_from_parquet(data).table
 
-    samples: list[Sample] = []
-    for row in range(table.num_rows):
-        prompt: Any = plain["prompt"][row]
-        if plain["prompt_is_chat"][row]:
-            prompt = _from_json(prompt, column="prompt", row=row, expected=list)
-        reward: Any = plain["reward"][row]
-        reward_json = plain["reward_json"][row]
-        if reward_json is not None:
-            if reward is not None:
-                raise ArtifactSchemaError(
-                    f"row {row}: both 'reward' and 'reward_json' are set; exactly one may hold the reward",
-                    field="reward",
-                )
-            reward = _from_json(reward_json, column="reward_json", row=row, expected=dict)
-        try:
-            status = Status.parse(plain["status"][row])
-        except ValueError as exc:
-            raise ArtifactSchemaError(f"row {row}: column 'status': {exc}", field="status") from None
-        samples.append(
-            Sample(
-                group_index=plain["group_index"][row],
-                index=plain["index"][row],
-                prompt=prompt,
-                tokens=tokens[row],
-                response=plain["response"][row],
-                response_length=plain["response_length"][row],
-                loss_mask=loss_mask[row],
-                rollout_log_probs=log_probs[row],
-                reward=reward,
-                label=plain["label"][row],
-                status=status,
-                weight_version=plain["weight_version"][row],
-                reward_key=plain["reward_key"][row],
-                metadata=_from_json(plain["metadata"][row], column="metadata", row=row, expected=dict),
-            )
-        )
-    return samples
 
+def samples_from_parquet_bytes(data: bytes | pa.Buffer) -> list[Sample]:
+    """Decode a samples payload into `Sample`s. Raises ArtifactSchemaError naming the column."""
+    return columns_from_parquet(data).to_samples()

@@ -19,8 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ArtifactSchemaError
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+# 1: payload files without a format (samples.parquet in payload format rollflow.samples/1).
+# 2: every file entry names its payload format (codec.py lists them); readers of 2 read 1 as well.
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+# What a file entry without `format` (schema_version 1) holds.
+LEGACY_FORMATS = {"samples.parquet": "rollflow.samples/1"}
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -35,6 +39,8 @@ class FileEntry(BaseModel):
     name: str
     sha256: str
     size: int = Field(ge=0)
+    # The payload's format version (e.g. "rollflow.samples/2"); None in schema_version 1 manifests.
+    format: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -121,6 +127,10 @@ class Manifest(BaseModel):
             f"{name!r}; it lists {[e.name for e in self.files]}",
             field="files",
         )
+
+    def file_format(self, name: str) -> str | None:
+        """The format of payload file `name`: its entry's, or what schema_version 1 implied."""
+        return self.file(name).format or LEGACY_FORMATS.get(name)
 
     def to_json_bytes(self) -> bytes:
         return self.model_dump_json(indent=2).encode("utf-8") + b"\n"

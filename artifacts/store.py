@@ -8,6 +8,11 @@ Layout (DESIGN.md section 2)::
 Commit protocol: the payload is written first and the manifest last; only a manifest makes an
 artifact exist, so a crash mid-write leaves an invisible, overwritable folder. Committed artifacts
 are immutable and every load verifies sha256 + size of every payload file before parsing.
+
+Samples travel as Arrow columns (columns.py): a write encodes them with pyarrow's parquet writer and
+hashes the encoded bytes once; a load reads the file into Arrow memory, hashing each chunk as it
+arrives, and decodes the columns natively. `Sample` objects are built only when asked for
+(`RolloutArtifact.samples`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from .codec import samples_from_parquet_bytes, samples_table_from_parquet_bytes, samples_to_parquet_bytes
+from .codec import READABLE_FORMATS, PAYLOAD_FORMAT, arrow_owned, columns_from_parquet, columns_to_parquet
+from .columns import SampleColumns
 from .errors import (
     ArtifactCorrupt,
     ArtifactError,
@@ -172,12 +178,47 @@ class ArtifactRef:
         return cls(root=root, run=run, split=split, rollout_id=int(id_text))
 
 
-@dataclasses.dataclass
 class RolloutArtifact:
-    manifest: Manifest
-    samples: list[Sample]
-    # Set by RolloutStore.load; an artifact assembled in memory has no location yet.
-    root: str | None = None
+    """A manifest plus its samples, held as columns; `samples` materialises `Sample` objects on first use."""
+
+    def __init__(self, manifest: Manifest, samples: list[Sample] | None = None, root: str | None = None, *,
+                 columns: SampleColumns | None = None) -> None:
+        if (samples is None) == (columns is None):
+            raise ValueError("RolloutArtifact takes either samples or columns")
+        self.manifest = manifest
+        # Set by RolloutStore.load; an artifact assembled in memory has no location yet.
+        self.root = root
+        self._samples = samples
+        self._columns = columns
+
+    def __repr__(self) -> str:
+        return (f"RolloutArtifact({self.manifest.split} rollout {self.manifest.rollout_id} of run "
+                f"{self.manifest.run!r}, {self.manifest.n_samples} samples, root={self.root!r})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RolloutArtifact):
+            return NotImplemented
+        return (self.manifest, self.root, self.columns) == (other.manifest, other.root, other.columns)
+
+    @property
+    def columns(self) -> SampleColumns:
+        if self._columns is None:
+            self._columns = SampleColumns.from_samples(self._samples or [])
+        return self._columns
+
+    @property
+    def samples(self) -> list[Sample]:
+        """`Sample` objects of every row, built on first access and kept (callers may edit them)."""
+        if self._samples is None:
+            try:
+                self._samples = self.columns.to_samples()
+            except ArtifactSchemaError as exc:
+                uri = join_uri(self.ref.uri, SAMPLES_NAME) if self.root is not None else None
+                raise ArtifactSchemaError(str(exc), field=exc.field, uri=uri) from None
+        return self._samples
+
+    def __len__(self) -> int:
+        return self.manifest.n_samples
 
     @property
     def ref(self) -> ArtifactRef:
@@ -381,33 +422,29 @@ class RolloutStore:
         run: str,
         split: str,
         rollout_id: int,
-        samples: Iterable[Sample],
+        samples: Iterable[Sample] | SampleColumns,
         *,
         n_samples_per_prompt: int,
         engine: EngineInfo,
         config_hash: str,
         extra: dict[str, Any] | None = None,
     ) -> ArtifactRef:
-        """Commit one rollout. Raises ArtifactExists if this id is already committed."""
+        """Commit one rollout (`Sample`s or, cheaper, `SampleColumns`). Raises ArtifactExists if this id
+        is already committed."""
         ref = ArtifactRef(self.root, run, split, rollout_id)
-        samples = list(samples)
-        for position, sample in enumerate(samples):
-            if not isinstance(sample, Sample):
-                raise ArtifactSchemaError(
-                    f"samples[{position}] is a {type(sample).__name__}, expected artifacts.Sample "
-                    "(build one with Sample(...) or Sample.from_dict)",
-                    field="samples",
-                )
-            try:
-                sample.validate()
-            except ValueError as exc:
-                raise ArtifactSchemaError(f"samples[{position}]: {exc}", field="samples") from None
+        columns = samples if isinstance(samples, SampleColumns) else _columns_of(samples)
+        invalid = columns.first_invalid()  # vectorized over the buffers, no per-token Python
+        if invalid is not None:
+            raise ArtifactSchemaError(f"samples[{invalid[0]}]: {invalid[1]}", field="samples")
 
         folder = self._artifact_path(run, split, rollout_id)
         manifest_path = f"{folder}/{MANIFEST_NAME}"
         # Encode first, so the existence check and the payload write follow each other closely
         # (the window in which a concurrent writer could slip in between stays one round trip).
-        payload = samples_to_parquet_bytes(samples)
+        # The payload stays in Arrow memory for local writes; object stores' clients want bytes.
+        encoded = columns_to_parquet(columns)
+        payload: bytes | memoryview = memoryview(encoded) if self._local else encoded.to_pybytes()
+        del encoded
         # Fail before any byte is written: a committed artifact's folder must never be touched.
         if self._exists(manifest_path):
             raise ArtifactExists(ref.uri)
@@ -417,14 +454,15 @@ class RolloutStore:
                 run=run,
                 rollout_id=rollout_id,
                 split=split,  # type: ignore[arg-type]
-                n_samples=len(samples),
+                n_samples=len(columns),
                 n_samples_per_prompt=n_samples_per_prompt,
                 producer=self._producer_info(),
                 engine=engine,
                 config_hash=config_hash,
                 files=[
                     FileEntry(
-                        name=SAMPLES_NAME, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload)
+                        name=SAMPLES_NAME, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload),
+                        format=PAYLOAD_FORMAT,
                     )
                 ],
                 extra=extra or {},
@@ -613,9 +651,17 @@ class RolloutStore:
                 )
         return manifest
 
-    def _read_verified(self, folder: str, entry: FileEntry, file_uri: str) -> bytes:
+    def _read_verified(self, folder: str, entry: FileEntry, file_uri: str) -> pa.Buffer:
+        """The file's bytes in Arrow memory, sha256 + size checked (ArtifactCorrupt otherwise)."""
+        path = f"{folder}/{entry.name}"
         try:
-            data = self._cat(f"{folder}/{entry.name}")
+            if self._local:
+                data, actual_sha = _read_local_hashed(path)
+            else:
+                raw = self._cat(path)
+                actual_sha = hashlib.sha256(raw).hexdigest()
+                data = arrow_owned(raw)  # one copy; the Python bytes are dropped right after
+                del raw
         except ArtifactError:
             raise
         except FileNotFoundError:
@@ -626,24 +672,29 @@ class RolloutStore:
                 expected_size=entry.size,
                 actual_size=None,
             ) from None
-        actual_sha = hashlib.sha256(data).hexdigest()
-        if len(data) != entry.size or actual_sha != entry.sha256:
+        if data.size != entry.size or actual_sha != entry.sha256:
             raise ArtifactCorrupt(
                 file_uri,
                 expected_sha256=entry.sha256,
                 actual_sha256=actual_sha,
                 expected_size=entry.size,
-                actual_size=len(data),
+                actual_size=data.size,
             )
         return data
 
-    def _verified_samples_payload(self, run: str, split: str, rollout_id: int) -> tuple[Manifest, str, bytes]:
+    def _verified_samples_payload(self, run: str, split: str, rollout_id: int) -> tuple[Manifest, str, pa.Buffer]:
         """(manifest, artifact URI, samples payload), every payload checksum verified first."""
         manifest = self.manifest(run, split, rollout_id)
         uri = self.artifact_uri(run, split, rollout_id)
         folder = self._artifact_path(run, split, rollout_id)
         entry = manifest.file(SAMPLES_NAME)
         payloads = {e.name: self._read_verified(folder, e, join_uri(uri, e.name)) for e in manifest.files}
+        fmt = manifest.file_format(SAMPLES_NAME)
+        if fmt not in READABLE_FORMATS:
+            raise ArtifactSchemaError(
+                f"{SAMPLES_NAME} is in payload format {fmt!r}, which this rollflow cannot read (it reads "
+                f"{', '.join(sorted(READABLE_FORMATS))}); upgrade rollflow to read artifacts written by a newer "
+                "version", field="files", uri=uri)
         return manifest, uri, payloads[entry.name]
 
     @staticmethod
@@ -656,26 +707,32 @@ class RolloutStore:
             )
 
     def load(self, run: str, split: str, rollout_id: int) -> RolloutArtifact:
-        """Read a committed rollout, verifying every payload checksum before parsing anything."""
-        manifest, uri, payload = self._verified_samples_payload(run, split, rollout_id)
-        try:
-            samples = samples_from_parquet_bytes(payload)
-        except ArtifactSchemaError as exc:
-            raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, SAMPLES_NAME)) from None
-        self._check_rows(manifest, len(samples), uri)
-        return RolloutArtifact(manifest=manifest, samples=samples, root=self.root)
+        """Read a committed rollout, verifying every payload checksum before parsing anything. The samples
+        are held as columns; `artifact.samples` builds `Sample` objects only when first used."""
+        manifest, columns = self._load_columns(run, split, rollout_id)
+        return RolloutArtifact(manifest=manifest, columns=columns, root=self.root)
+
+    def load_columns(self, run: str, split: str, rollout_id: int) -> SampleColumns:
+        """A committed rollout's samples as columns (the trainer's batch, `rollflow show`), with `load`'s checks."""
+        return self._load_columns(run, split, rollout_id)[1]
 
     def load_table(self, run: str, split: str, rollout_id: int) -> pa.Table:
         """A committed rollout's samples as a pyarrow table (columnar readers: `rollflow show`, pandas,
         duckdb), with the same checks as `load`: checksums verified before parsing, schema and row
         count checked; no `Sample` objects are built."""
+        return self._load_columns(run, split, rollout_id)[1].table
+
+    def _load_columns(self, run: str, split: str, rollout_id: int) -> tuple[Manifest, SampleColumns]:
         manifest, uri, payload = self._verified_samples_payload(run, split, rollout_id)
         try:
-            table = samples_table_from_parquet_bytes(payload)
+            columns = columns_from_parquet(payload)
         except ArtifactSchemaError as exc:
             raise ArtifactSchemaError(str(exc), field=exc.field, uri=join_uri(uri, SAMPLES_NAME)) from None
-        self._check_rows(manifest, table.num_rows, uri)
-        return table
+        # The encoded bytes are not needed once decoded: freeing them returns their pages to the OS at once
+        # (they come from the system allocator), so what follows (a train batch, show's metrics) reuses them.
+        del payload
+        self._check_rows(manifest, len(columns), uri)
+        return manifest, columns
 
     def load_uri(self, uri: str) -> RolloutArtifact:
         """Load from an artifact folder URI (ArtifactRef.uri), possibly under another root."""
@@ -776,6 +833,48 @@ class RolloutStore:
 
     def exists_path(self, rel: str) -> bool:
         return self._exists(self._path(_validate_rel(rel)))
+
+
+def _columns_of(samples: Iterable[Sample]) -> SampleColumns:
+    samples = list(samples)
+    for position, sample in enumerate(samples):
+        if not isinstance(sample, Sample):
+            raise ArtifactSchemaError(
+                f"samples[{position}] is a {type(sample).__name__}, expected artifacts.Sample "
+                "(build one with Sample(...) or Sample.from_dict)",
+                field="samples",
+            )
+    try:
+        return SampleColumns.from_samples(samples)
+    except ArtifactSchemaError:
+        # A sample that breaks the contract may also fail to convert (e.g. a str in tokens): report the
+        # contract's own message first, as before columns existed.
+        for position, sample in enumerate(samples):
+            try:
+                sample.validate()
+            except (ValueError, TypeError) as exc:
+                raise ArtifactSchemaError(f"samples[{position}]: {exc}", field="samples") from None
+        raise
+
+
+_READ_CHUNK = 8 << 20
+
+
+def _read_local_hashed(path: str) -> tuple[pa.Buffer, str]:
+    """A local file read straight into Arrow memory, hashed chunk by chunk while each is still in cache."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        buf = pa.allocate_buffer(size, memory_pool=pa.system_memory_pool())  # see codec.arrow_owned
+        view = memoryview(buf).cast("B") if size else memoryview(b"")
+        done = 0
+        while done < size:
+            got = fh.readinto(view[done : min(size, done + _READ_CHUNK)])
+            if not got:
+                break  # the file shrank under us: the size check reports it
+            digest.update(view[done : done + got])
+            done += got
+    return (buf if done == size else buf.slice(0, done)), digest.hexdigest()
 
 
 def _is_valid_run(name: str) -> bool:

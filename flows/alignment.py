@@ -22,8 +22,9 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
+from rollflow.flows.cancellation import watch_cancellation
 from rollflow.flows.config import RunConfig
-from rollflow.flows.naming import tag_current_run
+from rollflow.flows.naming import flow_run_name, tag_current_run
 from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.tasks.debug.alignment import WorkerRunner, run_alignment
@@ -138,7 +139,7 @@ def publish_report(cfg: RunConfig, report: AlignmentReport, json_path: str) -> N
     )
 
 
-@flow(name=FLOW_NAME)
+@flow(name=FLOW_NAME, flow_run_name=flow_run_name("/align"))
 @one_run_at_a_time(lambda cfg: alignment_config(cfg).run)
 def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
                     thresholds: Optional[AlignmentThresholds] = None,
@@ -155,14 +156,22 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
     group = WorkerGroup.for_run(acfg)
     _stop_actors(group)
     # The clients are held for the flow's lifetime (a named, non-detached actor ends with its handles).
-    workers = [group.start_trainer(None), group.start_engine(None)]
-    try:
-        trainer, engine = workers
-        report = run_alignment(ActorRunner(engine.actor), ActorRunner(trainer.actor), acfg, thresholds=thresholds,
-                               memory_budget_mb=memory_budget_mb, faults=faults, call_phase=_phase_as_task)
-    finally:
-        _stop_actors(group)
-        workers.clear()
+    # UI cancel of a run no runner watches (a CLI `rollflow align`): stop the actors, end Cancelled.
+    with watch_cancellation(group.stop_all) as watcher:
+        workers: list = []
+        try:
+            workers += [group.start_trainer(None), group.start_engine(None)]
+            trainer, engine = workers
+            report = run_alignment(ActorRunner(engine.actor), ActorRunner(trainer.actor), acfg,
+                                   thresholds=thresholds, memory_budget_mb=memory_budget_mb, faults=faults,
+                                   call_phase=_phase_as_task)
+        except BaseException:
+            if watcher.cancelled:
+                return watcher.cancelled_state()
+            raise
+        finally:
+            _stop_actors(group)
+            workers.clear()
     report.context["run"] = cfg.run
     report.context["actors"] = acfg.run
     for check in report.checks:  # one task per check: a failed check is a red task in the UI, not only the flow

@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
-from rollflow.flows.naming import tag_current_run
+from rollflow.flows.naming import flow_run_name, tag_current_run
 from rollflow.tasks.debug.ima import (
     COREDUMP,
     ERROR,
@@ -99,7 +99,7 @@ def _uri(fs, path: str, local: bool) -> str:
     return Path(path).resolve().as_uri() if local else fs.unstrip_protocol(path)
 
 
-@flow(name="ima_bisect")
+@flow(name="ima_bisect", flow_run_name=flow_run_name("/bisect"))
 def ima_bisect(cfg: RunConfig, crash_when: str | None = None, timeout_s: float = 300, coredump: bool = True,
                fault: str | None = None, parallel: int = 1, rollout_id: int = 0) -> dict:
     """Illegal-memory-access triage: toggle matrix, launch-blocking rerun, core-dump rerun, one table.

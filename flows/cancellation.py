@@ -23,12 +23,13 @@ process to kill it; a flow called directly from `rollflow train` has neither, so
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import signal
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 from uuid import UUID
 
 logger = logging.getLogger("rollflow.cancellation")
@@ -77,6 +78,25 @@ def stop_actors_hook(flow: Any, flow_run: Any, state: Any) -> None:
         stop_actors(cfg)
     except Exception:  # noqa: BLE001 - a hook must not mask the run's own state
         logger.warning("could not stop the actors of flow run %s", getattr(flow_run, "id", "?"), exc_info=True)
+
+
+@contextlib.contextmanager
+def watch_cancellation(on_cancel: Callable[[], None]) -> Iterator["CancellationWatcher"]:
+    """A `CancellationWatcher` of the current flow run for the `with` block (none outside a flow run).
+
+        with watch_cancellation(group.stop_all) as watcher:
+            try:
+                ...
+            except BaseException:
+                if watcher.cancelled:
+                    return watcher.cancelled_state()
+                raise
+    """
+    watcher = CancellationWatcher(current_flow_run_id(), on_cancel).start()
+    try:
+        yield watcher
+    finally:
+        watcher.stop()
 
 
 def current_flow_run_id() -> Optional[UUID]:

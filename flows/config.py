@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from rollflow.infra.placement import ResourcesConfig, plan_placement
+from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
@@ -219,6 +220,12 @@ class RunConfig(_Strict):
             )
         if self.algo.advantage_estimator == "rloo" and self.rollout.n_samples_per_prompt < 2:
             raise ValueError("algo.advantage_estimator='rloo' needs rollout.n_samples_per_prompt >= 2")
+        if self.algo.advantage_estimator == "ppo":
+            _check_ppo(self)
+        if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_norm_constant is None:
+            # Dr. GRPO divides by the generation budget, a constant, not by the batch's padded width.
+            self.algo.loss_norm_constant = self.rollout.max_new_tokens
+            self._notices.append(f"algo.loss_norm_constant set to rollout.max_new_tokens={self.rollout.max_new_tokens}")
         return self
 
     @model_validator(mode="after")
@@ -249,6 +256,35 @@ class RunConfig(_Strict):
                 self._notices.append(f"rollout.sglang.weight_sync=auto -> {sg.weight_sync!r} (placement={self.placement})")
         return self
 
+    @model_validator(mode="after")
+    def _logprobs_and_seeds(self) -> "RunConfig":
+        """rollout.logprobs='teacher_forced' promises bitwise equal log-probs: refuse what cannot keep it."""
+        if self.rollout.logprobs == "teacher_forced":
+            ro, tr = self.rollout, self.train
+            if tr.backend != "torch":
+                raise ValueError(f"rollout.logprobs='teacher_forced' needs train.backend='torch' (got {tr.backend!r}: "
+                                 "the engine can only rerun the torch trainer's forward); set rollout.logprobs='engine'")
+            if ro.dtype != tr.dtype:
+                raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.dtype == train.dtype (got "
+                                 f"{ro.dtype!r} and {tr.dtype!r}); set rollout.dtype={tr.dtype!r}")
+            if _device_type(ro.device) != _device_type(tr.device):
+                raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.device and train.device of one type "
+                                 f"(got {ro.device!r} and {tr.device!r}); set rollout.device={tr.device!r}")
+        sg = self.rollout.sglang
+        if (self.rollout.engine == "sglang" and sg.seeded and sg.n_mode == "native"
+                and self.data.eval_n_samples > 1):
+            raise ValueError("rollout.sglang.seeded=true with rollout.sglang.n_mode='native' gives the "
+                             "data.eval.n_samples_per_prompt samples of a prompt one seed (identical samples); set "
+                             "rollout.sglang.n_mode='repeat'")
+        return self
+
+    def scoring_layout(self) -> Optional[ScoringLayout]:
+        """What the hf engine needs to rescore rollouts as the trainer scores them (rollout.logprobs=
+        'teacher_forced'); None otherwise."""
+        if self.rollout.logprobs != "teacher_forced":
+            return None
+        return ScoringLayout.of(self.train)
+
     def config_hash(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
@@ -257,6 +293,24 @@ class RunConfig(_Strict):
         part = {"model": self.model.model_dump(), "algo": self.algo.model_dump(), "train": self.train.model_dump(),
                 "temperature": self.rollout.temperature}
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_ppo(cfg: RunConfig) -> None:
+    """ppo runs a critic actor beside the trainer (flows/group.py); what this build cannot run with it."""
+    if cfg.train.backend != "torch":
+        raise ValueError(f"algo.advantage_estimator='ppo' needs train.backend='torch' (got {cfg.train.backend!r}): "
+                         "the critic and GAE run on the torch backend only; set train.backend=torch")
+    if cfg.resources.num_gpus > 0:
+        raise ValueError("algo.advantage_estimator='ppo' does not run with resources.num_gpus > 0 yet: the critic "
+                         "actor has no GPU bundle in the placement plan; set resources.num_gpus=0 (CPU)")
+    if cfg.debug.train_only:
+        raise ValueError("algo.advantage_estimator='ppo' cannot replay (debug.train_only / load_debug_rollout_data): "
+                         "replay_train starts no critic; replay with another estimator, or train ppo with rl_train")
+
+
+def _device_type(device: str) -> str:
+    """'cuda:1' -> 'cuda' (the kernels, and so the numerics, depend on the device type)."""
+    return device.split(":", 1)[0].strip().lower()
 
 
 def _with_implied_settings(cls: type[RunConfig], data: dict[str, Any], notices: list[str]) -> dict[str, Any]:

@@ -14,19 +14,22 @@ import json
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.artifacts.sample import Status
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting, tracking
+from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
 from rollflow.flows.config import RunConfig
 from rollflow.flows.run_lock import one_run_at_a_time
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
-from rollflow.flows.naming import tag_current_run
+from rollflow.flows.naming import flow_run_name, tag_current_run
 from rollflow.flows.preflight import parse_ids  # noqa: F401 - re-exported
 from rollflow.tasks.train.checkpoint import state_exists
 
 
-@flow(name="rollout_only")
+@flow(name="rollout_only", flow_run_name=flow_run_name("/rollout"), on_failure=[stop_actors_hook],
+      on_crashed=[stop_actors_hook])
 @one_run_at_a_time()
 def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoint: int | None = None) -> dict:
     """Generate, score and persist rollouts with engines only (`--debug-rollout-only`)."""
@@ -40,6 +43,8 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
     tracker = tracking.start(cfg, "rollout_only", suffix="-rollout")  # a new tracking run per call; step = rollout id
     group = WorkerGroup.for_run(cfg)  # engines only: no trainer
     group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
+    # UI cancel of a run no runner watches (a CLI `rollflow rollout`): stop the engines, end Cancelled.
+    watcher = CancellationWatcher(current_flow_run_id(), group.stop_all).start()
     try:
         engine = group.start_engine(checkpoint)
         out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.weight_version()}
@@ -50,17 +55,24 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
             row: dict = {"uri": ArtifactRef.from_dict(ref).uri}
             samples = RolloutStore(cfg.store.root).load_uri(row["uri"]).samples
             row["raw_reward"] = sum(s.scalar_reward(cfg.rollout.reward_key) for s in samples) / len(samples)
+            # the rollout/* keys rl_train logs for the same rollout (tasks/train/step.py), so runs compare
+            rollout = {"rollout/raw_reward": row["raw_reward"],
+                       "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
+                       "rollout/truncated_ratio": sum(Status.parse(s.status) is Status.TRUNCATED for s in samples) / len(samples),
+                       "rollout/n_samples": float(len(samples))}
             if cfg.eval_every and rollout_id % cfg.eval_every == 0:
                 row.update(eval_metrics(cfg, rollout_id, weight_version=checkpoint or 0))
             out["rollouts"][rollout_id] = row
-            tracker.log(tracking.numeric_metrics({"rollout/raw_reward": row["raw_reward"],
-                                                  **{k: v for k, v in row.items() if k.startswith("eval/")}}),
+            tracker.log(tracking.numeric_metrics({**rollout, **{k: v for k, v in row.items() if k.startswith("eval/")}}),
                         rollout_id)
             reporting.stage("done", rollout_id, f"rollout {rollout_id}: reward {row['raw_reward']:.4f}  {row['uri']}")
     except BaseException:
         tracker.close(ok=False)
+        if watcher.cancelled:
+            return watcher.cancelled_state()
         raise
     finally:
+        watcher.stop()
         group.stop_all()
     tracker.close(ok=True)
     return out
@@ -137,15 +149,21 @@ def cached_step(cfg: RunConfig, key: str, result_storage) -> bool:
         return False
 
 
+STEPS_KEY = "train_steps"  # in a replay step's cached result; results cached before it have none
+
+
 @task(name="replay-train", cache_key_fn=replay_cache_key, persist_result=True)
 def replay_train_task(cfg: RunConfig, ref: dict, *, cache_key: str, start_state_uri: str | None,
-                      out_state_uri: str) -> dict[str, float]:
-    """Train on one pinned artifact from a fixed starting state; cached on `cache_key`."""
-    return replay_trainer(cfg).replay_step(
+                      out_state_uri: str) -> dict:
+    """Train on one pinned artifact from a fixed starting state; cached on `cache_key`. The train metrics, plus
+    each optimizer step's statistics under STEPS_KEY (cached with them, so a cache hit still charts its steps)."""
+    trainer = replay_trainer(cfg)
+    metrics = trainer.replay_step(
         ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
         subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref["rollout_id"]),
         reward_key=cfg.rollout.reward_key_for(ref["split"]),
     )
+    return metrics | {STEPS_KEY: trainer.train_steps()}
 
 
 def replay_cache_uri(cfg: RunConfig, key: str) -> str:
@@ -213,7 +231,8 @@ def verify_pinned(cfg: RunConfig, refs: list[dict], vocab_size: int | None) -> N
     store = RolloutStore(cfg.store.root)
     for ref in refs:
         art = ArtifactRef.from_dict(ref)
-        samples = store.load_uri(art.uri).samples  # ArtifactCorrupt names the file and both checksums
+        # Columns: no Sample objects for a check over the token buffers. ArtifactCorrupt names the file.
+        samples = store.load_uri(art.uri).columns
         check_token_ids(samples, vocab_size, rollout_id=art.rollout_id, split=art.split, uri=art.uri)
 
 
@@ -228,7 +247,8 @@ def replay_eval_metrics(cfg: RunConfig, ref: dict) -> dict[str, float]:
     return out | {"eval/raw_reward": out["eval/accuracy"], "eval/n_samples": float(len(samples))}
 
 
-@flow(name="replay_train")
+@flow(name="replay_train", flow_run_name=flow_run_name("/replay"), on_failure=[stop_actors_hook],
+      on_crashed=[stop_actors_hook])
 @one_run_at_a_time()
 def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_run: str | None = None,
                  use_cache: bool = True, import_run: str | None = None) -> dict:
@@ -249,11 +269,15 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
     verify_pinned(cfg, [*refs, *eval_refs.values()], vocab_size)
     store = RolloutStore(cfg.store.root)
     rows: list[dict] = []
+    steps: list[dict] = []  # optimizer steps of the whole replay, numbered 1.. in order
     start_state = None
     result_storage = replay_result_storage(cfg)
     keys = replay_keys(cfg, store, refs)
     # The cache is consulted before any worker exists: an all-hit replay starts no Ray and no trainer.
     all_cached = use_cache and all(cached_step(cfg, key, result_storage) for key in keys)
+    # UI cancel of a CLI `rollflow replay`: stop the trainer (if one was started), end Cancelled.
+    watcher = CancellationWatcher(current_flow_run_id(),
+                                  lambda: WorkerGroup.for_run(cfg).stop_all() if _ray_started() else None).start()
     try:
         if not all_cached:
             reporting.stage("start-workers")
@@ -269,7 +293,8 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
                 options["result_storage"] = result_storage
             state = replay_train_task.with_options(**options)(
                 cfg, ref, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True)
-            metrics = state.result()
+            metrics = dict(state.result())
+            steps += reporting.step_rows(metrics.pop(STEPS_KEY, []), len(steps) + 1, rollout_id=art.rollout_id)
             row = {"rollout_id": art.rollout_id, "source": art.uri, "cached": state.name == "Cached", **metrics}
             if art.rollout_id in eval_refs and cfg.eval_every and art.rollout_id % cfg.eval_every == 0:
                 row.update(replay_eval_metrics(cfg, eval_refs[art.rollout_id]))
@@ -279,14 +304,20 @@ def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_ru
                             f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
                             f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}")
             start_state = out_state
+    except BaseException:
+        if watcher.cancelled:
+            return watcher.cancelled_state()
+        raise
     finally:
+        watcher.stop()
         if _ray_started():
             WorkerGroup.for_run(cfg).stop_all()
     _publish_replay(cfg, rows)
     with tracking.start(cfg, "replay_train", suffix="-replay") as tracker:  # step = rollout id
         tracker.log_rows(rows, step_key="rollout_id")
+        tracking.log_steps(tracker, steps)
     return {"run": cfg.run, "source_run": import_run or source_run, "steps": rows, "final_state": start_state,
-            "eval_ids": sorted(eval_refs), "workers_started": not all_cached}
+            "eval_ids": sorted(eval_refs), "workers_started": not all_cached, "optimizer_steps": steps}
 
 
 def _ray_started() -> bool:

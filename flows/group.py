@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from rollflow.flows.config import RunConfig
-from rollflow.infra.clients import EngineClient, Pending, ServerClient, TrainerClient
+from rollflow.infra.clients import CriticClient, EngineClient, Pending, ServerClient, TrainerClient
 from rollflow.infra.workers import actor_name, ensure_ray, get_actor, missing_actor_error, start_actor, stop_actor
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from rollflow.infra.placement import PlacementPlan
     from rollflow.infra.remote_server import RemoteServer
 
-ENGINE, TRAINER = "engine", "trainer"
+ENGINE, TRAINER, CRITIC = "engine", "trainer", "critic"
 
 
 def server_role(index: int) -> str:
@@ -49,6 +49,11 @@ def placement_group_name(cfg: RunConfig) -> str:
 def launches_servers(cfg: RunConfig) -> bool:
     """SGLang engines whose servers rollflow launches: one server actor per engine (in its bundle)."""
     return cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.urls
+
+
+def has_critic(cfg: RunConfig) -> bool:
+    """advantage_estimator='ppo': a critic actor beside the trainer (rollout-only runs train nothing)."""
+    return cfg.algo.advantage_estimator == "ppo" and not cfg.debug.rollout_only
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
@@ -94,6 +99,13 @@ class WorkerGroup:
             raise RuntimeError(f"trainer ranks {missing} of run {self.run!r} are not running: start the run's workers "
                                "first (rl_train does); a lost rank means restarting the run from its checkpoint")
         return TrainerClient(ranks)
+
+    def critic(self) -> CriticClient:
+        """The critic of a ppo run; raises when it is not running."""
+        actor = get_actor(self.run, CRITIC)
+        if actor is None:
+            raise missing_actor_error(self.run, CRITIC)
+        return CriticClient(actor)
 
     def find_engine(self) -> EngineClient | None:
         actor = get_actor(self.run, ENGINE)
@@ -246,6 +258,8 @@ class WorkerGroup:
             if options:
                 extra["options"] = options
         named = weights.ref if isinstance(weights, Pending) else weights  # a ref goes trainer -> engine directly
+        if cfg.rollout.logprobs == "teacher_forced":
+            extra["scoring"] = cfg.scoring_layout()  # the engine rescoring like the trainer (bitwise log-probs)
         return EngineClient(start_actor(cfg.run, ENGINE, RolloutWorker, cfg.model.path, cfg.rollout, cfg.data,
                                         weights=named, weight_version=resume_iteration or 0, **extra))
 
@@ -309,6 +323,20 @@ class WorkerGroup:
     def stop_trainers(self) -> None:
         for rank in range(max(1, self.cfg.resources.trainer_gpus)):
             stop_actor(self.run, trainer_role(rank))
+        stop_actor(self.run, CRITIC)
+
+    def start_critic(self, resume_iteration: int | None) -> CriticClient | None:
+        """ppo's critic actor (None for other estimators): the policy's base model + a value head, resumed from
+        the critic state saved with checkpoint `resume_iteration`. It runs where the config's train.device
+        says, without a placement bundle of its own (config validation keeps ppo off GPU placements)."""
+        if not has_critic(self.cfg):
+            return None
+        from rollflow.tasks.train.critic_worker import CriticWorker
+
+        cfg = self.cfg
+        return CriticClient(start_actor(cfg.run, CRITIC, CriticWorker, cfg.model.path, cfg.train, cfg.algo,
+                                        store_root=cfg.store.root, run=cfg.run,
+                                        resume_iteration=resume_iteration or None))
 
     # -- all -----------------------------------------------------------------------------------------
     def stop_all(self) -> None:

@@ -18,7 +18,7 @@ from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
 from rollflow.flows.naming import flow_run_name
 from rollflow.flows.exports import dump_uri, side_exports
-from rollflow.flows.group import WorkerGroup
+from rollflow.flows.group import WorkerGroup, has_critic
 from rollflow.flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
 from rollflow.tasks.rollout.dataset import data_state
 from rollflow.tasks.rollout.evaluation import eval_summary
@@ -66,18 +66,32 @@ def load_task(cfg: RunConfig, ref: dict) -> int:
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_task(cfg: RunConfig, ref: dict) -> dict[str, float]:
-    """No retries: a failure after the optimizer stepped must not step it twice (load_task retries)."""
-    # every data-parallel rank trains on its share of the same artifact (rank 0's metrics are global)
-    return WorkerGroup.for_run(cfg).trainer().train_on_artifact(ref, dump_uri=dump_uri(cfg, ref["rollout_id"]))
+def train_task(cfg: RunConfig, ref: dict) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """No retries: a failure after the optimizer stepped must not step it twice (load_task retries).
+    Returns the iteration's train metrics and each optimizer step's own statistics."""
+    group = WorkerGroup.for_run(cfg)
+    trainer = group.trainer()
+    dump = dump_uri(cfg, ref["rollout_id"])
+    if not has_critic(cfg):
+        # every data-parallel rank trains on its share of the same artifact (rank 0's metrics are global)
+        return trainer.train_on_artifact(ref, dump_uri=dump), trainer.train_steps()
+    # ppo: the critic scores the old values and computes GAE; the estimate goes critic -> trainer ranks through
+    # Ray's object store. The critic's update runs after the policy's, not beside it: on a CPU box two torch
+    # thread pools at once oversubscribe the cores (critic and trainer both use train.threads).
+    critic = group.critic()
+    metrics = trainer.train_on_artifact(ref, dump_uri=dump, critic=critic.estimate(ref))
+    return metrics | critic.update().result(), trainer.train_steps()
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_permanent)
 def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
     # The data source's cursor goes into meta.json: a resume checks it continues at the same sample.
-    trainer = WorkerGroup.for_run(cfg).trainer()
-    return trainer.save_checkpoint(iteration, extra={"data": data_state(cfg.data, iteration)})
+    group = WorkerGroup.for_run(cfg)
+    if has_critic(cfg):
+        # Before the policy's payload and marker: the marker commits the iteration, critic state included.
+        group.critic().save_checkpoint(iteration)
+    return group.trainer().save_checkpoint(iteration, extra={"data": data_state(cfg.data, iteration)})
 
 
 def offloads(cfg: RunConfig) -> bool:
@@ -196,7 +210,8 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
         # SGLang's colocation order: release -> train -> resume weights -> update weights -> resume KV cache.
         release_memory_task(cfg)
     load_task(cfg, ref)
-    row.update(train_task(cfg, ref))
+    metrics, steps = train_task(cfg, ref)
+    row.update(metrics)
     reporting.stage("sync")
     if offload:
         resume_memory_task(cfg, ["weights"])
@@ -210,6 +225,7 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     # Metrics before the checkpoint: the checkpoint commits the iteration, and a resume drops rows
     # of iterations after the last checkpoint.
     rows = reporting.record_iteration(cfg, row)
+    reporting.record_train_steps(cfg, iteration, steps)  # train_steps.jsonl, committed with the same checkpoint
     if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
         reporting.stage("checkpoint")
         checkpoint_task(cfg, iteration)

@@ -18,7 +18,7 @@ from rollflow.flows.config import RunConfig
 STAGE_HOOK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("stage_hook", default=None)
 
 HEADLINE = ("rollout/raw_reward", "eval/accuracy", "rollout/kl", "train/pg_clipfrac", "train/ppo_kl",
-            "train/grad_norm", "perf/iteration_s")
+            "train/grad_norm", "critic/value_loss", "perf/iteration_s")  # critic/*: ppo runs only
 
 
 def stage(name: str, iteration: int | None = None, line: str | None = None) -> None:
@@ -58,11 +58,52 @@ def record_iteration(cfg: RunConfig, row: dict) -> list[dict]:
 
 
 def truncate_metrics(cfg: RunConfig, last_iteration: int) -> None:
-    """On resume, forget rows of iterations that will run again."""
+    """On resume, forget rows of iterations that will run again (metrics.jsonl and train_steps.jsonl)."""
     rows = read_metrics(cfg)
     kept = [r for r in rows if r["iteration"] <= last_iteration]
     if len(kept) != len(rows):
         write_metrics(cfg, kept)
+    steps = read_train_steps(cfg)
+    kept_steps = [r for r in steps if r["iteration"] <= last_iteration]
+    if len(kept_steps) != len(steps):
+        _write_jsonl(cfg, TRAIN_STEPS, kept_steps)
+
+
+# Per-optimizer-step train statistics live next to metrics.jsonl (which stays one row per iteration): one row
+# per optimizer step, {"iteration", "step" (global optimizer step, 1-based), "train_step/<name>": value}.
+TRAIN_STEPS = "train_steps.jsonl"
+STEP_PREFIX = "train_step/"
+
+
+def read_train_steps(cfg: RunConfig) -> list[dict]:
+    fs, path = run_file(cfg, TRAIN_STEPS)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):
+        return []
+    return [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+
+
+def _write_jsonl(cfg: RunConfig, name: str, rows: list[dict]) -> None:
+    fs, path = run_file(cfg, name)
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+def step_rows(steps: list[dict[str, float]], first_step: int, **fields) -> list[dict]:
+    """Rows of `train_step/*` keys numbered from `first_step`, with `fields` (e.g. iteration) on each."""
+    return [{**fields, "step": first_step + i, **{STEP_PREFIX + k: v for k, v in stats.items()}}
+            for i, stats in enumerate(steps)]
+
+
+def record_train_steps(cfg: RunConfig, iteration: int, steps: list[dict[str, float]]) -> list[dict]:
+    """Iteration `iteration`'s optimizer steps, numbered after the last step of the iterations before it: the
+    counter is monotonic across iterations and resumes (a rerun iteration replaces its own rows)."""
+    kept = [r for r in read_train_steps(cfg) if r["iteration"] < iteration]
+    first = max((r["step"] for r in kept), default=0) + 1
+    new = step_rows(steps, first, iteration=iteration)
+    _write_jsonl(cfg, TRAIN_STEPS, kept + new)
+    return new
 
 
 def metrics_line(row: dict) -> str:

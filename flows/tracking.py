@@ -2,8 +2,11 @@
 
 One schema for every sink: the numeric keys of a metrics.jsonl row (rollout/*, train/*, eval/*, perf/*,
 mismatch/*, sync/*), step = iteration (rl_train), rollout id (rollout_only, replay_train) or the night's
-number (alignment_check). The config is logged once per tracking run (flattened RunConfig; URLs in it carry
-no credentials, RunConfig refuses them, and keys that look like secrets are dropped anyway).
+number (alignment_check). Per-optimizer-step train statistics go as `train_step/*` (loss, pg_loss, grad_norm,
+...) at step = the global optimizer step (rl_train: train_steps.jsonl's `step`, monotonic across iterations and
+resumes; replay_train: counted over the replayed rollouts). The config is logged once per tracking run
+(flattened RunConfig; URLs in it carry no credentials, RunConfig refuses them, and keys that look like secrets
+are dropped anyway).
 
 Semantics that hold for every sink:
 - rl_train logs an iteration once its checkpoint is committed (`logged_through` in
@@ -30,10 +33,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from rollflow.flows.config import RunConfig
+from rollflow.flows.reporting import STEP_PREFIX
 
 EXTRA = "pip install 'rollflow[tracking]'"
 STATE_FILE = "tracking.json"
 STEP_KEYS = frozenset({"iteration"})  # the step itself, not a metric
+# STEP_PREFIX: per-optimizer-step train statistics (train_step/*; reporting.py: train_steps.jsonl)
+ROW_AXIS, STEP_AXIS = "step", "train_step/step"  # W&B x-axis metrics of rows and of optimizer steps
 SECRET_KEY = re.compile(r"key|secret|token|password|credential", re.I)
 _log = logging.getLogger("rollflow.tracking")
 
@@ -267,6 +273,7 @@ class WandbSink(Sink):
     def __init__(self, project: str, run_name: str, folder: Path, mode: str | None):
         self.project, self.run_name, self.folder, self.mode = project, run_name, folder, mode
         self.run = None
+        self.defined: set[str] = set()  # keys given their x-axis (define_metric) in this process
 
     def open(self, state, params, tags):
         try:
@@ -284,7 +291,18 @@ class WandbSink(Sink):
             self.run.summary.update(dict(tags))
 
     def log(self, metrics, step):
-        self.run.log(dict(metrics), step=step)
+        # W&B has one history step per run and drops a step that goes back, so the optimizer steps
+        # (train_step/*) and the iteration rows cannot share it: each key is charted against its own
+        # x-axis metric (define_metric), logged in the same row, and W&B's own _step just counts rows.
+        axis = STEP_AXIS if all(k.startswith(STEP_PREFIX) for k in metrics) else ROW_AXIS
+        for key in metrics:
+            if key not in self.defined:
+                if axis not in self.defined:
+                    self.run.define_metric(axis, hidden=True)
+                    self.defined.add(axis)
+                self.run.define_metric(key, step_metric=axis)
+                self.defined.add(key)
+        self.run.log({**metrics, axis: step})
 
     def log_text(self, key, text, step=0):
         path = Path(self.run.dir) / f"{key.replace('/', '_')}.md"
@@ -505,10 +523,17 @@ def log_committed(tracker: Tracker, cfg: RunConfig, committed: int) -> None:
         return
     rows = [r for r in reporting.read_metrics(cfg) if done < r["iteration"] <= committed]
     tracker.log_rows(rows)
+    log_steps(tracker, [r for r in reporting.read_train_steps(cfg) if done < r["iteration"] <= committed])
     if rows and rows[-1].get("rollout_uri"):
         tracker._each("tags", lambda s: s.set_summary({"last_rollout_uri": rows[-1]["rollout_uri"]}))
     tracker.state["logged_through"] = committed
     tracker.save_state()
+
+
+def log_steps(tracker: Tracker, rows: Iterable[dict]) -> None:
+    """Rows of optimizer steps (`step` plus `train_step/*` keys; any other field is context, not a metric)."""
+    for row in rows:
+        tracker.log({k: float(v) for k, v in row.items() if k.startswith(STEP_PREFIX)}, int(row["step"]))
 
 
 def checkpointed(cfg: RunConfig, iteration: int) -> bool:

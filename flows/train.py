@@ -55,10 +55,11 @@ def resume_point(cfg: RunConfig) -> int:
 # The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
 @task(name="start-workers", cache_policy=NO_CACHE)
 def start_workers_task(cfg: RunConfig, start: int) -> None:
-    """Placement, trainer and engine (the ~10 s of start-up, visible as its own task in the UI)."""
+    """Placement, trainer (+ critic for ppo) and engine (the ~10 s of start-up, its own task in the UI)."""
     group = WorkerGroup.for_run(cfg)
     group.start_placement()
     group.start_trainer(start)
+    group.start_critic(start)  # ppo only
     group.start_engine(start)
 
 

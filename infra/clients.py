@@ -10,6 +10,7 @@ Each method calls the actor method of the same name by attribute (`self.actor.ro
 - `EngineClient`: the rollout worker (tasks/rollout/worker.py:RolloutWorker). `abort`, `inflight` and
   `alive` run in the actor's control concurrency group, so they answer while a rollout runs.
 - `ServerClient`: one SGLang server actor (tasks/rollout/server_worker.py:SGLangServerWorker).
+- `CriticClient`: the critic of advantage_estimator="ppo" (tasks/train/critic_worker.py:CriticWorker).
 
 Calls that another actor consumes, or that must overlap (weight sync), return `Pending[T]`: its `ref`
 goes to the other actor as an argument (Ray resolves it there: tensors go actor to actor), its
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from rollflow.artifacts.sample import Sample
+    from rollflow.tasks.train.critic import CriticEstimate
 
 T = TypeVar("T")
 ArtifactRefDict = dict[str, Any]  # rollflow.artifacts.store.ArtifactRef.to_dict()
@@ -184,11 +186,14 @@ class TrainerClient:
         return self._rank0_of_all([a.load_artifact.remote(ref) for a in self.ranks])
 
     def train_on_artifact(self, ref: ArtifactRefDict, *, subsample: float | None = None,
-                          dump_uri: str | None = None, reward_key: str | None = None) -> dict[str, float]:
+                          dump_uri: str | None = None, reward_key: str | None = None,
+                          critic: Pending[CriticEstimate] | None = None) -> dict[str, float]:
         """Train on the artifact (each rank on its share); the global metrics. `reward_key`: the run's
-        field of dict rewards (slime's --reward-key), over the samples' own."""
+        field of dict rewards (slime's --reward-key), over the samples' own. `critic` (ppo): the critic's
+        estimate for this artifact, still in flight; every rank receives it from the object store."""
+        extra = {"critic": critic.ref} if critic is not None else {}
         return self._rank0_of_all([a.train_on_artifact.remote(ref, subsample=subsample, dump_uri=dump_uri,
-                                                              reward_key=reward_key)
+                                                              reward_key=reward_key, **extra)
                                    for a in self.ranks])
 
     def replay_step(self, ref: ArtifactRefDict, *, start_state_uri: str | None, out_state_uri: str,
@@ -198,6 +203,10 @@ class TrainerClient:
         return self._rank0_of_all([
             a.replay_step.remote(ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
                                  subsample=subsample, dump_uri=dump_uri, reward_key=reward_key) for a in self.ranks])
+
+    def train_steps(self) -> list[dict[str, float]]:
+        """Each optimizer step's statistics (loss, grad_norm, ...) of the last train or replay call (rank 0)."""
+        return _get(self.actor.train_steps.remote())
 
     # rank 0
     def save_checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> str:
@@ -241,6 +250,32 @@ class TrainerClient:
     def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
         """Broadcast bucket `index` to the weight-update group; bytes sent."""
         return _get(self.actor.broadcast_weight_bucket.remote(index, device))
+
+
+# -- critic (advantage_estimator="ppo") ------------------------------------------------------------------
+class CriticClient:
+    """The critic actor (tasks/train/critic_worker.py:CriticWorker), one rank beside the trainer."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def wait_started(self) -> None:
+        _get(self.actor.ping.remote())
+
+    def alive(self) -> bool:
+        return _alive(self.actor)
+
+    def estimate(self, ref: ArtifactRefDict, reward_key: str | None = None) -> Pending[CriticEstimate]:
+        """Old values + GAE advantages / returns of the artifact: pass it to `TrainerClient.train_on_artifact`."""
+        return Pending(self.actor.estimate.remote(ref, reward_key))
+
+    def update(self) -> Pending[dict[str, float]]:
+        """Value-loss steps on the last estimated rollout; its `critic/*` metrics."""
+        return Pending(self.actor.update.remote())
+
+    def save_checkpoint(self, iteration: int) -> str:
+        """The critic's state beside checkpoint `iteration`'s payload (before its commit marker); its URI."""
+        return _get(self.actor.save_checkpoint.remote(iteration))
 
 
 # -- rollout worker ------------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ class AlignmentThresholds(_Strict):
     mismatch_mean_fail: float = Field(1e-2, ge=0, description="fail above this mean |train - rollout| log-prob")
     mismatch_max_fail: float = Field(1.0, ge=0, description="fail above this max |train - rollout| log-prob")
     worst_samples: int = Field(5, ge=0, description="samples listed with the largest mismatch")
+    mismatch_kl_warn: float = Field(1e-5, ge=0, description="warn above this rollout-vs-train KL (mismatch/k3_kl)")
+    mismatch_kl_fail: float = Field(1e-3, ge=0, description="fail above this rollout-vs-train KL (mismatch/k3_kl)")
     # 4. one rollout, one step
     max_ppo_kl: float = Field(0.0, ge=0, description="|train/ppo_kl| allowed at the first step (0 = exact)")
     max_pg_clipfrac: float = Field(0.0, ge=0, le=1, description="train/pg_clipfrac allowed at the first step")

@@ -54,9 +54,9 @@ def test_report_renders_markdown_json_and_table(default_report):
     for name in CHECK_NAMES:
         assert f"{name}: PASS" in md
     data = json.loads(default_report.to_json())
-    assert data["status"] == "pass" and data["counts"] == {"pass": 6, "warn": 0, "fail": 0}
+    assert data["status"] == "pass" and data["counts"] == {"pass": 7, "warn": 0, "fail": 0}
     again = AlignmentReport.from_dict(data)
-    assert [c.status for c in again.checks] == ["pass"] * 6
+    assert [c.status for c in again.checks] == ["pass"] * 7
     rows = default_report.table_rows()
     assert [r["check"] for r in rows] == list(CHECK_NAMES) and all(r["status"] == "pass" for r in rows)
 
@@ -68,7 +68,8 @@ FAULTS = [
                  ["ref_nll", "format_fraction"], "parameter names not mapped", id="gibberish-random"),
     pytest.param(dict(faults=AlignmentFaults(perturb_ref_std=1e-3)), "step1_logprob_equals_ref",
                  ["log_probs != ref_log_probs"], "non-deterministic kernels", id="perturbed-ref"),
-    pytest.param(dict(faults=AlignmentFaults(engine_temperature=0.7)), "train_rollout_logprob_diff",
+    # a wrong engine temperature moves the whole distribution: both the per-token diff and the KL fail
+    pytest.param(dict(faults=AlignmentFaults(engine_temperature=0.7)), ("train_rollout_logprob_diff", "train_rollout_kl"),
                  ["mean |train - rollout|"], "temperature applied differently", id="engine-temperature"),
     pytest.param(dict(faults=AlignmentFaults(perturb_policy_std=1e-3)), "one_step_update",
                  ["ppo_kl", "!= 0"], "policy changed between computing the old log-probs", id="policy-moved"),
@@ -86,7 +87,8 @@ FAULTS = [
 def test_fault_fails_exactly_its_check(cfg, kwargs, failing, message_parts, cause):
     report = run_alignment_local(cfg, **kwargs)
     statuses = {c.name: c.status for c in report.checks}
-    assert [c.name for c in report.failed] == [failing], report.summary()
+    failing, *also = (failing,) if isinstance(failing, str) else failing
+    assert [c.name for c in report.failed] == [failing, *also], report.summary()
     check = report.check(failing)
     for part in message_parts:
         assert part in check.message, check.message
@@ -97,7 +99,7 @@ def test_fault_fails_exactly_its_check(cfg, kwargs, failing, message_parts, caus
         assert report.context["faults"] == kwargs["faults"].describe()
         assert "Injected faults" in md
     # The other checks do not fail (random weights may warn about the log-prob level: also gibberish).
-    assert all(s != "fail" for n, s in statuses.items() if n != failing)
+    assert all(s != "fail" for n, s in statuses.items() if n not in (failing, *also))
 
 
 def test_wrong_name_mapping_is_named(cfg):
@@ -125,6 +127,15 @@ def test_bfloat16_engine_warns_on_mismatch_and_syncs_in_its_dtype(tmp_path):
     assert any("dtype" in c for c in mm.causes)
     sync = report.check("weight_sync_parity")
     assert sync.passed and sync.figures["compared_in"] == "bfloat16"
+    kl = report.check("train_rollout_kl")
+    assert kl.status in ("pass", "warn") and 0 < kl.figures["k3_kl"] < 1e-3
+    for key in ("kl", "log_ppl_diff", "ppl_ratio", "chi2_token", "chi2_seq", "ess_token", "tis", "training_log_ppl"):
+        assert key in kl.figures, key
+    assert "train_rollout_kl" in report.to_markdown() and "k3_kl" in report.to_markdown()
+    # the nightly check's KL limit is a threshold: the same precision gap fails once the limit is below it
+    strict = run_alignment_local(bf16, thresholds=AlignmentThresholds(mismatch_kl_fail=kl.figures["k3_kl"] / 2))
+    assert [c.name for c in strict.failed] == ["train_rollout_kl"], strict.summary()
+    assert "limit" in strict.check("train_rollout_kl").message
 
 
 def test_a_raising_phase_becomes_a_failed_check(cfg):

@@ -47,7 +47,7 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
     # What a scheduled run executes: the flow with the deployment's (JSON) parameters.
     out = alignment_check(**dep.parameters)
     assert out["status"] == "pass", json.dumps(out["checks"], indent=1)[:3000]
-    assert [c["status"] for c in out["checks"]] == ["pass"] * 6
+    assert [c["status"] for c in out["checks"]] == ["pass"] * 7
 
     report_file = Path(out["json_path"])
     assert report_file.parent == tmp_path / "nightly-t" / "alignment"
@@ -65,7 +65,7 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
     table = Artifact.get("nightly-t-alignment-checks")
     assert table is not None and table.type == "table"
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
-    assert [r["status"] for r in rows] == ["pass"] * 6
+    assert [r["status"] for r in rows] == ["pass"] * 7
     assert "COMPLETED" in _flow_run_states("alignment_check")
 
 
@@ -96,7 +96,7 @@ def test_tiny_memory_budget_fails_the_flow_run(tmp_path, prefect_api, ray_local)
         tasks = client.read_task_runs(flow_run_filter=run_filter)
     check_states = {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks if t.name.startswith("check-")}
     assert check_states["check-step2_load_and_memory"] == "Failed"
-    assert check_states["check-coherence"] == "Completed" and len(check_states) == 6
+    assert check_states["check-coherence"] == "Completed" and len(check_states) == 7
 
 
 def test_prefect_yaml_declares_the_nightly_deployment():

@@ -160,7 +160,7 @@ def test_parquet_is_plain_columnar(local_store):
     write(local_store, 0)
     table = pq.read_table(samples_file(local_store))
     types = {f.name: f.type for f in table.schema}
-    assert types["tokens"] == pa.list_(pa.int64())
+    assert types["tokens"] == pa.list_(pa.int32())  # payload format 2 (format 1: int64, still read)
     assert types["loss_mask"] == pa.list_(pa.int8())
     assert types["rollout_log_probs"] == pa.list_(pa.float64())
     assert types["reward"] == pa.float64() and types["reward_json"] == pa.string()
@@ -419,13 +419,13 @@ def test_manifest_rejects_unknown_fields_and_non_utc():
         run="r", rollout_id=0, split="train", n_samples=0, n_samples_per_prompt=1,
         producer=producer_info(), engine=ENGINE, config_hash="h", files=[],
     )
-    assert Manifest(**base).schema_version == 1
+    assert Manifest(**base).schema_version == 2 and Manifest(**base, schema_version=1).schema_version == 1
     with pytest.raises(ValueError, match="surprise"):
         Manifest(**base, surprise=1)
     with pytest.raises(ValueError, match="UTC"):
         Manifest(**base, created_at="2025-01-01T00:00:00+02:00")
-    with pytest.raises(ValueError, match="schema_version 2"):
-        Manifest(**base, schema_version=2)
+    with pytest.raises(ValueError, match="schema_version 3"):
+        Manifest(**base, schema_version=3)
 
 
 # ----------------------------------------------------------------------------- S3 (moto server on loopback)

@@ -126,6 +126,29 @@ def test_step1_exact_and_weight_sync(device):
     assert compare(checksums(be2.named_weights()), checksums(named)).ok
 
 
+@needs_megatron
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_gradient_skips_the_step_and_keeps_the_weights(device):
+    """A NaN gradient (here injected by a hook) must not reach the weights: on CUDA Megatron's optimizer only
+    checks for inf under fp16 loss scaling, so the backend looks at the reduced grads first."""
+    from rollflow.tasks.train.megatron_backend import MegatronBackend
+
+    config = _config("qwen2")
+    state = {k: v.detach().clone() for k, v in _hf(config).state_dict().items()}
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    be = MegatronBackend(config, state, _optim("megatron", device, dtype))
+    before = checksums(be.named_weights())
+    param = next(p for p in be.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: torch.full_like(g, float("nan")))
+    result = train_on_samples(be, _samples(config.vocab_size), AlgoConfig(), group_size=4)
+    hook.remove()
+    assert result.metrics["train/skipped_steps"] == 1.0 and result.steps[0]["skipped"] == 1.0
+    assert compare(checksums(be.named_weights()), before).ok
+    result = train_on_samples(be, _samples(config.vocab_size), AlgoConfig(), group_size=4)
+    assert result.metrics["train/skipped_steps"] == 0.0
+    assert not compare(checksums(be.named_weights()), before).ok
+
+
 @pytest.mark.skipif(HAVE_MEGATRON, reason="megatron-core is installed: the missing-package message cannot show")
 def test_missing_megatron_is_a_clear_error():
     from rollflow.tasks.train.megatron_backend import MegatronMissing

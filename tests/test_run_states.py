@@ -177,9 +177,14 @@ def test_nightly_alert_exists_after_deploy_and_fires(server):
 
 
 @pytest.mark.slow
-def test_ui_cancel_of_a_cli_train_run_ends_cancelled_and_stops_its_actors(server, ray_local, tmp_path):
-    """The real thing: `rollflow train` in a terminal, Cancel in the UI. The CLI joins the test's Ray cluster
-    (ray.address), so its detached actors would outlive the process unless the cancel stopped them."""
+@pytest.mark.parametrize("command, under_way", [
+    ("train", "metrics.jsonl"),  # rl_train: a committed iteration
+    ("rollout", "rollouts/train/000000/manifest.json"),  # rollout_only: a committed rollout
+])
+def test_ui_cancel_of_a_cli_run_ends_cancelled_and_stops_its_actors(server, ray_local, tmp_path, command, under_way):
+    """The real thing: `rollflow train` (or `rollflow rollout`) in a terminal, Cancel in the UI. The CLI joins
+    the test's Ray cluster (ray.address), so its detached actors would outlive the process unless the cancel
+    stopped them."""
     import ray
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -190,7 +195,7 @@ def test_ui_cancel_of_a_cli_train_run_ends_cancelled_and_stops_its_actors(server
 
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, **OFFLINE, **heartbeat_env(), "PREFECT_API_URL": server, "RAY_AUTH_MODE": "disabled"}
-    argv = [str(Path(sys.executable).with_name("rollflow")), "train", "--set", "run=cancel-cli",
+    argv = [str(Path(sys.executable).with_name("rollflow")), command, "--set", "run=cancel-cli",
             "--set", "iterations=200", "--set", f"store.root={tmp_path}", "--set", f"ray.address={address}",
             "--set", "data.prompts_per_rollout=8", "--set", "rollout.n_samples_per_prompt=2"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -202,12 +207,13 @@ def test_ui_cancel_of_a_cli_train_run_ends_cancelled_and_stops_its_actors(server
 
     try:
         deadline = time.monotonic() + 180
-        while not (tmp_path / "cancel-cli" / "metrics.jsonl").exists():  # training is under way
+        while not (tmp_path / "cancel-cli" / under_way).exists():  # the run's loop is under way
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(1)
         assert run_actors()
         with get_client(sync_client=True) as client:
-            [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["cancel-cli"])))
+            name = "cancel-cli" if command == "train" else f"cancel-cli/{command}"  # flows/naming.py
+            [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
             assert run.state.name == "Running"
             client.set_flow_run_state(run.id, Cancelling(), force=False)  # the UI's Cancel button
         asked = time.monotonic()

@@ -47,14 +47,20 @@ def tracked_config(tmp_path, run: str, backends=ALL, **overrides):
     tracking = {"backends": backends, "wandb_mode": "offline", "project": "rollflow-test",
                 "uri": str(tmp_path / "mlruns"), **overrides.pop("tracking", {})}
     overrides.setdefault("data", {"prompts_per_rollout": 8, "eval_prompts": 8})  # small: this tests logging
+    overrides.setdefault("train", {"num_steps_per_rollout": 2})  # two optimizer steps per iteration
     return small_config(tmp_path, run=run, tracking=tracking, **overrides)
 
 
 def expected_steps(cfg) -> dict[int, set[str]]:
-    from rollflow.flows.reporting import read_metrics
+    """step -> keys every sink should hold: metrics.jsonl's rows at step = iteration, and train_steps.jsonl's
+    `train_step/*` at step = global optimizer step (distinct keys, so the two axes share the dict)."""
+    from rollflow.flows.reporting import read_metrics, read_train_steps
     from rollflow.flows.tracking import numeric_metrics
 
-    return {row["iteration"]: set(numeric_metrics(row)) for row in read_metrics(cfg)}
+    out = {row["iteration"]: set(numeric_metrics(row)) for row in read_metrics(cfg)}
+    for row in read_train_steps(cfg):
+        out.setdefault(row["step"], set()).update(k for k in row if k.startswith("train_step/"))
+    return out
 
 
 def tensorboard_steps(logdir: Path) -> dict[int, set[str]]:
@@ -108,16 +114,21 @@ def wandb_records(path: Path) -> list:
     return out
 
 
-def wandb_steps(folder: Path) -> dict[int, set[str]]:
+def wandb_steps(folder: Path, pattern: str = "wandb/offline-run-*/run-*.wandb") -> dict[int, set[str]]:
+    """step -> keys, the step being each row's x-axis metric (`step` for rows, `train_step/step` for optimizer
+    steps: flows/tracking.py WandbSink), not W&B's own row counter `_step`."""
+    from rollflow.flows.tracking import ROW_AXIS, STEP_AXIS
+
     out: dict[int, set[str]] = {}
-    for log in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
+    for log in sorted(folder.glob(pattern)):
         for record in wandb_records(log):
             if record.WhichOneof("record_type") != "history":
                 continue
             items = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
                      for item in record.history.item}
-            step = record.history.step.num if record.history.HasField("step") else items.get("_step")
-            out.setdefault(int(step), set()).update(k for k in items if not k.startswith("_"))
+            step = items[STEP_AXIS] if STEP_AXIS in items else items[ROW_AXIS]
+            out.setdefault(int(step), set()).update(k for k in items if not k.startswith("_")
+                                                    and k not in (ROW_AXIS, STEP_AXIS))
     return out
 
 
@@ -186,25 +197,57 @@ def test_resume_logs_each_committed_step_once(tmp_path, problems):
                          iterations=4, checkpoint_every=2)
     rows = [{"iteration": i, "rollout_id": i - 1, "train/loss": float(i), "rollout_uri": f"u{i}"} for i in (1, 2, 3)]
     reporting.write_metrics(cfg, rows)
+    for i in (1, 2, 3):  # two optimizer steps per iteration: global steps 1-2, 3-4, 5-6
+        reporting.record_train_steps(cfg, i, [{"loss": i + 0.1}, {"loss": i + 0.2}])
     with tracking.start_train(cfg, 0) as tracker:  # first attempt: commits 2, dies after row 3
         tracking.log_committed(tracker, cfg, 2)
         first_id = tracker.state["mlflow_run_id"]
     reporting.truncate_metrics(cfg, 2)  # what rl_train does on resume
+    assert [r["step"] for r in reporting.read_train_steps(cfg)] == [1, 2, 3, 4]
     with tracking.start_train(cfg, 2) as tracker:
         assert tracker.state["mlflow_run_id"] == first_id
-        reporting.record_iteration(cfg, {"iteration": 3, "rollout_id": 2, "train/loss": 30.0})
-        reporting.record_iteration(cfg, {"iteration": 4, "rollout_id": 3, "train/loss": 40.0})
+        for i in (3, 4):
+            reporting.record_iteration(cfg, {"iteration": i, "rollout_id": i - 1, "train/loss": 10.0 * i})
+            reporting.record_train_steps(cfg, i, [{"loss": 10 * i + 0.1}, {"loss": 10 * i + 0.2}])
         tracking.log_committed(tracker, cfg, 4)
     steps = mlflow_steps(tracking.mlflow_uri(cfg), first_id)
-    assert sorted(steps) == [1, 2, 3, 4]
-    assert all(sorted(keys) == ["rollout_id", "train/loss"] for keys in steps.values())
+    assert sorted(steps) == list(range(1, 9))
+    assert {s: sorted(keys) for s, keys in steps.items()} == {
+        **{s: ["train_step/loss"] for s in range(5, 9)},
+        **{s: ["rollout_id", "train/loss", "train_step/loss"] for s in (1, 2, 3, 4)}}  # each point once
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.mlflow_uri(cfg))
     assert [p.value for p in client.get_metric_history(first_id, "train/loss")] == [1.0, 2.0, 30.0, 40.0]
+    # the dropped first attempt's iteration-3 steps (3.1, 3.2) are nowhere; the rerun's took their numbers
+    assert [(p.step, p.value) for p in client.get_metric_history(first_id, "train_step/loss")] == [
+        (1, 1.1), (2, 1.2), (3, 2.1), (4, 2.2), (5, 30.1), (6, 30.2), (7, 40.1), (8, 40.2)]
     assert tensorboard_steps(tmp_path / "resume-unit" / "tensorboard" / "rl_train") == {
-        i: {"rollout_id", "train/loss"} for i in (1, 2, 3, 4)}
+        **{i: {"rollout_id", "train/loss", "train_step/loss"} for i in (1, 2, 3, 4)},
+        **{i: {"train_step/loss"} for i in (5, 6, 7, 8)}}
     assert problems == []
+
+
+def test_optimizer_loop_reports_each_step():
+    """objective.minibatch_steps hands each optimizer step's statistics to `on_step`; their mean is train/*."""
+    import torch
+
+    from rollflow.tasks.train.objective import minibatch_steps
+
+    class Rows:  # what the loop reads of a TrainBatch: size, select, response_mask
+        def __init__(self, n: int):
+            self.size, self.response_mask = n, torch.ones(n, 3)
+
+        def select(self, rows: slice) -> "Rows":
+            return Rows(len(range(self.size)[rows]))
+
+    losses = iter([1.0, 2.0, 3.0, 6.0])
+    norms = iter([10.0, 20.0, 30.0, 40.0])
+    seen: list[dict[str, float]] = []
+    out = minibatch_steps(Rows(8), 4, 64, zero_grad=lambda: None, micro_step=lambda micro, denom: {"loss": next(losses)},
+                          optimizer_step=lambda: next(norms), on_step=seen.append)
+    assert [(row["loss"], row["grad_norm"]) for row in seen] == [(1.0, 10.0), (2.0, 20.0), (3.0, 30.0), (6.0, 40.0)]
+    assert out["train/loss"] == 3.0 and out["train/grad_norm"] == 25.0 and out["train/step1_grad_norm"] == 10.0
 
 
 # ---- end to end (Prefect + Ray) ---------------------------------------------------------------------------
@@ -217,11 +260,21 @@ def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api,
     from rollflow.flows import tracking
     from rollflow.flows.train import rl_train
 
+    from rollflow.flows.reporting import read_metrics, read_train_steps
+
     cfg = tracked_config(tmp_path, "tracked", iterations=3)
     summary = rl_train(cfg)
     assert summary["iterations"] == 3 and problems == []
     expected = expected_steps(cfg)
-    assert sorted(expected) == [1, 2, 3] and "train/loss" in expected[1] and "rollout/raw_reward" in expected[1]
+    assert "train/loss" in expected[1] and "rollout/raw_reward" in expected[1]
+    # two optimizer steps per iteration, numbered across iterations; their mean is the iteration's train/*
+    rows, opt = read_metrics(cfg), read_train_steps(cfg)
+    assert [(r["iteration"], r["step"]) for r in opt] == [(1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6)]
+    assert {"train_step/loss", "train_step/pg_loss", "train_step/grad_norm", "train_step/ppo_kl"} <= expected[6]
+    for row in rows:
+        mine = [r for r in opt if r["iteration"] == row["iteration"]]
+        assert row["train/loss"] == pytest.approx(sum(r["train_step/loss"] for r in mine) / 2, rel=1e-6)
+        assert row["train/step1_grad_norm"] == mine[0]["train_step/grad_norm"]
 
     assert tensorboard_steps(tmp_path / "tracked" / "tensorboard" / "rl_train") == expected
 
@@ -267,7 +320,9 @@ def test_kill_and_resume_keeps_one_mlflow_run_with_each_step_once(tmp_path, pref
     run_id = state["mlflow_run_id"]
     uri = tracking.mlflow_uri(cfg)
     assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
-    assert sorted(mlflow_steps(uri, run_id)) == [1, 2]
+    logged = mlflow_steps(uri, run_id)  # the two committed iterations, and their four optimizer steps
+    assert sorted(s for s, keys in logged.items() if "train/loss" in keys) == [1, 2]
+    assert sorted(s for s, keys in logged.items() if "train_step/loss" in keys) == [1, 2, 3, 4]
 
     summary = rl_train(cfg)
     assert summary["resumed_from"] == 2
@@ -277,7 +332,10 @@ def test_kill_and_resume_keeps_one_mlflow_run_with_each_step_once(tmp_path, pref
     assert [r.info.run_id for r in runs] == [run_id]
     assert client.get_run(run_id).info.status == "FINISHED"
     for key in client.get_run(run_id).data.metrics:
-        assert [p.step for p in client.get_metric_history(run_id, key)] == [1, 2, 3], key
+        # optimizer steps: 2 per iteration, numbered on across the resume (iteration 3's are 5 and 6)
+        want = [1, 2, 3, 4, 5, 6] if key.startswith("train_step/") else [1, 2, 3]
+        assert [p.step for p in client.get_metric_history(run_id, key)] == want, key
+    assert "train_step/grad_norm" in client.get_run(run_id).data.metrics
     assert problems == []
 
 
@@ -321,3 +379,100 @@ def test_a_failing_sink_is_disabled_with_one_warning_and_training_completes(tmp_
     assert len(problems) == 1, problems
     assert "'mlflow'" in problems[0] and "tracking server unreachable" in problems[0] and "disabled" in problems[0]
     assert tensorboard_steps(tmp_path / "flaky" / "tensorboard" / "rl_train") == expected_steps(cfg)
+
+
+def mlflow_run(uri: str, experiment: str, name: str) -> list:
+    """Runs of `experiment` named `name`, oldest first."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
+                              filter_string=f"attributes.run_name = '{name}'")
+    return sorted(runs, key=lambda r: r.info.start_time)
+
+
+def replay_expected(result: dict) -> dict[int, set[str]]:
+    """What replay_train logs: each row at step = rollout id, each optimizer step at its number."""
+    from rollflow.flows.tracking import numeric_metrics
+
+    out = {row["rollout_id"]: set(numeric_metrics({k: v for k, v in row.items() if k != "rollout_id"}))
+           for row in result["steps"]}
+    for row in result["optimizer_steps"]:
+        out.setdefault(row["step"], set()).update(k for k in row if k.startswith("train_step/"))
+    return out
+
+
+@pytest.mark.slow
+def test_rollout_only_and_replay_train_log_to_every_sink(tmp_path, prefect_api, ray_local, offline_wandb, problems):
+    from mlflow.tracking import MlflowClient
+
+    from rollflow.flows import tracking
+    from rollflow.flows.debug import replay_train, rollout_only
+
+    cfg = tracked_config(tmp_path, "dbg-tr", iterations=2, debug={"rollout_only": True})
+    out = rollout_only(cfg)
+    uri = tracking.mlflow_uri(cfg)
+    rollout_keys = {"rollout/raw_reward", "rollout/response_len", "rollout/truncated_ratio", "rollout/n_samples"}
+    want = {0: rollout_keys, 1: rollout_keys}  # step = rollout id
+    [run] = mlflow_run(uri, "rollflow-test", "dbg-tr-rollout")
+    assert {s: set(k) for s, k in mlflow_steps(uri, run.info.run_id).items()} == want
+    client = MlflowClient(tracking_uri=uri)
+    assert [p.value for p in client.get_metric_history(run.info.run_id, "rollout/raw_reward")] == [
+        out["rollouts"][0]["raw_reward"], out["rollouts"][1]["raw_reward"]]
+    assert run.data.tags["rollflow.flow"] == "rollout_only" and run.info.status == "FINISHED"
+    [tb] = list((tmp_path / "dbg-tr" / "tensorboard" / "rollout_only").iterdir())  # a folder per call
+    assert tensorboard_steps(tb) == want
+    assert wandb_steps(tmp_path / "dbg-tr") == want
+
+    replay_cfg = tracked_config(tmp_path, "dbg-tr2", debug={"train_only": True})
+    first = replay_train(replay_cfg, rollout_ids=[0, 1], source_run="dbg-tr")
+    assert [(r["rollout_id"], r["step"]) for r in first["optimizer_steps"]] == [(0, 1), (0, 2), (1, 3), (1, 4)]
+    expected = replay_expected(first)
+    assert {"train/loss", "rollout/raw_reward", "cached"} <= expected[0] and "train_step/grad_norm" in expected[4]
+    [run] = mlflow_run(uri, "rollflow-test", "dbg-tr2-replay")
+    got = mlflow_steps(uri, run.info.run_id)
+    assert {s: set(k) for s, k in got.items()} == {s: {tracking.mlflow_key(k) for k in keys}
+                                                   for s, keys in expected.items()}
+    assert all(len(keys) == len(set(keys)) for keys in got.values())
+    [tb] = list((tmp_path / "dbg-tr2" / "tensorboard" / "replay_train").iterdir())
+    assert tensorboard_steps(tb) == expected
+    assert wandb_steps(tmp_path / "dbg-tr2") == expected
+
+    # An identical replay is all cache hits: its tracking run still charts every optimizer step.
+    second = replay_train(replay_cfg, rollout_ids=[0, 1], source_run="dbg-tr")
+    assert all(s["cached"] for s in second["steps"])
+    assert second["optimizer_steps"] == first["optimizer_steps"]
+    again = mlflow_run(uri, "rollflow-test", "dbg-tr2-replay")[-1]
+    assert [p.value for p in client.get_metric_history(again.info.run_id, "train_step/loss")] == [
+        r["train_step/loss"] for r in first["optimizer_steps"]]
+    assert problems == []
+
+
+@pytest.mark.slow
+def test_ima_bisect_logs_its_verdict_table(tmp_path, prefect_api, problems):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rollflow.flows import tracking
+    from rollflow.flows.bisect import ima_bisect
+
+    cfg = tracked_config(tmp_path, "ima-tr", backends=["mlflow", "tensorboard"], data={"prompts_per_rollout": 4},
+                         rollout={"n_samples_per_prompt": 2})
+    out = ima_bisect(cfg, crash_when="cuda_graph=on,speculative=on", timeout_s=120, parallel=2)
+    verdict = out["verdict"]["text"]
+    assert verdict == "crashes only with cuda_graph on and speculative on"
+
+    uri = tracking.mlflow_uri(cfg)
+    [run] = mlflow_run(uri, "rollflow-test", "ima-tr-ima-bisect")
+    assert run.data.tags["summary.ima.verdict"] == verdict and run.data.tags["rollflow.flow"] == "ima_bisect"
+    assert run.data.tags["rollflow.ima_report"] == out["report_uri"]
+    client = MlflowClient(tracking_uri=uri)
+    table = Path(client.download_artifacts(run.info.run_id, "ima_verdict.md", str(tmp_path / "dl"))).read_text()
+    assert f"**Verdict: {verdict}**" in table and "cuda_graph" in table  # the matrix, one row per cell
+
+    [tb] = list((tmp_path / "ima-tr" / "tensorboard" / "ima_bisect").iterdir())
+    acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
+    acc.Reload()
+    [event] = acc.Tensors("ima_verdict")
+    assert f"**Verdict: {verdict}**" in event.tensor_proto.string_val[0].decode()
+    assert problems == []

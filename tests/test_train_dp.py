@@ -210,7 +210,8 @@ class ToyLM(torch.nn.Module):
         return types.SimpleNamespace(logits=self.out(torch.tanh(self.emb(input_ids))))
 
 
-TOY_ALGOS = [AlgoConfig(), AlgoConfig(loss_reduction="sample", kl_loss_coef=0.1, entropy_coef=0.01, tis="tis")]
+TOY_ALGOS = [AlgoConfig(), AlgoConfig(loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
+                                        tis_mode="clip")]
 
 
 def toy_samples() -> list[Sample]:

@@ -58,9 +58,11 @@ def _remote_calls_by_class(source: str) -> dict[str, set[str]]:
 def test_every_client_method_calls_an_operation_the_worker_has():
     from rollflow.tasks.rollout.server_worker import SGLangServerWorker
     from rollflow.tasks.rollout.worker import RolloutWorker
+    from rollflow.tasks.train.critic_worker import CriticWorker
     from rollflow.tasks.train.worker import TrainWorker
 
-    workers = {"TrainerClient": TrainWorker, "EngineClient": RolloutWorker, "ServerClient": SGLangServerWorker}
+    workers = {"TrainerClient": TrainWorker, "EngineClient": RolloutWorker, "ServerClient": SGLangServerWorker,
+               "CriticClient": CriticWorker}
     called = _remote_calls_by_class((REPO / "infra" / "clients.py").read_text())
     for client, worker in workers.items():
         assert called.get(client), f"{client} calls no actor method"

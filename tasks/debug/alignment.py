@@ -42,12 +42,13 @@ from rollflow.tasks.rollout.settings import prompts_for
 from rollflow.tasks.debug.sync_check import NAME as SYNC, sync_check
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
 from rollflow.tasks.debug.train_checks import (
-    FIRST_STEP, MISMATCH, REF_EQUAL, backend_of, first_step_check, first_step_figures, mismatch_check,
+    FIRST_STEP, MISMATCH, MISMATCH_KL, REF_EQUAL, backend_of, first_step_check, first_step_figures, mismatch_check,
+    mismatch_kl_check,
     ref_equal_check, train_step_figures,
 )
 
 STEP2 = "step2_load_and_memory"
-CHECK_NAMES = (COHERENCE, REF_EQUAL, MISMATCH, FIRST_STEP, SYNC, STEP2)
+CHECK_NAMES = (COHERENCE, REF_EQUAL, MISMATCH, MISMATCH_KL, FIRST_STEP, SYNC, STEP2)
 
 LOAD_CAUSES = [
     "the engine did not take the update (weight_version not advanced) or generated with stale weights",
@@ -292,6 +293,7 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
         "trainer": f"{trn['backend']} {trn['dtype']} {trn['device']}",
         "samples": f"{cfg.data.prompts_per_rollout} prompts x {group}",
         "rollout_temperature": cfg.rollout.temperature,
+        "rollout_logprobs": getattr(cfg.rollout, "logprobs", "engine"),
         "trainer_temperature": trn["temperature"],
         "thresholds": thr.model_dump(),
         "faults": faults.describe(),
@@ -329,10 +331,12 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
 
     checks = [coherence_check(stats, figs["ref"]["ref_nll"] if figs else None, thr, reward_mean=reward_mean)]
     if figs is None:
-        checks += [CheckResult(n, FAIL, {}, f"the first train step raised {err}", []) for n in CHECK_NAMES[1:4]]
+        checks += [CheckResult(n, FAIL, {}, f"the first train step raised {err}", []) for n in CHECK_NAMES[1:5]]
     else:
         checks += [ref_equal_check(figs, thr),
-                   mismatch_check(figs, thr, engine=context["engine"], trainer=context["trainer"]),
+                   mismatch_check(figs, thr, engine=context["engine"], trainer=context["trainer"],
+                                  expect_bitwise=context["rollout_logprobs"] == "teacher_forced"),
+                   mismatch_kl_check(figs, thr),
                    first_step_check(figs, thr)]
 
     # ---- sync: trainer -> engine, then every tensor compared ---------------------------------------
@@ -374,7 +378,8 @@ def alignment_workers(cfg: Any) -> tuple[Any, Any]:
     from rollflow.tasks.train.worker import TrainWorker
 
     optim = cfg.train.model_copy(update={"num_steps_per_rollout": 1})
-    rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data)
+    scoring = cfg.scoring_layout() if hasattr(cfg, "scoring_layout") else None  # rollout.logprobs='teacher_forced'
+    rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data, scoring=scoring)
     trainer = TrainWorker(cfg.model.path, optim, cfg.algo, store_root=cfg.store.root, run=cfg.run,
                           temperature=cfg.rollout.temperature or 1.0)
     return rollout, trainer

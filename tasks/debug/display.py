@@ -15,7 +15,6 @@ become `Sample` objects. A 10,000-sample rollout pages in well under a second.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import re
@@ -27,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollflow.artifacts.codec import samples_from_parquet_bytes
+from rollflow.artifacts.columns import SampleColumns
 from rollflow.artifacts.errors import ArtifactNotFound, format_ids
 from rollflow.artifacts.sample import Sample, Status
 from rollflow.artifacts.slime import discover_template_ids, expand_template, has_rollout_id, import_slime_pt
@@ -85,10 +84,8 @@ class SampleTable(Sequence):
     def _decode(self, rows: np.ndarray) -> list[Sample]:
         if len(rows) == 0:
             return []
-        # Round-trip the selected rows through the canonical codec, so there is one decoder.
-        sink = io.BytesIO()
-        pq.write_table(self._table.take(pa.array(rows)), sink, compression="none")
-        return samples_from_parquet_bytes(sink.getvalue())
+        # The one decoder of columns into Samples, for the selected rows only.
+        return SampleColumns(self._table).to_samples(rows)
 
     def select(self, positions: np.ndarray) -> "SampleTable":
         """A view of the given positions (indices into this view, not the artifact)."""
@@ -285,8 +282,7 @@ class _Columns:
     statuses: np.ndarray  # str
     response_lengths: np.ndarray  # int64
     groups: np.ndarray  # int64
-    response_tokens: np.ndarray  # int64, all responses concatenated
-    response_owner: np.ndarray  # int64, the sample position of each response token
+    repetitive: np.ndarray  # bool per sample, see repetitive_mask
 
 
 def _scalar_reward(reward: Any, reward_key: str | None) -> float:
@@ -316,11 +312,33 @@ def _columns_from_table(st: SampleTable, reward_key: str | None = None) -> _Colu
     statuses = np.array(view.column("status").to_pylist(), dtype=object)
     lengths = view.column("response_length").to_numpy().astype(np.int64)
     groups = view.column("group_index").to_numpy().astype(np.int64)
-    tokens = view.column("tokens").combine_chunks()
-    offsets = tokens.offsets.to_numpy().astype(np.int64)
-    values = tokens.values.to_numpy(zero_copy_only=False).astype(np.int64)
-    flat, owner = _response_spans(values, offsets, lengths)
-    return _Columns(rewards, statuses, lengths, groups, flat, owner)
+    return _Columns(rewards, statuses, lengths, groups, _repetitive_by_chunks(view, lengths))
+
+
+# Rows per pass of the repetition check: its n-gram keys and sort take ~40 bytes per response token, so
+# a 67M-token rollout is scanned a few million tokens at a time instead of all at once.
+_REPETITION_TOKENS_PER_PASS = 2 << 20
+
+
+def _repetitive_by_chunks(view: pa.Table, lengths: np.ndarray) -> np.ndarray:
+    """repetitive_mask over the table's rows, a bounded number of response tokens per pass (exact: the
+    check is per sample)."""
+    out = np.zeros(len(lengths), dtype=bool)
+    for start, chunk in SampleColumns(view).chunks():
+        tokens = chunk.list_column("tokens")
+        rows_total = len(chunk)
+        done = 0
+        while done < rows_total:
+            # as many rows as fit in the pass (at least one)
+            budget = np.cumsum(lengths[start + done : start + rows_total])
+            take = max(1, int(np.searchsorted(budget, _REPETITION_TOKENS_PER_PASS, side="right")))
+            rows = slice(done, done + take)
+            offsets = tokens.offsets[rows.start : rows.stop + 1]
+            values = tokens.values[offsets[0] : offsets[-1]].astype(np.int64)
+            flat, owner = _response_spans(values, offsets - offsets[0], lengths[start + done : start + done + take])
+            out[start + done : start + done + take] = repetitive_mask(flat, owner, take)
+            done += take
+    return out
 
 
 def _response_spans(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -342,7 +360,7 @@ def _columns_from_samples(samples: Sequence[Sample], reward_key: str | None = No
     groups = np.array([s.group_index for s in samples], dtype=np.int64)
     flat = np.fromiter((t for s in samples for t in s.response_tokens), dtype=np.int64, count=int(lengths.sum()))
     owner = np.repeat(np.arange(len(samples), dtype=np.int64), lengths)
-    return _Columns(rewards, statuses, lengths, groups, flat, owner)
+    return _Columns(rewards, statuses, lengths, groups, repetitive_mask(flat, owner, len(samples)))
 
 
 def _columns(samples: Sequence[Sample], reward_key: str | None = None) -> _Columns:
@@ -416,7 +434,7 @@ def rollout_metrics(samples: Sequence[Sample], reward_key: str | None = None) ->
         eligible = int(np.count_nonzero(sizes >= 2))
         zero_std = int(np.count_nonzero((sizes >= 2) & (lows == highs)))
 
-    repetitive = repetitive_mask(cols.response_tokens, cols.response_owner, n)
+    repetitive = cols.repetitive
     lengths = cols.response_lengths
     return {
         "n_samples": n,

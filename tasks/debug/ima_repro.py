@@ -186,7 +186,13 @@ def run(args: argparse.Namespace) -> dict:
     print(f"rollflow-ima: cell {cell.label}; {plan.describe()}; fault "
           + (f"armed ({args.fault} at decode step {args.fault_step}, crash-when {format_toggles(crash_when)})"
              if armed else "not armed"), flush=True)
-    worker = RolloutWorker(model_spec, rollout, data)
+    scoring = None
+    if rollout.logprobs == "teacher_forced":  # the run's config asks the engine to rescore like its trainer
+        from rollflow.tasks.model.teacher_forced import ScoringLayout
+        from rollflow.tasks.train.settings import OptimConfig
+
+        scoring = ScoringLayout.of(OptimConfig.model_validate(config.get("train", {})))
+    worker = RolloutWorker(model_spec, rollout, data, scoring=scoring)
     headroom = mapping.prompt_lookup_num_tokens if isinstance(mapping, HFToggles) else 0
     fault = fault_processor(args.fault, args.fault_step) if armed else None
     install_generate_overrides(worker.engine.model, plan.generate_kwargs, fault=fault, max_cache_headroom=headroom)

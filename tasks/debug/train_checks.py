@@ -20,6 +20,7 @@ from rollflow.tasks.train.settings import AlgoConfig
 from rollflow.tasks.train.step import TrainBackend, prepare_batch, train_on_samples
 
 REF_EQUAL, MISMATCH, FIRST_STEP = "step1_logprob_equals_ref", "train_rollout_logprob_diff", "one_step_update"
+MISMATCH_KL = "train_rollout_kl"
 
 REF_NOT_EQUAL_CAUSES = [
     "non-deterministic kernels: atomics / split-K reductions, a non-deterministic attention backend; enable "
@@ -94,14 +95,19 @@ def first_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *,
     }
 
     diff = (lp - roll).abs() * mask
+    mismatch_figures = {k.removeprefix("mismatch/"): v for k, v in metrics.items() if k.startswith("mismatch/")}
     per_row_max = diff.max(dim=1).values
     per_row_mean = diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     order = torch.argsort(per_row_max, descending=True)[:worst_samples].tolist()
     figs["mismatch"] = {
+        # bitwise: rollout.logprobs='teacher_forced' (the engine ran this very forward) gives exactly 0
+        "bitwise": bool(torch.equal(lp[on], roll[on])),
+        "n_unequal_tokens": int((lp[on] != roll[on]).sum()),
         "mean_abs_diff": float(masked_mean(diff, mask)),
         "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
         "mean_train_log_prob": float(masked_mean(lp, mask)),
         "mean_rollout_log_prob": float(masked_mean(roll, mask)),
+        "metrics": mismatch_figures,  # mismatch/* of tasks/train/mismatch.py (KL, chi-square, ESS, ppl)
         "worst_samples": [
             {"index": samples[i].index, "prompt": samples[i].prompt if isinstance(samples[i].prompt, str) else "<chat>",
              "response": samples[i].response, "max_abs_diff": float(per_row_max[i]),
@@ -156,10 +162,26 @@ def ref_equal_check(figs: dict[str, Any], thr: AlignmentThresholds) -> CheckResu
                        f"{ref['mean_log_prob']:.4f}")
 
 
-def mismatch_check(figs: dict[str, Any], thr: AlignmentThresholds, *, engine: str = "", trainer: str = ""
-                   ) -> CheckResult:
+BITWISE_CAUSES = [
+    "the trainer scored another batch than the engine's generate call: samples filtered, subsampled or "
+    "reordered, or the rollout generated in several calls (the padding width and micro-batches then differ)",
+    "engine weights differ from the trainer's (sync not applied, stale weight_version, a buffer such as RoPE "
+    "inv_freq cast to another dtype on one side)",
+    "another thread count, device or attention backend on one side, or non-deterministic kernels "
+    "(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+    "temperature applied differently (the engine rescoring at the sampling temperature, the trainer at its own)",
+]
+
+
+def mismatch_check(figs: dict[str, Any], thr: AlignmentThresholds, *, engine: str = "", trainer: str = "",
+                   expect_bitwise: bool = False) -> CheckResult:
+    """Verdict 'bitwise' when every response token's log-prob is identical (max |diff| exactly 0.0), else
+    'tolerance' (judged by the thresholds). `expect_bitwise` (rollout.logprobs='teacher_forced'): any
+    difference fails."""
     mm = figs["mismatch"]
-    figures = {"mean_abs_diff": mm["mean_abs_diff"], "max_abs_diff": mm["max_abs_diff"],
+    bitwise = bool(mm.get("bitwise", mm["max_abs_diff"] == 0.0))
+    figures = {"verdict": "bitwise" if bitwise else "tolerance",
+               "mean_abs_diff": mm["mean_abs_diff"], "max_abs_diff": mm["max_abs_diff"],
                "mean_train_log_prob": mm["mean_train_log_prob"], "mean_rollout_log_prob": mm["mean_rollout_log_prob"],
                "n_tokens": figs["n_tokens"], "trainer_temperature": figs["temperature"]}
     if engine:
@@ -168,7 +190,15 @@ def mismatch_check(figs: dict[str, Any], thr: AlignmentThresholds, *, engine: st
         figures["trainer"] = trainer
     figures["worst_samples"] = mm["worst_samples"]
     mean, top = mm["mean_abs_diff"], mm["max_abs_diff"]
+    if bitwise:
+        return CheckResult(MISMATCH, PASS, figures, f"bitwise: train and rollout log-probs are identical over "
+                                                     f"{figs['n_tokens']} response tokens (max |diff| 0.0)")
     text = f"mean |train - rollout| log-prob {mean:.3g}, max {top:.3g} over {figs['n_tokens']} response tokens"
+    if expect_bitwise:
+        return CheckResult(MISMATCH, FAIL, figures,
+                           f"rollout.logprobs='teacher_forced' promises bitwise equal log-probs, but "
+                           f"{mm.get('n_unequal_tokens', '?')} of {figs['n_tokens']} tokens differ: {text}",
+                           list(BITWISE_CAUSES))
     if not (mean <= thr.mismatch_mean_fail and top <= thr.mismatch_max_fail):
         return CheckResult(MISMATCH, FAIL, figures,
                            f"{text} (limits: mean {thr.mismatch_mean_fail:g}, max {thr.mismatch_max_fail:g})",
@@ -177,6 +207,25 @@ def mismatch_check(figs: dict[str, Any], thr: AlignmentThresholds, *, engine: st
         return CheckResult(MISMATCH, WARN, figures, f"{text} (above the warn level {thr.mismatch_mean_warn:g})",
                            list(MISMATCH_CAUSES))
     return CheckResult(MISMATCH, PASS, figures, text)
+
+
+def mismatch_kl_check(figs: dict[str, Any], thr: AlignmentThresholds) -> CheckResult:
+    """The rollout-vs-train distribution gap on the sampled tokens: judged on ``k3_kl`` (an unbiased,
+    per-token non-negative estimate of KL(rollout || train) under the engine's samples); the other
+    mismatch metrics (k1 KL, log-ppl gap and ratio, chi-square, ESS) are reported beside it."""
+    metrics = dict(figs["mismatch"].get("metrics") or {})
+    if not metrics:
+        return CheckResult(MISMATCH_KL, WARN, {}, "not judged: the rollout has no engine log-probs")
+    kl = metrics["k3_kl"]
+    text = (f"KL(rollout || train) {kl:.3g} (k3; k1 {metrics['kl']:.3g}), log-ppl gap {metrics['log_ppl_diff']:.3g}, "
+            f"chi2 token {metrics['chi2_token']:.3g}, ESS {metrics['ess_token']:.3g}")
+    if not kl <= thr.mismatch_kl_fail:  # NaN fails too
+        return CheckResult(MISMATCH_KL, FAIL, metrics, f"{text} (limit {thr.mismatch_kl_fail:g})",
+                           list(MISMATCH_CAUSES))
+    if kl > thr.mismatch_kl_warn:
+        return CheckResult(MISMATCH_KL, WARN, metrics, f"{text} (above the warn level {thr.mismatch_kl_warn:g})",
+                           list(MISMATCH_CAUSES))
+    return CheckResult(MISMATCH_KL, PASS, metrics, text)
 
 
 def _num(value: float | None) -> str:

@@ -53,6 +53,15 @@ class RolloutEngine(Protocol):
     def describe(self) -> dict[str, str]: ...
 
 
+def sample_seed(call_seed: int, sample: int) -> int:
+    """The sampling seed of the `sample`-th sample of one generate call (flat over requests x n).
+
+    Engines with seeded (deterministic) sampling must give every sample its own seed: with one seed per
+    prompt, the n samples of a group are identical and every GRPO advantage is 0. Distinct for distinct
+    `sample` (< 1000003) of one call."""
+    return (call_seed * 1_000_003 + sample) % (2**63)
+
+
 def next_weight_version(current: int, new: int) -> int:
     """Weight versions move by exactly one per sync; anything else means a lost or doubled update."""
     if new != current + 1:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from rollflow.artifacts.sample import Sample, Status
+from rollflow.tasks.groups import identical_groups, identical_groups_warning
 from rollflow.tasks.model.tokenizer import Tokenizer, decode_response, prompt_token_ids
 from rollflow.tasks.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 from rollflow.tasks.rollout.prompts import PromptItem
+
+logger = logging.getLogger(__name__)
 
 FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -41,4 +46,17 @@ def generate_samples(engine: RolloutEngine, tokenizer: Tokenizer, items: list[Pr
                     metadata=dict(item.metadata),
                 )
             )
+    warn_identical_groups(samples, n_samples_per_prompt, params)
     return samples
+
+
+def warn_identical_groups(samples: list[Sample], n_samples_per_prompt: int, params: SamplingParams) -> int:
+    """Log a warning when sampling produced groups of identical samples; returns their number.
+
+    Greedy decoding makes identical groups on purpose (eval), so only sampled rollouts are checked."""
+    if params.temperature == 0 or n_samples_per_prompt < 2:
+        return 0
+    found = identical_groups([s.tokens for s in samples], n_samples_per_prompt)
+    if found:
+        logger.warning(identical_groups_warning(len(found), len(samples) // n_samples_per_prompt, n_samples_per_prompt))
+    return len(found)

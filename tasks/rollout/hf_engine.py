@@ -5,6 +5,15 @@ transformers compiles the decode step itself (torch.compile + CUDA graphs): 2.4x
 cache's tokens/s on an H200 (benchmarks/results/h200-*.json, suite `rollout`). A compiled step is specialised
 to its shapes, so prompt widths are padded up to a multiple of `length_bucket` and batches up to a
 power of two (extra rows are dropped): a rollout then recompiles for few distinct shapes only.
+
+Log-probs: by default those of the sampling steps themselves (~1e-5 off the trainer's in fp32). With a
+`ScoringLayout` (rollout.logprobs='teacher_forced') the engine rescores every call's samples after
+sampling with the trainer's own forward (tasks/model/teacher_forced.py: one right-padded batch of all
+samples in request order, the trainer's micro-batch size, dtype and thread count), so the rollout
+log-probs are bitwise the trainer's old log-probs; the price is one extra forward over the rollout.
+
+Seeds: one `torch.manual_seed(params.seed)` per call, then every row (every sample of a group) draws
+from the same RNG stream, so the samples of a group differ; never reseed per sample with one seed.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ from typing import Literal, Union
 
 import torch
 
+from rollflow.tasks.model.dtypes import DTYPES
+from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 
 
@@ -56,7 +67,8 @@ def _round_up(value: int, multiple: int) -> int:
 class HFEngine:
     def __init__(self, model, *, pad_token_id: int, eos_token_id: int, model_name: str = "model",
                  weight_version: int = 0, max_batch_size: int = 4096, threads: int | None = None,
-                 static_cache: StaticCache = "auto", length_bucket: int = 64):
+                 static_cache: StaticCache = "auto", length_bucket: int = 64,
+                 scoring: ScoringLayout | None = None):
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
@@ -69,6 +81,9 @@ class HFEngine:
             raise ValueError(f"rollout.static_cache={static_cache!r}: expected true, false or 'auto'")
         self.static_cache = static_cache
         self.length_bucket = max(1, int(length_bucket))
+        self.scoring = scoring
+        if scoring is not None:
+            check_scoring(self.model, scoring)
 
     @property
     def uses_static_cache(self) -> bool:
@@ -82,7 +97,8 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     def describe(self) -> dict[str, str]:
-        return {"backend": "hf", "model": self.model_name, "weight_version": str(self.weight_version)}
+        return {"backend": "hf", "model": self.model_name, "weight_version": str(self.weight_version),
+                "logprobs": "engine" if self.scoring is None else "teacher_forced"}
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
         if params.seed is not None:
@@ -91,6 +107,8 @@ class HFEngine:
         outputs: list[GenerationOutput] = []
         for start in range(0, len(flat), self.max_batch_size):
             outputs.extend(self._generate_batch(flat[start : start + self.max_batch_size], params))
+        if self.scoring is not None and outputs:
+            outputs = self.rescore(flat, outputs, params)
         grouped, pos = [], 0
         for r in requests:
             grouped.append(outputs[pos : pos + r.n])
@@ -157,6 +175,34 @@ class HFEngine:
             results.append(GenerationOutput(toks[:end], log_probs[row, :end].tolist(), finish))
         return results
 
+    def rescore(self, prompts: list[list[int]], outputs: list[GenerationOutput],
+                params: SamplingParams) -> list[GenerationOutput]:
+        """`outputs` with log-probs from the trainer's teacher-forced forward over all of them at once.
+
+        The trainer's batch of this rollout is these rows in this order (generate_samples keeps request
+        order, the artifact keeps sample order), so padding width and micro-batch boundaries match too.
+        """
+        layout = self.scoring
+        assert layout is not None
+        padded = right_padded([list(p) + list(o.response_ids) for p, o in zip(prompts, outputs)])
+        # The trainer divides by rollout.temperature (1.0 when greedy), as the sampling steps do.
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(layout.threads)  # CPU reductions may split by thread count
+        try:
+            log_probs = teacher_forced_log_probs(self.model, padded.tokens, padded.attention_mask,
+                                                 padded.position_ids, temperature=temperature,
+                                                 micro_batch_size=layout.micro_batch_size)
+        finally:
+            torch.set_num_threads(threads)
+        rescored = []
+        for row, (prompt, out) in enumerate(zip(prompts, outputs)):
+            start = len(prompt) - 1  # the column that predicts the first response token
+            values = log_probs[row, start : start + len(out.response_ids)].tolist()
+            rescored.append(GenerationOutput(out.response_ids, values, out.finish_reason))
+        return rescored
+
     def update_weights(self, named_tensors: dict[str, torch.Tensor], weight_version: int) -> None:
         version = next_weight_version(self.weight_version, weight_version)
         own = self.model.state_dict()
@@ -200,3 +246,14 @@ class HFEngine:
         if home is not None:
             self.model.to(home)
             self._home_device = None
+
+
+def check_scoring(model, layout: ScoringLayout) -> None:
+    """The engine can only reproduce the trainer's log-probs bit for bit with the trainer's dtype and device."""
+    param = next(model.parameters())
+    if param.dtype != DTYPES[layout.dtype]:
+        raise ValueError(f"rollout.logprobs='teacher_forced': the engine's model is {str(param.dtype).removeprefix('torch.')} "
+                         f"but the trainer scores in train.dtype={layout.dtype!r}; set rollout.dtype={layout.dtype!r}")
+    if param.device.type != torch.device(layout.device).type:
+        raise ValueError(f"rollout.logprobs='teacher_forced': the engine runs on {param.device.type} but the trainer "
+                         f"on train.device={layout.device!r}; put both on the same device type")

@@ -126,7 +126,13 @@ class RolloutConfig(_Strict):
     static_cache: Union[bool, Literal["auto"]] = Field(
         "auto", description="hf engine: transformers' static KV cache with its compiled decode step; "
                             "auto = on for CUDA, off on CPU")
-    seed: int = 0
+    seed: int = Field(0, description="sampling seed of a rollout: seed * 1000003 + rollout_id (per call; samples "
+                                     "of a group draw different numbers)")
+    logprobs: Literal["engine", "teacher_forced"] = Field(
+        "engine", description="rollout log-probs: 'engine' = taken while sampling (up to ~1e-5 off the trainer's in fp32, "
+                              "~1e-2 in bf16); 'teacher_forced' = the hf engine rescoring each rollout with the torch "
+                              "trainer's own forward (same padding, positions, micro-batches, dtype), so train-vs-"
+                              "rollout log-probs are bitwise equal; costs one extra forward per rollout")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="engine='sglang' only: server settings")
 
     @field_validator("reward")
@@ -142,6 +148,19 @@ class RolloutConfig(_Strict):
                     "parameter); put the token in an environment variable and name it in "
                     "rollout.remote_reward.auth_env")
         return value
+
+    @model_validator(mode="after")
+    def _logprobs_and_seeds(self) -> "RolloutConfig":
+        if self.logprobs == "teacher_forced" and self.engine != "hf":
+            raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.engine='hf' (the {self.engine} engine "
+                             "cannot run the trainer's forward); set rollout.logprobs='engine'")
+        sg = self.sglang
+        if self.engine == "sglang" and sg.seeded and sg.n_mode == "native" and self.n_samples_per_prompt > 1:
+            # One request with n samples carries one sampling_seed: SGLang's seeded sampler then returns n
+            # identical samples, and every GRPO advantage is 0.
+            raise ValueError("rollout.sglang.seeded=true with rollout.sglang.n_mode='native' gives every sample of "
+                             "a group the same seed (identical samples); set rollout.sglang.n_mode='repeat'")
+        return self
 
     def reward_key_for(self, split: str) -> Optional[str]:
         """The dict-reward field of `split`, as slime: eval uses eval_reward_key, falling back to reward_key."""

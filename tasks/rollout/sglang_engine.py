@@ -33,7 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
+from rollflow.tasks.rollout.engine import (
+    GenerationOutput, GenerationRequest, SamplingParams, next_weight_version, sample_seed,
+)
 from rollflow.tasks.rollout.sglang_server import EngineDiedError, SGLangServer  # noqa: F401 - EngineDiedError re-exported
 from rollflow.tasks.sync.buckets import buckets_by_bytes  # noqa: F401 - re-exported
 from rollflow.tasks.sync.weight_group import DEFAULT_GROUP
@@ -300,6 +302,9 @@ class SGLangEngine:
         sample = 0
         for i, req in enumerate(requests):
             if self.n_mode == "native":
+                if self.seeded and req.n > 1:
+                    raise ValueError("rollout.sglang.seeded=true with n_mode='native' would send one sampling_seed "
+                                     f"for {req.n} samples (identical samples); use rollout.sglang.n_mode='repeat'")
                 jobs.append((i, req.prompt_ids, req.n, f"{prefix}-{i}", self._seed(params, sample)))
                 sample += req.n
             else:
@@ -332,7 +337,7 @@ class SGLangEngine:
     def _seed(self, params: SamplingParams, sample: int) -> int | None:
         if not self.seeded or params.seed is None:
             return None
-        return (params.seed * 1_000_003 + sample) % (2**63)
+        return sample_seed(params.seed, sample)
 
     def _run_job(self, ids: list[int], params: SamplingParams, n: int, rid: str, seed: int | None) -> list[GenerationOutput]:
         if self._abort.is_set():

@@ -13,6 +13,7 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.model.dtypes import DTYPES
+from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.model.tokenizer import load_tokenizer
@@ -24,10 +25,14 @@ from rollflow.tasks.sync.parity import checksums
 
 
 def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,
-                 base_gpu_id: int | None = None, servers: list | None = None):
+                 base_gpu_id: int | None = None, servers: list | None = None, scoring: ScoringLayout | None = None):
     """`servers`: SGLang servers already launched (one actor per engine, see flows/group.py), else
     this worker launches one itself. `base_gpu_id`: that one's first GPU (SGLang `--base-gpu-id`);
-    the hf engine ignores both."""
+    the hf engine ignores both. `scoring`: the trainer's scoring layout, required by (and only used
+    with) rollout.logprobs='teacher_forced' (RunConfig.scoring_layout() builds it)."""
+    if rollout.logprobs == "teacher_forced" and scoring is None:
+        raise ValueError("rollout.logprobs='teacher_forced' needs the trainer's scoring layout: build the worker "
+                         "with scoring=cfg.scoring_layout(), or set rollout.logprobs='engine'")
     if rollout.engine == "sglang":
         from rollflow.tasks.rollout.sglang_engine import engine_from_config
 
@@ -44,7 +49,8 @@ def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int
     tokenizer = load_tokenizer(path)
     engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       model_name=model_spec, weight_version=weight_version, max_batch_size=rollout.max_batch_size,
-                      threads=rollout.threads, static_cache=rollout.static_cache)
+                      threads=rollout.threads, static_cache=rollout.static_cache,
+                      scoring=scoring if rollout.logprobs == "teacher_forced" else None)
     return engine, tokenizer
 
 
@@ -64,10 +70,11 @@ def extra_stop_ids(model_spec: str, tokenizer) -> tuple[int, ...]:
 class RolloutWorker:
     def __init__(self, model_spec: str, rollout: RolloutConfig, data: DataConfig, *,
                  weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0,
-                 base_gpu_id: int | None = None, servers: list | None = None):
+                 base_gpu_id: int | None = None, servers: list | None = None, scoring: ScoringLayout | None = None):
         self.rollout_cfg = rollout
         self.data_cfg = data
-        self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers)
+        self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers,
+                                                   scoring=scoring)
         self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
         if weights is not None:
             # Start from a checkpoint's weights: the engine is at that checkpoint's version.

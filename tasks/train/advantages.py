@@ -131,6 +131,7 @@ def compute_advantages(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     eps: float = 1e-6,
+    whiten_eps: float = 1e-8,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token ``(advantages, returns)`` for ``estimator`` (see the module docstring).
 
@@ -138,10 +139,12 @@ def compute_advantages(
     length ``response_length_i``; ``kl[i]`` (same lengths) is the per-token KL used as a reward
     penalty by the reinforce_plus_plus estimators only (``kl_coef``); its masked-out tokens are
     not actions of the policy (e.g. tool output), so they get no penalty. ``normalize_std``
-    applies to grpo/gspo. ``eps`` is added to the group std (grpo/gspo) and to the batch variance
-    under the square root (whitening of reinforce_plus_plus*). ``gamma`` discounts
-    reinforce_plus_plus returns. A reward lands on the last masked token; a sample with an empty
-    mask carries no reward and, being fully masked, no loss.
+    applies to grpo/gspo. ``eps`` is added to the group std (grpo/gspo); ``whiten_eps`` to the batch
+    variance under the square root (whitening of reinforce_plus_plus*; 1e-8 as slime and verl).
+    ``gamma`` discounts reinforce_plus_plus returns over every position of the response, masked ones
+    included (a masked tool-output span is ``k`` discount steps, as slime's returns are computed over
+    the whole response). A reward lands on the last masked token; a sample with an empty mask
+    carries no reward and, being fully masked, no loss.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
@@ -149,8 +152,8 @@ def compute_advantages(
     n = rewards.numel()
     if len(response_masks) != n:
         raise ValueError(f"response_masks has {len(response_masks)} entries for {n} rewards")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    if eps < 0 or whiten_eps < 0:
+        raise ValueError(f"eps and whiten_eps must be >= 0, got {eps}, {whiten_eps}")
     if estimator not in _KL_ESTIMATORS:
         # KL for these estimators belongs in the loss (kl_loss_coef); refusing beats ignoring.
         if kl_coef != 0.0:
@@ -202,7 +205,7 @@ def compute_advantages(
     if estimator == "reinforce_plus_plus_baseline":
         per_sample, _ = _centered(r, group_size)
         raw = [per_sample[i] * torch.ones_like(masks[i]) - penalty(i) for i in range(n)]
-        advantages = whiten(raw, masks, eps=eps)
+        advantages = whiten(raw, masks, eps=whiten_eps)
         return advantages, [a.clone() for a in advantages]
 
     # reinforce_plus_plus
@@ -215,5 +218,73 @@ def compute_advantages(
             tr[last] = tr[last] + r[i]
         token_rewards.append(tr)
     returns = _discounted_returns(token_rewards, gamma)
-    advantages = whiten(returns, masks, eps=eps)
+    advantages = whiten(returns, masks, eps=whiten_eps)
     return advantages, returns
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) over a padded batch: ``(advantages, returns)``.
+
+    All three inputs are [B, T]; ``mask`` marks the policy's own tokens (1) against masked ones (0:
+    tool output in multi-turn samples, padding). Over the masked-in tokens t of a row, with ``next(t)``
+    the next masked-in token (``V`` and ``A`` past the last one are 0)::
+
+        delta_t   = r_t + gamma * V_next(t) - V_t
+        A_t       = delta_t + gamma * lambd * A_next(t)
+        returns_t = A_t + V_t
+
+    so a masked span is stepped over: it neither discounts nor adds a TD error (as verl's
+    ``compute_gae_advantage_return`` skips observation tokens). Masked-out positions get 0 in both
+    outputs; a fully masked row is all 0. With ``gamma = lambd = 1``, ``A_t = sum_{k >= t} r_k - V_t``
+    (returns minus values). Computed in float32 at least (bf16 values are upcast); no whitening here.
+    """
+    if not (token_rewards.shape == values.shape == mask.shape) or values.dim() != 2:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must be equal [B, T] shapes")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lambd <= 1.0):
+        raise ValueError(f"gamma and lambd must be in [0, 1], got gamma={gamma}, lambd={lambd}")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    r, v, m = token_rewards.to(dtype), values.to(dtype), (mask > 0)
+    advantages = torch.zeros_like(v)
+    next_value = v.new_zeros(v.shape[0])
+    next_adv = v.new_zeros(v.shape[0])
+    # One step per position, vectorised over rows; a masked position leaves the carried state untouched.
+    for t in range(v.shape[1] - 1, -1, -1):
+        on = m[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        adv = delta + gamma * lambd * next_adv
+        next_adv = torch.where(on, adv, next_adv)
+        next_value = torch.where(on, v[:, t], next_value)
+        advantages[:, t] = torch.where(on, adv, torch.zeros_like(adv))
+    returns = torch.where(m, advantages + v, torch.zeros_like(v))
+    return advantages, returns
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] scalar rewards placed on each row's last masked-in token of ``mask`` [B, T] (0 elsewhere; a fully
+    masked row gets none), the token-level rewards GAE takes for outcome rewards."""
+    if rewards.dim() != 1 or mask.dim() != 2 or rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"rewards [B] and mask [B, T] expected, got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    on = mask > 0
+    out = torch.zeros(mask.shape, dtype=_float_rewards(rewards).dtype)
+    has_any = on.any(dim=1)
+    # index of the last True per row: argmax over a position-weighted mask
+    positions = torch.arange(1, mask.shape[1] + 1).expand_as(on)
+    last = torch.where(on, positions, torch.zeros_like(positions)).argmax(dim=1)
+    rows = torch.nonzero(has_any).flatten()
+    out[rows, last[rows]] = _float_rewards(rewards)[rows].to(out.dtype)
+    return out
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+                   lambd: float, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """ppo's estimator on a dense [B, T] layout: outcome rewards on the last masked-in token, `gae`, then the
+    advantages whitened over all masked-in tokens (``(A - mean) / sqrt(var + eps)``, unbiased var, eps 1e-8
+    inside the square root as slime and verl). ``returns`` (the critic's targets) are not whitened."""
+    token_rewards = last_token_rewards(rewards, mask)
+    advantages, returns = gae(token_rewards, values, mask, gamma=gamma, lambd=lambd)
+    on = mask > 0
+    flat_on = on.reshape(-1).to(advantages.dtype)
+    whitened = whiten([advantages.reshape(-1)], [flat_on], eps=eps)[0].reshape(advantages.shape)
+    return torch.where(on, whitened, torch.zeros_like(whitened)), returns

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from rollflow.artifacts.sample import Sample, Status
+from rollflow.tasks.model.teacher_forced import right_padded
 
 
 @dataclasses.dataclass
@@ -28,6 +29,12 @@ class TrainBatch:
     ref_log_probs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # the critic's old values (advantage_estimator="ppo"), [B, L-1]
+    # The response's columns, loss tokens or not (multi-turn tool output is in the span, not in the
+    # mask): returns are discounted over the span. None: the span is the mask.
+    response_span: torch.Tensor | None = None  # [B, L-1] bool
+    is_weights: torch.Tensor | None = None  # train/rollout importance weights (mismatch.py), [B, L-1]
+    loss_keep: torch.Tensor | None = None  # response_mask minus rejected tokens (mismatch.py), [B, L-1]
 
     @property
     def size(self) -> int:
@@ -35,6 +42,9 @@ class TrainBatch:
 
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
+
+    def span(self) -> torch.Tensor:
+        return self.response_span if self.response_span is not None else self.response_mask > 0
 
     def select(self, rows: slice) -> "TrainBatch":
         """A row slice; every tensor field is sliced, scalars are kept."""
@@ -50,36 +60,35 @@ def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
         raise ValueError("cannot train on an empty rollout: no samples")
     if len(samples) % group_size:
         raise ValueError(f"{len(samples)} samples is not a multiple of n_samples_per_prompt={group_size}")
-    width = max(len(s.tokens) for s in samples)
+    # The one padding rule, shared with the hf engine's teacher-forced log-probs (bitwise equal layouts).
+    padded = right_padded([s.tokens for s in samples])
+    width = padded.tokens.shape[1]
     n = len(samples)
-    tokens = torch.zeros((n, width), dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
     resp_mask = torch.zeros((n, width - 1), dtype=torch.float32)
+    span = torch.zeros((n, width - 1), dtype=torch.bool)
     rollout_lp = torch.zeros((n, width - 1), dtype=torch.float32)
     rewards = torch.zeros(n, dtype=torch.float64)
     truncated = torch.zeros(n, dtype=torch.bool)
     for row, s in enumerate(samples):
         s.validate()
-        length = len(s.tokens)
-        tokens[row, :length] = torch.tensor(s.tokens, dtype=torch.long)
-        attn[row, :length] = 1
         start = s.prompt_length - 1  # column that predicts the first response token
         if s.response_length:
             cols = slice(start, start + s.response_length)
             resp_mask[row, cols] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            span[row, cols] = True
             rollout_lp[row, cols] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
         rewards[row] = s.scalar_reward()
         truncated[row] = s.status == Status.TRUNCATED
-    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
     return TrainBatch(
-        tokens=tokens,
-        attention_mask=attn,
-        position_ids=position_ids,
+        tokens=padded.tokens,
+        attention_mask=padded.attention_mask,
+        position_ids=padded.position_ids,
         response_mask=resp_mask,
         rewards=rewards,
         rollout_log_probs=rollout_lp,
         group_size=group_size,
         truncated=truncated,
+        response_span=span,
     )
 
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from rollflow.tasks.train.batch import TrainBatch, per_sample
 
-DUMP_COLUMNS = ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns")
+DUMP_COLUMNS = ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", "values")
 
 
 def train_dump_bytes(batch: TrainBatch, rollout_id: int) -> bytes:

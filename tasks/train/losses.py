@@ -1,5 +1,6 @@
-"""Per-token policy-loss kernels: PPO clip (asymmetric + dual clip), reductions, entropy, and
-train/rollout importance correction (TIS / icepop). Plain tensor in, tensor out; callers mask and
+"""Per-token policy-loss kernels: PPO clip (asymmetric + dual clip) of a token-level or GSPO
+sequence-level ratio, bounded exponentials, reductions and entropy (train/rollout importance weights
+live in mismatch.py). Plain tensor in, tensor out; callers mask and
 reduce with ``masked_mean``, the one masked mean of the package (the `rollout/*` metrics of
 tasks/train/step.py and the alignment checks use it; objective.py's ``reduce`` is a micro-batch's share
 of a mini-batch mean, with the mini-batch's denominators).
@@ -13,6 +14,54 @@ from typing import Literal
 import torch
 
 
+LOG_RATIO_BOUND = 20.0
+"""Every log-ratio is clamped to [-20, 20] before ``exp`` (as verl and slime's MIS do): e^20 ~ 4.9e8
+is finite in fp16/bf16/fp32 and far beyond any clip range, so only overflow cases change."""
+
+
+def bounded_exp(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(clamp(log_ratio, -20, 20))`` and a 0/1 tensor of where the clamp was active.
+
+    A NaN log-ratio stays NaN (clamp keeps NaN): it is a bug upstream, not an overflow."""
+    clamped = (log_ratio.abs() > LOG_RATIO_BOUND).detach()
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), clamped.to(log_ratio.dtype)
+
+
+def token_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``log_probs - old_log_probs``, set to 0 where ``mask`` is 0.
+
+    Zeroing masked slots before any ``exp`` keeps padding (which may hold -inf or garbage log-probs)
+    from producing inf/NaN values whose gradient, even behind a mask, is ``0 * inf = NaN``."""
+    if log_probs.shape != old_log_probs.shape:
+        raise ValueError(f"log_probs shape {tuple(log_probs.shape)} != old_log_probs shape "
+                         f"{tuple(old_log_probs.shape)}")
+    diff = log_probs - old_log_probs
+    if mask is None:
+        return diff
+    return torch.where(mask != 0, diff, torch.zeros_like(diff))
+
+
+def gspo_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-token log-ratio (Zheng et al. 2025, "Group Sequence Policy Optimization", GSPO-token).
+
+    With ``s_i = exp(mean_{t in loss tokens of i} (log_probs - old_log_probs))`` (the sequence-level,
+    length-normalised importance ratio), token t of sample i gets
+    ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, i.e. the log-ratio
+    ``sg[log s_i] + log_probs_t - sg[log_probs_t]``: its value is ``log s_i`` on every token of the
+    sample, and its gradient is that of ``log_probs_t``, so each token's gradient is scaled by the
+    sequence ratio. With seq-mean-token-mean aggregation the clipped objective then equals the
+    sequence-level GSPO objective ``mean_i max(-A_i s_i, -A_i clip(s_i, 1 - eps, 1 + eps_high))`` in
+    value and gradient. Rows are samples ([B, T]); a row with an empty mask gets 0.
+    """
+    if log_probs.dim() != 2:
+        raise ValueError(f"gspo needs [B, T] log-probs (one row per sample), got shape {tuple(log_probs.shape)}")
+    diff = token_log_ratio(log_probs, old_log_probs, mask)
+    m = (mask != 0).to(diff.dtype)
+    seq = (diff * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1)
+    return seq.detach() + log_probs - log_probs.detach()
+
+
 @dataclasses.dataclass
 class PolicyLossTerms:
     """Per-token tensors, all of the shape of ``log_probs``.
@@ -20,7 +69,8 @@ class PolicyLossTerms:
     ``loss``: the clipped surrogate to minimise. ``clipped``: 1.0 where the PPO clip branch was
     active (``pg2 > pg1``; for ``train/pg_clipfrac``). ``dual_clipped``: 1.0 where the dual-clip
     bound ``-A * eps_clip_c`` replaced the loss (all 0 without dual clip). ``ppo_kl``:
-    ``old_log_probs - log_probs`` (k1 of old vs new). ``ratio``: ``exp(log_probs - old_log_probs)``.
+    ``-log_ratio`` (k1 of old vs new; the sequence value for gspo). ``ratio``: ``exp(log_ratio)``
+    with the log-ratio clamped to +-20. ``ratio_clamped``: 1.0 where that clamp was active.
     """
 
     loss: torch.Tensor
@@ -28,20 +78,20 @@ class PolicyLossTerms:
     dual_clipped: torch.Tensor
     ppo_kl: torch.Tensor
     ratio: torch.Tensor
+    ratio_clamped: torch.Tensor
 
 
-def policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
+def clipped_surrogate(
+    log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     *,
     eps_clip: float,
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
 ) -> PolicyLossTerms:
-    """PPO clipped surrogate, per token.
+    """PPO clipped surrogate of a per-token log-ratio (token-level or gspo's sequence-level).
 
-    ``ratio = exp(log_probs - old_log_probs)``; ``pg1 = -A * ratio``;
+    ``ratio = exp(clamp(log_ratio, -20, 20))``; ``pg1 = -A * ratio``;
     ``pg2 = -A * clamp(ratio, 1 - eps_clip, 1 + eps_clip_high)`` (``eps_clip_high`` defaults to
     ``eps_clip``); ``loss = max(pg1, pg2)``. Dual clip (``eps_clip_c > 1``): where ``A < 0``,
     ``loss = min(loss, -A * eps_clip_c)``, which bounds the loss (and zeroes the gradient) of
@@ -54,13 +104,9 @@ def policy_loss(
         raise ValueError(f"eps_clip_high must be >= 0, got {eps_clip_high}")
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"eps_clip_c must be > 1 (a lower bound of 1 + ... on the ratio), got {eps_clip_c}")
-    if not (log_probs.shape == old_log_probs.shape == advantages.shape):
-        raise ValueError(
-            "log_probs, old_log_probs and advantages must share a shape, got "
-            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(advantages.shape)}"
-        )
-    log_ratio = log_probs - old_log_probs
-    ratio = torch.exp(log_ratio)
+    if log_ratio.shape != advantages.shape:
+        raise ValueError(f"log_ratio shape {tuple(log_ratio.shape)} != advantages shape {tuple(advantages.shape)}")
+    ratio, ratio_clamped = bounded_exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
     loss = torch.maximum(pg1, pg2)
@@ -76,9 +122,40 @@ def policy_loss(
         loss=loss,
         clipped=clipped.detach(),
         dual_clipped=dual_clipped.detach(),
-        ppo_kl=old_log_probs - log_probs,
+        ppo_kl=-log_ratio.detach(),
         ratio=ratio,
+        ratio_clamped=ratio_clamped,
     )
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+    mask: torch.Tensor | None = None,
+    level: Literal["token", "sequence"] = "token",
+) -> PolicyLossTerms:
+    """PPO clipped surrogate, per token: ``clipped_surrogate`` of ``token_log_ratio`` (level
+    ``token``, PPO/GRPO) or of ``gspo_log_ratio`` (level ``sequence``, GSPO; needs ``mask``)."""
+    if not (log_probs.shape == old_log_probs.shape == advantages.shape):
+        raise ValueError(
+            "log_probs, old_log_probs and advantages must share a shape, got "
+            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(advantages.shape)}"
+        )
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("level='sequence' (gspo) needs the loss mask: the ratio is a mean over loss tokens")
+        log_ratio = gspo_log_ratio(log_probs, old_log_probs, mask)
+    elif level == "token":
+        log_ratio = token_log_ratio(log_probs, old_log_probs, mask)
+    else:
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    return clipped_surrogate(log_ratio, advantages, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
+                             eps_clip_c=eps_clip_c)
 
 
 def masked_mean(
@@ -138,40 +215,3 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     # Replace -inf before the product: where() alone still back-propagates 0 * -inf = NaN.
     safe_log_p = torch.where(p > 0, log_p, torch.zeros_like(log_p))
     return -(p * safe_log_p).sum(dim=-1)
-
-
-def importance_correction(
-    old_log_probs: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    mode: Literal["tis", "icepop"],
-    low: float,
-    high: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token weights correcting for the rollout engine's (off-)policy, and where they clipped.
-
-    ``ratio = exp(old_log_probs - rollout_log_probs)`` (trainer vs engine probability of the same
-    token). ``tis``: ``w = clamp(ratio, low, high)`` (truncated importance sampling). ``icepop``:
-    ``w = ratio`` if ``low <= ratio <= high`` else 0 (tokens with a train/rollout mismatch are
-    dropped). ``clipped_mask`` = ``mask`` and ratio outside ``[low, high]`` (for
-    ``train/tis_clipfrac``). Weights are detached: they rescale the gradient, they are not
-    optimised.
-    """
-    if mode not in ("tis", "icepop"):
-        raise ValueError(f"mode must be 'tis' or 'icepop', got {mode!r}")
-    if not 0.0 <= low <= high:
-        raise ValueError(f"need 0 <= low <= high, got low={low}, high={high}")
-    if not (old_log_probs.shape == rollout_log_probs.shape == mask.shape):
-        raise ValueError(
-            "old_log_probs, rollout_log_probs and mask must share a shape, got "
-            f"{tuple(old_log_probs.shape)}, {tuple(rollout_log_probs.shape)}, {tuple(mask.shape)}"
-        )
-    ratio = torch.exp(old_log_probs.detach() - rollout_log_probs.detach())
-    outside = (ratio < low) | (ratio > high)
-    if mode == "tis":
-        weights = ratio.clamp(low, high)
-    else:
-        weights = torch.where(outside, torch.zeros_like(ratio), ratio)
-    clipped_mask = (outside & (mask != 0)).to(ratio.dtype)
-    return weights, clipped_mask

@@ -394,6 +394,8 @@ class _MasterAdamW:
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
         norm = torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip)
+        if not torch.isfinite(norm):
+            return float(norm)  # a NaN/inf gradient never reaches the weights (nor Adam's moments)
         self.inner.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
@@ -487,6 +489,11 @@ class MegatronBackend:
         if self.ddp is None:
             return self.optimizer.step()
         self.ddp.finish_grad_sync()
+        # Megatron checks for inf only under fp16 loss scaling; bf16/fp32 would clip by a NaN norm and
+        # write NaN weights, so look at the reduced grads first.
+        grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+        if grads and not bool(torch.stack([g.float().norm() for g in grads]).isfinite().all()):
+            return float("nan")
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("Megatron optimizer step was skipped (inf/nan gradients)")
@@ -532,15 +539,16 @@ class MegatronBackend:
         loss.backward()
         return stats
 
-    def train(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
-        """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats."""
+    def train(self, batch: TrainBatch, algo: AlgoConfig, on_step=None) -> dict[str, float]:
+        """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats
+        (`on_step` gets each step's own: objective.minibatch_steps)."""
         _check_right_padded(batch.attention_mask)
         # eval(): no dropout, so the training forward is the same function as the scoring forward.
         self.model.eval()
         return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
                                zero_grad=self._zero_grad,
                                micro_step=lambda micro, denom: self.micro_step(micro, algo, denom),
-                               optimizer_step=self._optimizer_step)
+                               optimizer_step=self._optimizer_step, on_step=on_step)
 
     # -- weights and checkpoints -----------------------------------------------------------------------
 

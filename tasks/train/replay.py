@@ -4,24 +4,33 @@ from __future__ import annotations
 
 from collections import Counter
 
+from rollflow.artifacts.columns import SampleColumns
 from rollflow.artifacts.sample import Sample
 
 
-def infer_group_size(samples: list[Sample]) -> int:
+def _group_indices(samples: list[Sample] | SampleColumns) -> list[int]:
+    """Each row's group_index: from `Sample`s, or one column of `SampleColumns` (no Sample built)."""
+    if isinstance(samples, SampleColumns):
+        return samples.numpy("group_index").tolist()
+    return [s.group_index for s in samples]
+
+
+def infer_group_size(samples: list[Sample] | SampleColumns) -> int:
     """Samples per prompt group; every group must have the same size and be contiguous."""
-    if not samples:
+    if not len(samples):
         raise ValueError("rollout has no samples")
-    sizes = Counter(s.group_index for s in samples)
+    order = _group_indices(samples)
+    sizes = Counter(order)
     distinct = set(sizes.values())
     if len(distinct) != 1:
         raise ValueError(f"prompt groups have different sizes {sorted(distinct)}: group advantages need equal groups")
-    order = [s.group_index for s in samples]
     if any(a != b and b in order[:i] for i, (a, b) in enumerate(zip(order, order[1:]), start=1)):
         raise ValueError("samples of a prompt group are not contiguous; sort the rollout by group_index")
     return distinct.pop()
 
 
-def subsample_groups(samples: list[Sample], ratio: float, group_size: int) -> list[Sample]:
+def subsample_groups(samples: list[Sample] | SampleColumns, ratio: float,
+                     group_size: int) -> list[Sample] | SampleColumns:
     """Keep `ratio` of the prompt groups: the first and the last halves (as slime), whole groups only.
 
     Whole groups keep group-normalised advantages correct; a ratio that keeps nothing is an error
@@ -38,6 +47,9 @@ def subsample_groups(samples: list[Sample], ratio: float, group_size: int) -> li
         )
     head = (keep + 1) // 2
     tail = keep - head
+    if isinstance(samples, SampleColumns):  # the same rows, one take
+        chosen_groups = list(range(head)) + list(range(n_groups - tail, n_groups) if tail else [])
+        return samples.take([g * group_size + k for g in chosen_groups for k in range(group_size)])
     groups = [samples[i * group_size : (i + 1) * group_size] for i in range(n_groups)]
     chosen = groups[:head] + (groups[n_groups - tail :] if tail else [])
     return [s for group in chosen for s in group]

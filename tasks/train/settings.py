@@ -6,8 +6,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]
+Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+ISLevel = Literal["token", "sequence", "geometric"]
 
 
 class _Strict(BaseModel):
@@ -28,10 +30,42 @@ class AlgoConfig(_Strict):
     kl_loss_type: KLKind = "low_var_kl"
     kl_penalty_type: KLKind = "k1"
     entropy_coef: float = Field(0.0, ge=0)
-    loss_reduction: Literal["token", "sample"] = "token"
-    tis: Optional[Literal["tis", "icepop"]] = Field(None, description="rollout/train mismatch correction")
-    tis_low: float = Field(0.5, ge=0)
-    tis_high: float = Field(2.0, gt=0)
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean",
+        description="how per-token losses become one number: token-mean (verl's default; slime's "
+                    "--calculate-per-token-loss), seq-mean-token-mean (slime's default), seq-mean-token-sum, "
+                    "seq-mean-token-sum-norm (Dr. GRPO: token sums over a constant, loss_norm_constant)")
+    loss_norm_constant: Optional[int] = Field(
+        None, ge=1, description="seq-mean-token-sum-norm's constant divisor; run configs fill in "
+                                "rollout.max_new_tokens when unset")
+    # Train/rollout mismatch correction (slime's --use-tis family; names and defaults as slime's).
+    use_rollout_logprobs: bool = Field(
+        False, description="old log-probs = the engine's rollout log-probs (no trainer recompute; slime's "
+                           "--use-rollout-logprobs); excludes use_tis")
+    use_tis: bool = Field(False, description="weight the policy loss by train/rollout importance ratios")
+    tis_level: ISLevel = Field("token", description="token ratio, sequence (product) or geometric (mean) ratio")
+    tis_mode: Literal["truncate", "clip", "mask"] = Field(
+        "truncate", description="truncate: min(w, upper) (TIS); clip: clamp to [lower, upper]; mask: 0 outside "
+                                "[lower, upper] (icepop / MIS)")
+    tis_lower_bound: Optional[float] = Field(
+        None, ge=0, description="clip/mask lower bound; unset: 1 / tis_upper_bound (slime)")
+    tis_upper_bound: float = Field(2.0, gt=0, description="slime's --tis-clip default")
+    tis_batch_normalize: bool = Field(False, description="rescale the weights to mean 1 over the rollout")
+    use_rs: bool = Field(False, description="rejection sampling: drop tokens/samples whose ratio is outside "
+                                            "[rs_lower_bound, rs_upper_bound]")
+    rs_level: ISLevel = "token"
+    rs_lower_bound: Optional[float] = Field(None, ge=0, description="unset: the TIS lower bound")
+    rs_upper_bound: Optional[float] = Field(None, gt=0, description="unset: tis_upper_bound")
+    rs_veto_threshold: Optional[float] = Field(
+        None, gt=0, lt=1, description="drop a whole sample if any token's ratio is below this (typical 1e-4)")
+    max_consecutive_skipped_steps: int = Field(
+        3, ge=1, description="non-finite loss or grad norm skips the optimizer step; this many in a row fail the run")
+    # ppo only: a critic actor + GAE (tasks/train/critic.py); names as slime's --lambd / --value-clip / --critic-lr.
+    lambd: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (slime's --lambd, verl's algorithm.lam)")
+    value_clip: float = Field(0.2, gt=0, description="ppo: the critic's value clip around its old values (slime's "
+                                                      "--value-clip; verl's critic.cliprange_value defaults to 0.5)")
+    critic_lr: float = Field(1e-5, ge=0, description="ppo: the critic's AdamW learning rate (slime's --critic-lr); "
+                                                      "its other optimizer settings are train.*")
 
     @model_validator(mode="after")
     def _one_kl(self) -> "AlgoConfig":
@@ -40,14 +74,53 @@ class AlgoConfig(_Strict):
                 "algo.kl_coef and algo.kl_loss_coef are both > 0: use KL as a reward penalty (kl_coef) "
                 "or as a loss (kl_loss_coef), not both; set one of them to 0"
             )
-        if self.gamma != 1.0 and self.advantage_estimator != "reinforce_plus_plus":
+        if self.gamma != 1.0 and self.advantage_estimator not in ("reinforce_plus_plus", "ppo"):
             raise ValueError(
-                f"algo.gamma={self.gamma} only applies to advantage_estimator='reinforce_plus_plus' "
+                f"algo.gamma={self.gamma} only applies to advantage_estimator='reinforce_plus_plus' or 'ppo' "
                 f"(got {self.advantage_estimator!r}); leave gamma at 1.0"
             )
-        if self.tis_low >= self.tis_high:
-            raise ValueError(f"algo.tis_low={self.tis_low} must be below algo.tis_high={self.tis_high}")
+        if self.advantage_estimator == "ppo" and self.kl_coef > 0:
+            # The critic computes GAE from the scalar rewards alone: a per-token KL penalty would need the
+            # policy's and the reference's log-probs inside the critic actor.
+            raise ValueError(f"algo.kl_coef={self.kl_coef} (KL as a reward penalty) is not supported with "
+                             "advantage_estimator='ppo' (the critic's GAE sees the scalar rewards only); use "
+                             "algo.kl_loss_coef instead, or set algo.kl_coef=0")
+        if self.lambd != 1.0 and self.advantage_estimator != "ppo":
+            raise ValueError(f"algo.lambd={self.lambd} only applies to advantage_estimator='ppo' (GAE); "
+                             "leave lambd at 1.0")
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError("algo.use_rollout_logprobs and algo.use_tis are both on: the ratio old/rollout is then "
+                             "1 by construction; turn one of them off")
+        low, high = self.tis_bounds
+        if self.use_tis and self.tis_mode != "truncate" and not low < high:
+            raise ValueError(f"algo.tis_lower_bound={low} must be below algo.tis_upper_bound={high}")
+        rs_low, rs_high = self.rs_bounds
+        if self.use_rs and not rs_low < rs_high:
+            raise ValueError(f"algo.rs_lower_bound={rs_low} must be below algo.rs_upper_bound={rs_high}")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = {"loss_reduction": "loss_agg_mode ('token' -> 'token-mean', 'sample' -> 'seq-mean-token-mean')",
+                     "tis": "use_tis=true with tis_mode ('tis' -> 'clip', 'icepop' -> 'mask')",
+                     "tis_low": "tis_lower_bound", "tis_high": "tis_upper_bound"}
+            for old, new in moved.items():
+                if old in data:
+                    raise ValueError(f"algo.{old} was renamed: use algo.{new}")
+        return data
+
+    @property
+    def tis_bounds(self) -> tuple[float, float]:
+        high = self.tis_upper_bound
+        return (1.0 / high if self.tis_lower_bound is None else self.tis_lower_bound), high
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        low, high = self.tis_bounds
+        return (low if self.rs_lower_bound is None else self.rs_lower_bound,
+                high if self.rs_upper_bound is None else self.rs_upper_bound)
 
     @property
     def needs_ref(self) -> bool:

@@ -9,7 +9,8 @@ import io
 
 import torch
 
-from rollflow.tasks.model.dtypes import DTYPES
+from rollflow.tasks.model.dtypes import DTYPES, cast_model
+from rollflow.tasks.model.teacher_forced import gather_log_probs, next_token_logits, teacher_forced_log_probs
 from rollflow.tasks.train.batch import TrainBatch
 from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.data_parallel import (
@@ -27,15 +28,13 @@ from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 def response_log_probs(model, batch: TrainBatch, temperature: float, with_entropy: bool
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Teacher-forced log-prob of every next token, target aligned [B, L-1], fp32."""
+    """Teacher-forced log-prob of every next token, target aligned [B, L-1], fp32.
+
+    The numerics are tasks/model/teacher_forced.py's, which the `hf` engine also runs for
+    rollout.logprobs='teacher_forced' (bitwise equal rollout log-probs)."""
     device = next(model.parameters()).device
-    logits = model(
-        input_ids=batch.tokens.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-    ).logits[:, :-1].float()
-    logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
+    logits = next_token_logits(model, batch.tokens, batch.attention_mask, batch.position_ids, temperature)
+    log_probs = gather_log_probs(logits, batch.tokens)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return log_probs.cpu() if device.type != "cpu" else log_probs, (
         entropy.cpu() if entropy is not None and device.type != "cpu" else entropy)
@@ -64,7 +63,8 @@ class TorchBackend:
                 torch.cuda.set_device(device)  # NCCL binds each rank to its current device
         # None on one rank: then nothing below runs a collective and the numerics are the single-rank ones.
         self.group = init_data_parallel(dp) if dp is not None else None
-        self.model = model.to(device=optim.device, dtype=DTYPES[optim.dtype])
+        # Parameters cast, RoPE inv_freq kept as loaded: the same model as an engine loaded in this dtype.
+        self.model = cast_model(model, DTYPES[optim.dtype], optim.device)
         if self.group is not None:
             broadcast_module(self.model, self.group)
         # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
@@ -87,19 +87,17 @@ class TorchBackend:
         model = self.model if which == "policy" else self.ref_model
         if model is None:
             raise RuntimeError("reference log-probs requested but the trainer was built without a reference model")
-        was_training = model.training
-        model.eval()
-        # Same micro-batch split as the training forward: numerics then match bit for bit.
+        # Same micro-batch split as the training forward: numerics then match bit for bit. The hf engine
+        # runs this same function for rollout.logprobs='teacher_forced' (tasks/model/teacher_forced.py).
         # Data parallel: every rank scores the whole batch, no collective. Advantages need every row
         # anyway, the old/ref log-probs are then bitwise the single-rank ones on every rank, and this
         # method can be called on one rank alone (alignment checks). The cost is redundant forwards.
-        parts = [response_log_probs(model, mb, self.temperature, False)[0]
-                 for mb in split_rows(batch, self.optim_cfg.micro_batch_size)]
-        model.train(was_training)
-        return torch.cat(parts, dim=0)
+        return teacher_forced_log_probs(model, batch.tokens, batch.attention_mask, batch.position_ids,
+                                        temperature=self.temperature, micro_batch_size=self.optim_cfg.micro_batch_size)
 
-    def train(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
-        """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats."""
+    def train(self, batch: TrainBatch, algo: AlgoConfig, on_step=None) -> dict[str, float]:
+        """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats
+        (`on_step` gets each step's own: objective.minibatch_steps)."""
         # eval(): no dropout, so the training forward is the same function as the scoring forward.
         self.model.eval()
 
@@ -120,13 +118,15 @@ class TorchBackend:
                 # Before clipping, so the norm (and the clip) is that of the global gradient.
                 all_reduce_grads(self.model.parameters(), self.group)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+            if not torch.isfinite(grad_norm):
+                return float(grad_norm)  # a NaN/inf gradient never reaches the weights (nor Adam's moments)
             self.optimizer.step()
             return float(grad_norm)
 
         return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
                                zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
                                micro_step=micro_step, optimizer_step=optimizer_step,
-                               local_rows=local_rows, sum_stats=stats_sum)
+                               local_rows=local_rows, sum_stats=stats_sum, on_step=on_step)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -16,9 +16,11 @@ from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.sync.parity import checksums
+from rollflow.tasks.train.critic import CriticEstimate
 from rollflow.tasks.train.checkpoint import checkpoint_dir, load_checkpoint, load_state, save_checkpoint, save_state
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.dump import train_dump_bytes
+from rollflow.tasks.train.mismatch import corrects
 from rollflow.tasks.train.replay import infer_group_size, subsample_groups
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.step import train_on_samples
@@ -62,6 +64,8 @@ class TrainWorker:
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
         self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp)
+        self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call
+        self._consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
         # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
         self._initial_state = self.backend.checkpoint_bytes()
         if resume_iteration is not None:
@@ -91,7 +95,7 @@ class TrainWorker:
         uri = ArtifactRef.from_dict(ref).uri
         artifact = self.store.load_uri(uri)
         self._loaded = (uri, artifact)
-        return len(artifact.samples)
+        return len(artifact)  # the artifact stays columnar: no Sample objects are built
 
     def _artifact(self, ref: dict):
         uri = ArtifactRef.from_dict(ref).uri
@@ -106,32 +110,38 @@ class TrainWorker:
         return int(value) if isinstance(value, int) else None
 
     def train_on_artifact(self, ref: dict, *, subsample: float | None = None,
-                          dump_uri: str | None = None, reward_key: str | None = None) -> dict[str, float]:
+                          dump_uri: str | None = None, reward_key: str | None = None,
+                          critic: CriticEstimate | None = None) -> dict[str, float]:
+        """`critic`: advantage_estimator='ppo' only, the critic actor's estimate for this same artifact."""
         from rollflow.artifacts.slime import check_token_ids
 
+        if critic is not None and subsample is not None:
+            raise ValueError("a critic estimate covers the whole rollout; it cannot be combined with subsample")
+
         artifact = self._artifact(ref)
-        samples = artifact.samples
+        samples = artifact.columns  # the batch is built from the columns: no Python object per token
         # An id >= the vocab would be an IndexError deep in the forward (a device-side assert on GPU).
         check_token_ids(samples, self._vocab_size(), rollout_id=artifact.manifest.rollout_id,
                         split=artifact.manifest.split, uri=ArtifactRef.from_dict(ref).uri)
         if reward_key is not None:  # the run's key of dict rewards wins over the samples' own (as slime)
-            for sample in samples:
-                if isinstance(sample.reward, dict):
-                    sample.reward_key = reward_key
+            samples = samples.with_reward_key(reward_key)
         group_size = artifact.manifest.n_samples_per_prompt
         if group_size <= 1 and len(samples) > 1:
             group_size = infer_group_size(samples)
         if subsample is not None:
             samples = subsample_groups(samples, subsample, group_size)
         # slime dumps without behaviour log-probs import with zeros: never correct with them.
-        missing = any(s.metadata.get("rollout_log_probs_missing") for s in samples)
-        if missing and self.algo.tis is not None:
+        missing = samples.metadata_flag("rollout_log_probs_missing")
+        if missing and (corrects(self.algo) or self.algo.use_rollout_logprobs):
             raise ValueError(
-                f"algo.tis={self.algo.tis!r} needs the rollout engine's log-probs, but rollout "
-                f"{artifact.manifest.rollout_id} was imported without them; set algo.tis=null for this replay"
+                f"algo.use_tis / use_rs / rs_veto_threshold / use_rollout_logprobs need the rollout engine's "
+                f"log-probs, but rollout {artifact.manifest.rollout_id} was imported without them; turn them off "
+                "for this replay"
             )
         result = train_on_samples(self.backend, samples, self.algo, group_size=group_size,
-                                  compute_ref=self.optim.compute_ref_log_probs)
+                                  compute_ref=self.optim.compute_ref_log_probs, critic=critic)
+        self._steps = result.steps
+        self._count_skips(result.steps, artifact.manifest.rollout_id)
         if dump_uri is not None and self.is_primary:
             self._write(dump_uri, train_dump_bytes(result.batch, artifact.manifest.rollout_id))
         metrics = result.metrics | {"train/n_samples": float(len(samples))}
@@ -140,6 +150,31 @@ class TrainWorker:
                 metrics.pop(key, None)
             metrics["rollout/rollout_log_probs_missing"] = 1.0
         return metrics
+
+    def _count_skips(self, steps: list[dict[str, float]], rollout_id: int) -> None:
+        """Log each skipped optimizer step with its rollout id; fail after too many in a row (across rollouts)."""
+        import logging
+
+        for index, step in enumerate(steps):
+            if not step.get("skipped"):
+                self._consecutive_skips = 0
+                continue
+            self._consecutive_skips += 1
+            logging.getLogger("rollflow.train").warning(
+                "rollout %d, optimizer step %d/%d skipped: loss=%s grad_norm=%s (not finite); the weights are "
+                "unchanged (%d in a row)", rollout_id, index + 1, len(steps), step.get("loss"),
+                step.get("grad_norm"), self._consecutive_skips)
+        limit = self.algo.max_consecutive_skipped_steps
+        if self._consecutive_skips >= limit:
+            raise FloatingPointError(
+                f"{self._consecutive_skips} optimizer steps in a row had a NaN/inf loss or grad norm (last: rollout "
+                f"{rollout_id}); stopped before more are lost (algo.max_consecutive_skipped_steps={limit}). "
+                f"Replay that rollout with a dump (`rollflow replay`, debug.dump_details) to see which tokens")
+
+    def train_steps(self) -> list[dict[str, float]]:
+        """Each optimizer step's statistics of the last `train_on_artifact` / `replay_step` (global on every
+        rank, like its metrics). Kept apart from the metrics so their dict stays one row of floats."""
+        return list(self._steps)
 
     def replay_step(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
                     subsample: float | None = None, dump_uri: str | None = None,
@@ -173,6 +208,11 @@ class TrainWorker:
             from rollflow.artifacts.storage import open_fs
 
             return checkpoint_dir(open_fs(self.store_root, self.storage_options)[1], self.run, iteration)
+        bad = [name for name, t in self.backend.named_weights().items()
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:  # skipped steps keep NaN out of the weights; this is the last line of defence
+            raise FloatingPointError(f"not writing checkpoint {iteration}: {len(bad)} weight tensors hold NaN/inf "
+                                     f"(first: {bad[0]}); the last good checkpoint is kept")
         return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
                                extra=extra, storage_options=self.storage_options)
 

@@ -1,0 +1,93 @@
+"""The teacher-forced log-prob computation, shared by the torch trainer and the `hf` engine.
+
+The trainer scores a rollout with one forward over the whole rollout: sequences right-padded to the
+longest one, position ids from the mask (cumsum - 1), rows split into micro-batches of
+`micro_batch_size`, logits cast to fp32 and divided by the temperature. Log-probs taken while
+sampling (KV cache, one step at a time, left padding) differ from that by up to ~1e-5 in fp32 and ~1e-2 in
+bf16. With `rollout.logprobs='teacher_forced'` the engine rescores its samples with *these*
+functions, on the same rows in the same order, so both sides run the same kernels on the same
+shapes and their log-probs are bitwise equal (DESIGN.md section 8, "Log-prob exactness").
+
+It lives below tasks/rollout and tasks/train (which never import each other): one copy of the
+numerics, not two that drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringLayout:
+    """What the engine must reproduce of the trainer's scoring forward (built from train.* settings)."""
+
+    micro_batch_size: int  # train.micro_batch_size: rows per forward
+    threads: int  # train.threads: CPU reductions may depend on the thread count
+    dtype: str  # train.dtype: the engine's model must already be in it (checked)
+    device: str  # train.device: same device type, same kernels
+
+    @classmethod
+    def of(cls, train) -> "ScoringLayout":
+        """From the trainer's settings (`train`: an OptimConfig, or anything with these four fields)."""
+        return cls(micro_batch_size=int(train.micro_batch_size), threads=int(train.threads), dtype=str(train.dtype),
+                   device=str(train.device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """Right-padded token rows: the layout of `TrainBatch` (tokens, attention_mask, position_ids)."""
+
+    tokens: torch.Tensor  # [B, L] long, 0 after each row's end
+    attention_mask: torch.Tensor  # [B, L] long
+    position_ids: torch.Tensor  # [B, L] long, cumsum(mask) - 1, clamped at 0
+
+
+def right_padded(sequences: list[list[int]]) -> Padded:
+    """Rows padded to the longest one. The trainer and the engine both build their input here."""
+    width = max(len(s) for s in sequences)
+    tokens = torch.zeros((len(sequences), width), dtype=torch.long)
+    attn = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[row, : len(seq)] = 1
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    return Padded(tokens, attn, position_ids)
+
+
+def next_token_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      temperature: float) -> torch.Tensor:
+    """fp32 logits of every next token divided by the temperature, target aligned [B, L-1, V], on the
+    model's device. Column j scores tokens[:, j + 1]."""
+    device = next(model.parameters()).device
+    logits = model(
+        input_ids=tokens.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+    ).logits[:, :-1].float()
+    return logits / temperature
+
+
+def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits) at the next tokens: [B, L-1] (logits from `next_token_logits`)."""
+    targets = tokens[:, 1:].to(logits.device).unsqueeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
+
+
+@torch.no_grad()
+def teacher_forced_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                             *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs [B, L-1] (fp32, on CPU) of a right-padded batch, scored `micro_batch_size` rows at a time
+    in eval mode (no dropout), as the trainer scores old and reference log-probs."""
+    was_training = model.training
+    model.eval()
+    try:
+        parts = []
+        for start in range(0, tokens.shape[0], micro_batch_size):
+            rows = slice(start, start + micro_batch_size)
+            logits = next_token_logits(model, tokens[rows], attention_mask[rows], position_ids[rows], temperature)
+            parts.append(gather_log_probs(logits, tokens[rows]).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(parts, dim=0)

@@ -1,0 +1,90 @@
+"""The critic's stateful worker (`advantage_estimator="ppo"`): value model + optimizer + its checkpoint.
+
+A plain class, run by `infra/` as a Ray actor beside the policy trainer (flows/group.py). Per rollout:
+
+1. `estimate(ref)`: load the artifact, score the old values, GAE -> `CriticEstimate` (values, whitened
+   advantages, returns). The estimate goes to the trainer actor by reference (Ray's object store), never
+   through the orchestrator.
+2. `update()`: value-loss steps on that rollout, fitting the values to its GAE returns; the `critic/*`
+   metrics. The flow calls it after the policy's step (flows/iteration.py says why).
+3. `save_checkpoint(iteration)`: `critic.pt` in the policy checkpoint's folder, written BEFORE the policy's
+   commit marker, so a committed iteration always has its critic state (and an uncommitted one is skipped
+   as a whole on resume).
+"""
+
+from __future__ import annotations
+
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.train.advantages import gae_advantages
+from rollflow.tasks.train.batch import TrainBatch, batch_from_samples
+from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_uri, load_state, save_state
+from rollflow.tasks.train.critic import CriticBackend, CriticEstimate
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+
+CRITIC_PAYLOAD = "critic.pt"
+
+
+def critic_state_uri(store_root: str, run: str, iteration: int) -> str:
+    return checkpoint_uri(store_root, run, iteration, CRITIC_PAYLOAD)
+
+
+class CriticWorker:
+    def __init__(self, model_spec: str, optim: OptimConfig, algo: AlgoConfig, *, store_root: str, run: str,
+                 resume_iteration: int | None = None, storage_options: dict | None = None):
+        if optim.backend != "torch":
+            raise NotImplementedError(f"the ppo critic runs on the torch backend only (train.backend="
+                                      f"{optim.backend!r}); use train.backend=torch")
+        from rollflow.tasks.model.dtypes import DTYPES
+
+        self.optim, self.algo = optim, algo
+        self.store_root, self.run, self.storage_options = store_root, run, storage_options
+        self.store = RolloutStore(store_root, storage_options)
+        causal_lm = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
+        self.backend = CriticBackend(causal_lm, optim, algo)
+        self._batch: TrainBatch | None = None  # the last estimated rollout, which `update` trains on
+        if resume_iteration:
+            uri = critic_state_uri(store_root, run, resume_iteration)
+            try:
+                state = load_state(uri, storage_options=storage_options)
+            except CheckpointError as exc:
+                raise CheckpointError(f"checkpoint {resume_iteration} of run {run!r} has no usable critic state "
+                                      f"({exc}); a ppo run resumes with its critic") from None
+            self.backend.load_checkpoint_bytes(state)
+
+    def ping(self) -> bool:
+        return True
+
+    def estimate(self, ref: dict, reward_key: str | None = None) -> CriticEstimate:
+        """Old values and GAE advantages / returns of the artifact's samples, in their order."""
+        from rollflow.artifacts.slime import check_token_ids
+
+        uri = ArtifactRef.from_dict(ref).uri
+        artifact = self.store.load_uri(uri)
+        samples = artifact.samples
+        check_token_ids(samples, getattr(self.backend.model.backbone.config, "vocab_size", None),
+                        rollout_id=artifact.manifest.rollout_id, split=artifact.manifest.split, uri=uri)
+        if reward_key is not None:  # the run's key of dict rewards, as the trainer applies it
+            for sample in samples:
+                if isinstance(sample.reward, dict):
+                    sample.reward_key = reward_key
+        # GAE works per sample: no prompt groups needed (group_size 1 always divides).
+        batch = batch_from_samples(samples, group_size=1)
+        batch.values = self.backend.compute_values(batch)
+        batch.advantages, batch.returns = gae_advantages(batch.rewards, batch.values, batch.response_mask,
+                                                         gamma=self.algo.gamma, lambd=self.algo.lambd)
+        self._batch = batch
+        return CriticEstimate(values=batch.values, advantages=batch.advantages.float(), returns=batch.returns)
+
+    def update(self) -> dict[str, float]:
+        """Fit the values to the returns of the last `estimate`; the `critic/*` metrics."""
+        if self._batch is None:
+            raise RuntimeError("CriticWorker.update before estimate: nothing to train on")
+        batch, self._batch = self._batch, None
+        return self.backend.train(batch)
+
+    def save_checkpoint(self, iteration: int) -> str:
+        """`critic.pt` (+ its sha256 sidecar) in checkpoint `iteration`'s folder; its URI."""
+        return save_state(critic_state_uri(self.store_root, self.run, iteration), self.backend.checkpoint_bytes(),
+                          storage_options=self.storage_options)
