@@ -453,3 +453,12 @@ def test_worker_fails_after_consecutive_skips_and_names_the_rollout(caplog) -> N
     assert "rollout 5, optimizer step 2/2 skipped" in caplog.text
     with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row .* rollout 6"):
         TrainWorker._count_skips(state, [{"skipped": 1.0}, {"skipped": 1.0}], rollout_id=6)
+
+
+def test_k3_mismatch_of_a_tiny_fp32_gap_is_not_negative() -> None:
+    # fp32 engines differ by ~1e-7 per token; computed in fp32, e^r - r - 1 rounds to small negative values
+    gen = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(64, 32, generator=gen)
+    old = rollout + torch.randn(64, 32, generator=gen) * 1e-6
+    m = mismatch_metrics(old, rollout, torch.ones(64, 32))
+    assert 0.0 < m["mismatch/k3_kl"] < 1e-10  # ~ mean(r^2) / 2 = 5e-13
