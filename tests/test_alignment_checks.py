@@ -198,3 +198,12 @@ def test_cli_align_local(cfg, tmp_path):
     bad = CliRunner().invoke(app, args + ["--memory-budget-mb", "1"])
     assert bad.exit_code == 1
     assert "**Result: FAIL**" in bad.output and "step2_load_and_memory: FAIL" in bad.output
+
+
+def test_a_ppo_run_is_checked_with_grpo_advantages(tmp_path):
+    """ppo's advantages come from a critic actor the checks do not start; precision does not depend on them."""
+    ppo = small_config(tmp_path, run="ppo", algo={"advantage_estimator": "ppo"})
+    report = run_alignment_local(ppo)
+    assert report.ok, report.summary()
+    assert report.context["advantage_estimator"].startswith("grpo")
+    assert report.check("one_step_update").figures["ppo_kl"] == 0.0

@@ -100,7 +100,7 @@ def test_gspo_is_selected_by_the_estimator_in_the_objective() -> None:
     out = {}
     for est in ("grpo", "gspo"):
         loss, _ = micro_batch_objective(new, entropy, batch, AlgoConfig(advantage_estimator=est), denom)
-        out[est] = (float(loss), torch.autograd.grad(loss, new)[0])
+        out[est] = (float(loss.detach()), torch.autograd.grad(loss, new)[0])
     assert out["grpo"][0] != out["gspo"][0]
     assert not torch.equal(out["grpo"][1], out["gspo"][1])
 

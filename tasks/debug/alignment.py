@@ -145,6 +145,14 @@ def engine_rollout(worker: Any, rollout_id: int, temperature: float | None = Non
     return samples, response_stats(worker.tokenizer, samples, answer_format(worker.data_cfg))
 
 
+def precision_algo(algo: Any) -> Any:
+    """The algo the checks train with: the run's, except ppo, whose advantages come from a critic actor the
+    checks do not start. Step-1 exactness (ppo_kl 0, clipfrac 0) holds for any advantages, so grpo stands in."""
+    if getattr(algo, "advantage_estimator", None) != "ppo":
+        return algo
+    return algo.model_copy(update={"advantage_estimator": "grpo", "gamma": 1.0, "lambd": 1.0})
+
+
 def trainer_first_step(worker: Any, samples: list[Sample], algo: Any, group_size: int, perturb_policy_std: float,
                        seed: int, worst_samples: int) -> dict[str, Any]:
     return first_step_figures(backend_of(worker), samples, algo, group_size=group_size,
@@ -282,6 +290,7 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
     started = time.perf_counter()
     group = cfg.rollout.n_samples_per_prompt
     reward_fn = reward_fn_from_config(cfg.rollout)
+    algo = precision_algo(cfg.algo)
 
     eng = engine.run(engine_describe)
     trn = train.run(trainer_describe)
@@ -298,6 +307,9 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
         "thresholds": thr.model_dump(),
         "faults": faults.describe(),
     }
+    if algo is not cfg.algo:
+        context["advantage_estimator"] = f"grpo (the run's {cfg.algo.advantage_estimator} needs its critic actor; " \
+                                         "the precision checks do not depend on the advantages)"
 
     # Faults that exist before anything runs (the model, the reference).
     if faults.gibberish_weights:
@@ -327,7 +339,7 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
     samples, stats = first
     reward_mean = sum(s.scalar_reward() for s in samples) / len(samples)
     figs, err = _attempt(phase, "train-step-1", lambda: train.run(
-        trainer_first_step, samples, cfg.algo, group, faults.perturb_policy_std, faults.seed, thr.worst_samples))
+        trainer_first_step, samples, algo, group, faults.perturb_policy_std, faults.seed, thr.worst_samples))
 
     checks = [coherence_check(stats, figs["ref"]["ref_nll"] if figs else None, thr, reward_mean=reward_mean)]
     if figs is None:
@@ -359,7 +371,7 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
     def step2() -> tuple[int, list[int], dict[str, float]]:
         samples2, _ = engine.run(engine_rollout, 1, faults.engine_temperature)
         score(samples2)
-        metrics = train.run(trainer_step, samples2, cfg.algo, group)
+        metrics = train.run(trainer_step, samples2, algo, group)
         return engine.run(engine_describe)["weight_version"], sorted({s.weight_version for s in samples2}), metrics
 
     second, err = _attempt(phase, "iteration-2", step2)
