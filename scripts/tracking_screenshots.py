@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ui_screenshots import BIN, ROOT, free_port, shoot, wait_http  # noqa: E402
+from ui_screenshots import BIN, ROOT, free_port, shoot, stop, wait_http  # noqa: E402
 
 RUN = "demo-tracked"
 
@@ -34,16 +33,6 @@ def start(cmd: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
 
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in reversed(procs):
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
 
 
 def shoot_after(url: str, out: Path, chromium: str, steps: list[str], *, width: int = 1440, height: int = 1000,

@@ -54,6 +54,18 @@ def wait_final(client, flow_run_id, timeout: float = 300):
     raise RuntimeError(f"flow run {flow_run_id} did not finish")
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop the processes this script started (by process group, newest first): SIGINT, then SIGKILL."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
 def shoot(url: str, out: Path, chromium: str, height: int = 1000) -> None:
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                     f"--window-size=1440,{height}", "--virtual-time-budget=20000", f"--screenshot={out}", url],
@@ -122,13 +134,7 @@ def main() -> None:
         shoot(f"{ui}/runs/flow-run/{resumed.id}", out / "resumed-rl-train.png", chromium)
         shoot(f"{ui}/artifacts/artifact/{summary_id}", out / "rl-train-summary.png", chromium, height=1600)
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+        stop(procs)
         shutil.rmtree(work, ignore_errors=True)
 
 
