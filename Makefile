@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # 2.13.0 is a CPU build pip finds locally on the reference CPU boxes; an unpinned torch pulls CUDA.
 TORCH_SPEC ?= torch==2.13.0
+# SGLang's own code for the contract tests (pure Python; its CUDA kernels and torch pin are left out).
+SGLANG_CONTRACT_SPEC ?= sglang==0.5.23
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export DO_NOT_TRACK = 1
 export RAY_AUTH_MODE = disabled
@@ -16,7 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,sglang-contract]"
+	$(PY) -m pip install -q --no-deps "$(SGLANG_CONTRACT_SPEC)"
 	touch $@
 
 demo: setup

@@ -23,9 +23,10 @@ SUITES = {
     "train": "benchmarks.suite_train",
     "sync": "benchmarks.suite_sync",
     "replay": "benchmarks.suite_replay",
+    "async": "benchmarks.suite_async",
 }
 ALIASES = {"1": "orchestration", "2": "artifact_io", "3": "rollout", "4": "train", "5": "sync", "6": "replay",
-           "artifacts": "artifact_io", "io": "artifact_io", "artifact-io": "artifact_io", "overhead": "orchestration"}
+           "7": "async", "artifacts": "artifact_io", "io": "artifact_io", "artifact-io": "artifact_io", "overhead": "orchestration"}
 GPU_SUITES = ("rollout", "train", "sync")  # need neither Prefect nor Ray
 
 
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--suite", "-s", action="append", default=None, metavar="NAME",
                     help=f"suite to run (repeatable; default: all on CPU, {', '.join(GPU_SUITES)} on CUDA): "
-                         f"{', '.join(SUITES)} or 1-6")
+                         f"{', '.join(SUITES)} or 1-7")
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer repeats (a smoke run)")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default benchmarks/results/<cpu|gpu name>-<date>.json)")
@@ -55,7 +56,7 @@ def resolve_suites(names: list[str] | None, device: str) -> list[str]:
         for name in raw.split(","):
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in SUITES:
-                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-6)")
+                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-7)")
             if key not in chosen:
                 chosen.append(key)
     if "replay" in chosen and "orchestration" in chosen:  # replay quotes orchestration's iteration

@@ -45,7 +45,9 @@ def matmul_params(model) -> int:
 
 
 def state_bytes(named: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in named.values())
+    """Bytes of distinct storage: a tied tensor (Qwen2-0.5B's embedding = lm_head) counts once."""
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in named.values()}
+    return sum(unique.values())
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

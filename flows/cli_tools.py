@@ -86,6 +86,8 @@ def show(
     status: Optional[str] = typer.Option(None, "--status", help="completed | truncated | aborted | failed"),
     reward_min: Optional[float] = typer.Option(None, "--reward-min", help="keep samples with reward >= X"),
     reward_max: Optional[float] = typer.Option(None, "--reward-max", help="keep samples with reward <= X"),
+    min_turns: Optional[int] = typer.Option(None, "--min-turns", min=0,
+                                            help="keep conversations with at least N turns (multi-turn rollouts)"),
     limit: int = typer.Option(20, "--limit", min=0, help="samples per page"),
     offset: int = typer.Option(0, "--offset", min=0, help="first sample of the page (after filtering)"),
     max_chars: int = typer.Option(48, "--max-chars", min=4, help="cut cell text at this many characters"),
@@ -111,7 +113,8 @@ def show(
     key = _reward_key(item.split, reward_key, eval_reward_key)
     metrics = rollout_metrics(samples, key)
     try:
-        shown = filter_samples(samples, status=status, reward_min=reward_min, reward_max=reward_max, reward_key=key)
+        shown = filter_samples(samples, status=status, reward_min=reward_min, reward_max=reward_max, reward_key=key,
+                               min_turns=min_turns)
     except ValueError as exc:
         _fail(str(exc))
     if as_json:
@@ -122,7 +125,7 @@ def show(
             "rollout_id": item.rollout_id,
             "source": item.loader.uri,
             "metrics": metrics,
-            "filters": {"status": status, "reward_min": reward_min, "reward_max": reward_max},
+            "filters": {"status": status, "reward_min": reward_min, "reward_max": reward_max, "min_turns": min_turns},
             "n_matching": len(shown),
             "offset": offset,
             "limit": limit,
@@ -137,8 +140,8 @@ def show(
     dump = train_dump_summary(item.loader)
     if dump is not None:
         console.print(render_metrics(dump, title="train dump (--dump-details, per-token means)"))
-    filters = [f"{k}={v}" for k, v in (("status", status), ("reward>=", reward_min), ("reward<=", reward_max))
-               if v is not None]
+    filters = [f"{k}={v}" for k, v in (("status", status), ("reward>=", reward_min), ("reward<=", reward_max),
+                                       ("min_turns", min_turns)) if v is not None]
     first, last = min(offset + 1, len(shown)), min(offset + limit, len(shown))
     title = f"samples {first}-{last} of {len(shown)}" + (f" matching {', '.join(filters)}" if filters else "")
     console.print(render_table(shown, limit, offset, max_chars=max_chars, title=title))

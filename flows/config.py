@@ -14,6 +14,7 @@ from pydantic import (
 
 from rollflow.infra.placement import ResourcesConfig, plan_placement
 from rollflow.tasks.model.teacher_forced import ScoringLayout
+from rollflow.tasks.rollout.pipeline_settings import PipelineConfig
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
@@ -161,6 +162,9 @@ class RunConfig(_Strict):
     debug: DebugConfig = DebugConfig()
     tracking: TrackingConfig = Field(default_factory=TrackingConfig,
                                      description="TensorBoard / MLflow / W&B logging of the metrics (off by default)")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="off-policy pipelining: async (one-step-off) training, partial "
+                                                 "rollouts, dynamic sampling (docs/async.md)")
     _notices: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("run")
@@ -248,6 +252,7 @@ class RunConfig(_Strict):
                 self._notices.append(f"rollout.sglang.tp_size set to resources.gpus_per_engine={gpe}")
             if sg.dtype is None and self.rollout.dtype == "float64":
                 raise ValueError("rollout.dtype='float64' is not an SGLang dtype; set rollout.dtype or rollout.sglang.dtype")
+            _sglang_dtype_and_memory(self)
             if self.offload and not sg.memory_saver:
                 sg.memory_saver = True
                 self._notices.append("offload=true: rollout.sglang.memory_saver turned on (--enable-memory-saver)")
@@ -270,12 +275,22 @@ class RunConfig(_Strict):
             if _device_type(ro.device) != _device_type(tr.device):
                 raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.device and train.device of one type "
                                  f"(got {ro.device!r} and {tr.device!r}); set rollout.device={tr.device!r}")
-        sg = self.rollout.sglang
-        if (self.rollout.engine == "sglang" and sg.seeded and sg.n_mode == "native"
-                and self.data.eval_n_samples > 1):
-            raise ValueError("rollout.sglang.seeded=true with rollout.sglang.n_mode='native' gives the "
-                             "data.eval.n_samples_per_prompt samples of a prompt one seed (identical samples); set "
-                             "rollout.sglang.n_mode='repeat'")
+        return self
+
+    @model_validator(mode="after")
+    def _megatron_layout(self) -> "RunConfig":
+        """train.megatron.{tp, pp, cp} against the trainer ranks (one per trainer GPU), before any worker starts."""
+        if self.train.backend == "megatron" and not self.debug.rollout_only:
+            world = max(1, self.resources.trainer_gpus)
+            try:
+                self.train.megatron.data_parallel_size(world)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (resources.trainer_gpus={self.resources.trainer_gpus})") from None
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline(self) -> "RunConfig":
+        _check_pipeline(self)
         return self
 
     def scoring_layout(self) -> Optional[ScoringLayout]:
@@ -295,6 +310,27 @@ class RunConfig(_Strict):
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _sglang_dtype_and_memory(cfg: RunConfig) -> None:
+    """SGLang engines' dtype (bf16 unless set) and, colocated, their static memory share (tasks/rollout/
+    sglang_config.py says why)."""
+    from rollflow.tasks.rollout.sglang_config import colocated_mem_fraction, engine_dtype
+
+    sg = cfg.rollout.sglang
+    if sg.dtype is None:
+        sg.dtype = engine_dtype(cfg.rollout)
+        cfg._notices.append(f"rollout.sglang.dtype set to {sg.dtype!r} (SGLang engines' default)")
+    if sg.dtype not in ("auto", cfg.train.dtype):
+        cfg._notices.append(f"SGLang engines run {sg.dtype} while the trainer runs {cfg.train.dtype}: rollout log-probs "
+                            f"carry {sg.dtype} rounding (see train/train_rollout_logprob_abs_diff); set "
+                            f"rollout.sglang.dtype={cfg.train.dtype!r} to match")
+    if cfg.placement == "colocate" and not cfg.debug.rollout_only and not cfg.debug.train_only and not sg.urls:
+        fraction = colocated_mem_fraction(sg)
+        if sg.mem_fraction_static is None:
+            sg.mem_fraction_static = fraction
+            cfg._notices.append(f"rollout.sglang.mem_fraction_static set to {fraction:g} (placement=colocate: the "
+                                f"trainer keeps rollout.sglang.colocate_trainer_fraction={sg.colocate_trainer_fraction:g})")
+
+
 def _check_ppo(cfg: RunConfig) -> None:
     """ppo runs a critic actor beside the trainer (flows/group.py); what this build cannot run with it."""
     if cfg.train.backend != "torch":
@@ -306,6 +342,26 @@ def _check_ppo(cfg: RunConfig) -> None:
     if cfg.debug.train_only:
         raise ValueError("algo.advantage_estimator='ppo' cannot replay (debug.train_only / load_debug_rollout_data): "
                          "replay_train starts no critic; replay with another estimator, or train ppo with rl_train")
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """What async training (pipeline.max_staleness > 0) and partial rollouts need."""
+    pipe = cfg.pipeline
+    if pipe.partial_rollout and pipe.max_staleness < 2:
+        raise ValueError(f"pipeline.partial_rollout=true needs pipeline.max_staleness >= 2 (got {pipe.max_staleness}): "
+                         "a continued sample keeps tokens two weight versions old; set pipeline.max_staleness=2")
+    if cfg.algo.advantage_estimator == "ppo" and (pipe.partial_rollout or pipe.dynamic_sampling.enabled):
+        raise ValueError("algo.advantage_estimator='ppo' scores whole rollouts with its critic; it cannot drop filtered "
+                         "groups: set pipeline.partial_rollout=false and pipeline.dynamic_sampling.enabled=false")
+    if not pipe.pipelined:
+        return
+    if cfg.placement == "colocate":
+        raise ValueError(f"pipeline.max_staleness={pipe.max_staleness} needs placement='disaggregated': colocated "
+                         "engines and trainer share GPUs and cannot run at the same time; set placement=disaggregated "
+                         "or pipeline.max_staleness=0")
+    if cfg.debug.rollout_only or cfg.debug.train_only:
+        raise ValueError(f"pipeline.max_staleness={pipe.max_staleness} pipelines generate and train; debug.rollout_only "
+                         "/ debug.train_only run one of them; set pipeline.max_staleness=0")
 
 
 def _device_type(device: str) -> str:

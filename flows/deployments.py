@@ -37,7 +37,7 @@ _COMMON = ("run", "model", "store", "ray", "resources", "tracking")
 SECTIONS: dict[str, tuple[str, ...]] = {
     # what each flow reads of RunConfig; the rest keeps RunConfig's defaults
     "rl_train": (*_COMMON, "iterations", "checkpoint_every", "eval_every", "resume", "data", "rollout", "algo",
-                 "train", "placement", "offload", "debug"),  # retries: the deployment's own (UI Retry resumes)
+                 "train", "placement", "offload", "debug", "pipeline"),  # retries: the deployment's own (UI Retry resumes)
     "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
     "alignment_check": (*_COMMON, "data", "rollout", "algo", "train"),

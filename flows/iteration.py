@@ -30,10 +30,14 @@ PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export wh
 
 @task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
-                  weight_version: int | None = None) -> list[Sample]:
-    """On a retry after the engine died, `ensure_engine` restarts it at the expected weights."""
+                  weight_version: int | None = None, attempt: int = 0,
+                  continue_from: str | None = None) -> list[Sample]:
+    """On a retry after the engine died, `ensure_engine` restarts it at the expected weights.
+    `attempt` >= 1: dynamic sampling's over-sampling call; `continue_from`: partial rollouts' previous artifact."""
     version = rollout_id if weight_version is None else weight_version
-    return WorkerGroup.for_run(cfg).ensure_engine(version).rollout(rollout_id, split, greedy=greedy)
+    return WorkerGroup.for_run(cfg).ensure_engine(version).rollout(
+        rollout_id, split, greedy=greedy, attempt=attempt, continue_from=continue_from,
+        max_staleness=cfg.pipeline.max_staleness)
 
 
 @task(name="reward", cache_policy=NO_CACHE)
@@ -120,7 +124,9 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     trainer, engine = group.trainer(), group.engine()
     pushed = push_weights(cfg, trainer, engine, weight_version)
     # The engine may hold another dtype (e.g. bf16): compare what it should hold, bit for bit.
-    cast = cfg.rollout.dtype if cfg.rollout.dtype != cfg.train.dtype else None
+    from rollflow.flows.weight_sync import engine_dtype
+
+    cast = engine_dtype(cfg)
     notes: list[str] = []
     if cfg.rollout.engine == "sglang":
         # SGLang exports no whole tensors: compare the head of every tensor on every server (a server
@@ -147,7 +153,7 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
         for note in notes:
             get_run_logger().warning(note)
     return report.to_dict() | {"weight_version": pushed.weight_version, "sync_mode": pushed.mode,
-                               "sync_buckets": pushed.buckets, "notes": notes}
+                               "sync_buckets": pushed.buckets, "sync_sources": list(pushed.sources), "notes": notes}
 
 
 @task(name="check-weight-update", cache_policy=NO_CACHE)
@@ -175,13 +181,84 @@ def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train",
     if store.exists(cfg.run, split, rollout_id):
         return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
     reporting.stage("generate")
-    # distinct task names in the UI: the train rollout and the (greedy) eval rollout
-    samples = generate_task.with_options(name=f"generate-{split}")(cfg, rollout_id, split, greedy, weight_version)
-    reporting.stage("reward")
-    # quote(): Prefect would otherwise walk every Sample of the argument twice (~0.4 s at 2,048).
-    samples = reward_task(cfg, quote(samples))
+    if split == "train" and (cfg.pipeline.dynamic_sampling.enabled or cfg.pipeline.partial_rollout):
+        samples = filtered_train_samples(cfg, rollout_id, weight_version)
+    else:
+        # distinct task names in the UI: the train rollout and the (greedy) eval rollout
+        samples = generate_task.with_options(name=f"generate-{split}")(cfg, rollout_id, split, greedy, weight_version)
+        reporting.stage("reward")
+        # quote(): Prefect would otherwise walk every Sample of the argument twice (~0.4 s at 2,048).
+        samples = reward_task(cfg, quote(samples))
     reporting.stage("persist")
     return persist_task(cfg, rollout_id, quote(samples), split)
+
+
+def filtered_train_samples(cfg: RunConfig, rollout_id: int, weight_version: int | None) -> list[Sample]:
+    """A train rollout with dynamic sampling and/or partial rollouts (docs/async.md): generate (continuing the
+    previous rollout's aborted groups), reward, defer groups cut by an abort, filter groups and over-sample
+    until data.prompts_per_rollout groups pass or pipeline.dynamic_sampling.max_tries calls were made. Every
+    group generated stays in the rollout; the untrained ones are marked `filtered` with the reason."""
+    from rollflow.artifacts.pipeline_meta import filtered_reason
+    from rollflow.artifacts.sample import Status
+    from rollflow.tasks.rollout.dynamic_sampling import load_filter, select_groups, split_groups
+    from rollflow.tasks.rollout.partial import defer_aborted
+
+    pipe, n = cfg.pipeline, cfg.rollout.n_samples_per_prompt
+    ds = pipe.dynamic_sampling
+    group_filter = load_filter(ds.filter_path) if ds.enabled else None
+    continue_from = previous_train_artifact(cfg, rollout_id) if pipe.partial_rollout else None
+    groups: list[list[Sample]] = []
+    keep: list[bool] = []
+    generate = generate_task.with_options(name="generate-train")
+    for attempt in range(ds.max_tries if ds.enabled else 1):
+        samples = generate(cfg, rollout_id, "train", False, weight_version, attempt,
+                           continue_from if attempt == 0 else None)
+        samples = reward_task(cfg, quote(samples))
+        if pipe.partial_rollout:
+            samples = defer_aborted(samples, n)
+            if all(filtered_reason(s) for s in samples) and all(filtered_reason(g[0]) for g in groups):
+                # The abort left nothing to train on: finish the cut generations now (the weights have not
+                # changed yet), rather than train on an empty batch.
+                done = finish_aborted_task(cfg, rollout_id, quote(samples))
+                finished = {g[0].group_index: g for g in split_groups(done, n)}
+                samples = [s for g in split_groups(samples, n) for s in finished.get(g[0].group_index, g)]
+                samples = reward_task(cfg, quote(samples))
+        new = split_groups(samples, n)
+        groups += new
+        keep += [group_filter(g) if group_filter is not None and not filtered_reason(g[0]) else True for g in new]
+        aborted = any(Status.parse(s.status) is Status.ABORTED for s in samples)
+        passing = sum(1 for g, k in zip(groups, keep) if k and not filtered_reason(g[0]))
+        if group_filter is None or aborted or passing >= cfg.data.prompts_per_rollout:
+            break  # an abort means the weights are about to change: no more calls for this rollout
+    marked = [bool(filtered_reason(g[0])) for g in groups]
+    target = cfg.data.prompts_per_rollout if ds.enabled else sum(not m for m in marked)
+    return select_groups(groups, keep, target, already_marked=marked).samples()
+
+
+def previous_train_artifact(cfg: RunConfig, rollout_id: int) -> str | None:
+    """The URI of train rollout `rollout_id - 1` when committed (its aborted groups are continued now)."""
+    if rollout_id == 0 or not RolloutStore(cfg.store.root).exists(cfg.run, "train", rollout_id - 1):
+        return None
+    return ArtifactRef(cfg.store.root, cfg.run, "train", rollout_id - 1).uri
+
+
+@task(name="finish-aborted", cache_policy=NO_CACHE)
+def finish_aborted_task(cfg: RunConfig, rollout_id: int, samples: list[Sample]) -> list[Sample]:
+    return WorkerGroup.for_run(cfg).engine().finish_aborted(rollout_id, samples)
+
+
+@task(name="generate-next", cache_policy=NO_CACHE)
+def prefetch_task(cfg: RunConfig, rollout_id: int, weight_version: int) -> dict:
+    """Async training: rollout `rollout_id` generated, rewarded and committed while the trainer trains on the one
+    before it (its generate / reward / persist show as this task's children in the UI)."""
+    reporting.STAGE_HOOK.set(None)  # this thread's copy of the context: the progress bar follows the train step
+    return committed_or_generate(cfg, rollout_id, weight_version=weight_version)
+
+
+@task(name="abort-generation", cache_policy=NO_CACHE)
+def abort_task(cfg: RunConfig) -> int:
+    """Partial rollouts: the trainer is done, the weights change now; unfinished generations stop here."""
+    return WorkerGroup.for_run(cfg).abort_rollout()
 
 
 def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = None) -> dict[str, float]:
@@ -190,6 +267,20 @@ def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = N
     ev = cfg.data.eval  # pass@k only with an eval section (its own n samples per prompt)
     return eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
                         reward_key=cfg.rollout.reward_key_for("eval"))
+
+
+def pipeline_metrics_on(cfg: RunConfig) -> bool:
+    pipe = cfg.pipeline
+    return pipe.pipelined or pipe.partial_rollout or pipe.dynamic_sampling.enabled
+
+
+def pipeline_metrics(cfg: RunConfig, ref: dict, trainer_version: int) -> dict[str, float]:
+    """`pipeline/*`: staleness of the trained tokens, filtered groups by reason, continued samples."""
+    from rollflow.artifacts.pipeline_meta import pipeline_stats
+
+    artifact = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri)
+    stats = pipeline_stats(artifact.columns, trainer_version, artifact.manifest.n_samples_per_prompt)
+    return stats.metrics()
 
 
 @flow(name="rl_iteration", flow_run_name=flow_run_name("/iter-{rollout_id:04d}"))
@@ -210,8 +301,19 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
         # SGLang's colocation order: release -> train -> resume weights -> update weights -> resume KV cache.
         release_memory_task(cfg)
     load_task(cfg, ref)
+    prefetch = None
+    if cfg.pipeline.pipelined and iteration < cfg.iterations:
+        # One step off: the engine (weights of version rollout_id) generates the next rollout while the trainer
+        # trains on this one; it is committed before this iteration's checkpoint, so a resume never redoes it.
+        prefetch = prefetch_task.submit(cfg, iteration, rollout_id)
     metrics, steps = train_task(cfg, ref)
     row.update(metrics)
+    if prefetch is not None:
+        if cfg.pipeline.partial_rollout and not prefetch.state.is_final():
+            abort_task(cfg)
+        prefetch.result()  # committed (or raises) before the engine's weights change
+    if pipeline_metrics_on(cfg):
+        row.update(pipeline_metrics(cfg, ref, trainer_version=rollout_id))
     reporting.stage("sync")
     if offload:
         resume_memory_task(cfg, ["weights"])

@@ -3,10 +3,15 @@
 
 - object_store (hf engine) and disk (SGLang `/update_weights_from_disk`): the engine actor takes the
   trainer's tensors through Ray's object store and applies them itself;
-- tensor (colocated SGLang): per bucket, the trainer serializes CUDA IPC handles of its own GPU
-  tensors and the engine actor posts them; no tensor bytes travel between processes;
+- tensor (colocated SGLang): per bucket, every engine TP rank takes a flattened bucket made by the
+  trainer rank on its own GPU (CUDA IPC handles of that rank's tensors: a server sees only its own
+  GPUs, so it cannot open handles to another GPU) and the engine actor posts them; no tensor bytes
+  travel between processes;
 - distributed (disaggregated SGLang): the trainer joins (once) a weight-update group with every engine
   TP rank, then per bucket the engine posts the metadata while the trainer broadcasts the tensors.
+
+Tensor and distributed updates run inside a weight-update session on every server (SGLang 0.5.23
+refuses them otherwise): opened before the first bucket, closed after the last.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class SyncResult:
     buckets: int = 0
     nbytes: int = 0
     joined_group: bool = False
+    sources: tuple[int, ...] = ()  # tensor path: the trainer rank whose payload each engine TP rank took
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -53,20 +59,71 @@ def push_weights(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, w
     return SyncResult(mode, version)
 
 
+class IpcPlacementError(RuntimeError):
+    """An engine TP rank sits on a GPU where no trainer rank runs (colocated tensor sync cannot reach it)."""
+
+
+def payload_sources(n_engine_ranks: int, trainer_gpus: list[str | None],
+                    engine_gpus: list[str] | None = None) -> list[int]:
+    """For each engine TP rank (servers in order, their TP ranks in order), the trainer rank whose
+    payload it takes: the rank on the same GPU when both sides' GPUs are known; else rank r for
+    engine rank r (as many trainer ranks as engine ranks); else rank 0 for all (one trainer rank:
+    CPU tensors travel by value, and on a GPU one engine of tp 1 shares rank 0's GPU)."""
+    if engine_gpus and all(g is not None for g in trainer_gpus):
+        if len(engine_gpus) != n_engine_ranks:
+            raise ValueError(f"{len(engine_gpus)} engine GPUs for {n_engine_ranks} engine TP ranks")
+        by_gpu = {g: r for r, g in enumerate(trainer_gpus)}
+        missing = [f"engine TP rank {i} on GPU {g}" for i, g in enumerate(engine_gpus) if g not in by_gpu]
+        if missing:
+            raise IpcPlacementError(
+                f"{', '.join(missing)}: no trainer rank runs there (trainer GPUs {trainer_gpus}); weight_sync=tensor "
+                "needs a trainer rank on every engine GPU (placement=colocate with trainer_gpus = num_engines x "
+                "gpus_per_engine), else use weight_sync=distributed or disk")
+        return [by_gpu[g] for g in engine_gpus]
+    if len(trainer_gpus) == n_engine_ranks:
+        return list(range(n_engine_ranks))
+    if len(trainer_gpus) == 1:
+        return [0] * n_engine_ranks
+    raise IpcPlacementError(f"{len(trainer_gpus)} trainer ranks for {n_engine_ranks} engine TP ranks: weight_sync="
+                            "tensor pairs them one to one (or one trainer rank for all)")
+
+
+def engine_gpus(cfg: RunConfig) -> list[str] | None:
+    """The GPUs of every engine TP rank, servers in order (None: on CPU, or servers rollflow did not launch)."""
+    if cfg.resources.num_gpus <= 0 or cfg.rollout.sglang.urls:
+        return None
+    from rollflow.flows.group import WorkerGroup
+
+    group = WorkerGroup.for_run(cfg)
+    gpus = [g for k in range(cfg.resources.num_engines) for g in group.server(k).info().gpu_ids]
+    return [str(g) for g in gpus] or None
+
+
 def push_ipc(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
-    """Bucket by bucket: the trainer serializes (and holds) a bucket, the engine loads it, next one.
-    On GPUs the tensors go to the trainer's own device first, so they travel as IPC handles."""
-    copies = engine.payloads_per_bucket()
-    n = trainer.ipc_begin(bucket_bytes(cfg), copies, engine_dtype(cfg))
+    """Bucket by bucket, inside one weight-update session: each trainer rank that feeds an engine TP rank
+    makes (and holds) its flattened bucket, the engine loads them all, next bucket. On GPUs the tensors
+    go to each rank's own device first, so they travel as IPC handles of that GPU."""
+    from rollflow.tasks.sync.ipc import FLATTENED_BUCKET
+
+    sources = payload_sources(engine.payloads_per_bucket(), trainer.gpu_ids(), engine_gpus(cfg))
+    copies = {r: sources.count(r) for r in sorted(set(sources))}
+    n = trainer.ipc_begin_ranks(bucket_bytes(cfg), copies, engine_dtype(cfg), flattened=True)
     version, nbytes = weight_version - 1, 0
     try:
+        engine.begin_weight_update()
         for i in range(n):
-            bucket = trainer.ipc_next()
-            nbytes += bucket.nbytes
-            version = engine.apply_serialized_bucket(bucket.payloads, i == n - 1, weight_version)
+            made = trainer.ipc_next_ranks(list(copies))
+            nbytes += made[sources[0]].nbytes
+            taken = {r: 0 for r in copies}
+            payloads = []
+            for r in sources:
+                payloads.append(made[r].payloads[taken[r]])
+                taken[r] += 1
+            version = engine.apply_serialized_bucket(payloads, i == n - 1, weight_version, FLATTENED_BUCKET)
+        engine.end_weight_update()
     finally:
-        trainer.ipc_end()
-    return SyncResult("tensor", version, n, nbytes)
+        trainer.ipc_end_ranks(list(copies))
+    return SyncResult("tensor", version, n, nbytes, sources=tuple(sources))
 
 
 def push_distributed(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
@@ -84,8 +141,10 @@ def push_distributed(cfg: RunConfig, trainer: TrainerClient, engine: EngineClien
         joined = True
     plan = trainer.weight_bucket_plan(bucket_bytes(cfg), engine_dtype(cfg))
     version, nbytes = weight_version - 1, 0
+    engine.begin_weight_update()
     for i, metas in enumerate(plan):
         receiving = engine.receive_weight_bucket(metas, i == len(plan) - 1, weight_version, name)
         nbytes += trainer.broadcast_weight_bucket(i, "cuda" if backend == "nccl" else None)
         version = receiving.result()
+    engine.end_weight_update()
     return SyncResult("distributed", version, len(plan), nbytes, joined)

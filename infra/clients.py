@@ -131,6 +131,7 @@ class IpcBucket:
     payloads: list[str]
     names: list[str]
     nbytes: int
+    gpu: str | None = None  # the GPU the trainer rank made it on (its CUDA_VISIBLE_DEVICES), None without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +231,31 @@ class TrainerClient:
 
     def ipc_next(self) -> IpcBucket:
         out = _get(self.actor.ipc_next.remote())
-        return IpcBucket(payloads=list(out["payloads"]), names=list(out["names"]), nbytes=int(out["nbytes"]))
+        return _ipc_bucket(out)
 
     def ipc_end(self) -> None:
         _get(self.actor.ipc_end.remote())
+
+    # per-GPU tensor path: every engine TP rank takes the payload of the trainer rank on its own GPU
+    def gpu_ids(self) -> list[str | None]:
+        """Each rank's GPU as the Ray cluster numbers them (None on CPU)."""
+        return list(_get([a.visible_gpu.remote() for a in self.ranks]))
+
+    def ipc_begin_ranks(self, bucket_bytes: int, copies: dict[int, int], dtype: str | None = None,
+                        flattened: bool = True) -> int:
+        """`ipc_begin` on each rank in `copies` (rank -> payload copies it makes per bucket); the number
+        of buckets, the same on every rank (their weights are identical)."""
+        counts = _get([self.ranks[r].ipc_begin.remote(bucket_bytes, n, dtype, flattened) for r, n in copies.items()])
+        if len(set(counts)) > 1:
+            raise RuntimeError(f"trainer ranks planned different bucket counts {dict(zip(copies, counts))}")
+        return int(counts[0])
+
+    def ipc_next_ranks(self, ranks: Sequence[int]) -> dict[int, IpcBucket]:
+        outs = _get([self.ranks[r].ipc_next.remote() for r in ranks])
+        return {r: _ipc_bucket(out) for r, out in zip(ranks, outs)}
+
+    def ipc_end_ranks(self, ranks: Sequence[int]) -> None:
+        _get([self.ranks[r].ipc_end.remote() for r in ranks])
 
     def weight_group_address(self) -> tuple[str, int]:
         address, port = _get(self.actor.weight_group_address.remote())
@@ -250,6 +272,11 @@ class TrainerClient:
     def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
         """Broadcast bucket `index` to the weight-update group; bytes sent."""
         return _get(self.actor.broadcast_weight_bucket.remote(index, device))
+
+
+def _ipc_bucket(out: dict[str, Any]) -> IpcBucket:
+    return IpcBucket(payloads=list(out["payloads"]), names=list(out["names"]), nbytes=int(out["nbytes"]),
+                     gpu=out.get("gpu"))
 
 
 # -- critic (advantage_estimator="ppo") ------------------------------------------------------------------
@@ -298,8 +325,18 @@ class EngineClient:
     def weight_version(self) -> int:
         return int(_get(self.actor.weight_version.remote()))
 
-    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> list[Sample]:
-        return _get(self.actor.rollout.remote(rollout_id, split, greedy=greedy))
+    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False, attempt: int = 0,
+                continue_from: str | None = None, max_staleness: int = 0) -> list[Sample]:
+        """`attempt` >= 1: a dynamic-sampling over-sampling call; `continue_from`: the artifact URI whose aborted
+        groups are continued first (partial rollouts, trained with staleness <= `max_staleness`)."""
+        extra = {"attempt": attempt} if attempt else {}
+        if continue_from is not None:
+            extra |= {"continue_from": continue_from, "max_staleness": max_staleness}
+        return _get(self.actor.rollout.remote(rollout_id, split, greedy=greedy, **extra))
+
+    def finish_aborted(self, rollout_id: int, samples: list[Sample]) -> list[Sample]:
+        """Partial rollouts: generate the aborted samples of `samples` (groups marked aborted) to the end."""
+        return _get(self.actor.finish_aborted.remote(rollout_id, samples))
 
     def start_rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> Pending[list[Sample]]:
         """`rollout` without waiting (abort it with `abort`)."""
@@ -355,8 +392,16 @@ class EngineClient:
     def payloads_per_bucket(self) -> int:
         return int(_get(self.actor.payloads_per_bucket.remote()))
 
-    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int) -> int:
-        return int(_get(self.actor.apply_serialized_bucket.remote(payloads, last, weight_version)))
+    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int,
+                                load_format: str | None = None) -> int:
+        return int(_get(self.actor.apply_serialized_bucket.remote(payloads, last, weight_version, load_format)))
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session on every server (SGLang: tensor and distributed updates need one)."""
+        _get(self.actor.begin_weight_update.remote())
+
+    def end_weight_update(self) -> None:
+        _get(self.actor.end_weight_update.remote())
 
     def in_weight_group(self, group_name: str) -> bool:
         return bool(_get(self.actor.in_weight_group.remote(group_name)))

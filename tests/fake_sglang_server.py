@@ -11,21 +11,33 @@ weight-update endpoints record what they received; with `backend: "gloo"` the di
 really joins the process group and receives the broadcast tensors (CPU), so the trainer half of
 the NCCL path is exercised for real.
 
-Weights: the fake holds real CPU tensors (`weights`, HF names, unfused and unsharded), loaded at
-startup from `model_path` when it is a directory with *.safetensors (else empty), and replaced by
-name by the three update paths (disk: the directory's safetensors; tensor: TP rank 0's payload;
-distributed: the broadcast tensors, when the gloo group is real). Unlike SGLang it neither checks
-shapes nor refuses unknown names on update: a wrong tensor is stored as sent, and the weight checks
-below report it. `/get_weights_by_name` serves them as SGLang's Llama-family models do, and
-`/weights_checker` implements SGLang's `WeightChecker` actions (snapshot, reset_tensors, compare,
-checksum) over them.
+Weights: the fake holds real CPU tensors (`weights`, HF names, unfused and unsharded, in the
+server's `--dtype`), loaded at startup from `model_path` when it is a directory with *.safetensors
+(else empty), and replaced by name by the three update paths (disk: the directory's safetensors;
+tensor: each TP rank's own payload, all of which must agree; distributed: the broadcast tensors,
+when the gloo group is real). `/get_weights_by_name` serves them as SGLang's Llama-family models do
+(and answers 400 for model classes without it, e.g. Qwen2), and `/weights_checker` implements
+SGLang's `WeightChecker` actions (snapshot, reset_tensors, compare, checksum) over them under
+SGLang's engine names (fused `qkv_proj` / `gate_up_proj`, one shard per TP rank).
+
+The real server's rules, each read from SGLang 0.5.23 (`rules` in the fixture names the source):
+tensor and distributed updates only inside `/begin_weight_update` ... `/end_weight_update`; an
+unknown tensor name or a wrong shape is refused (the real `load_weights` raises and the server
+dies); `/flush_cache` answers 400 while requests run; `/release_memory_occupation` on a busy server
+and resuming a tag that was not released are errors (the real scheduler asserts / raises); abort
+by rid aborts every request whose rid starts with it. With `own_code=True` (`--own-code`) every
+request body is also checked by SGLang's own request structures (tests/sglang_own_code.py) and the
+tensor payloads are loaded by SGLang's own unpickler; test-only routes under `/_fake/own/` expose
+SGLang's argument parser and payload loader to the contract tests.
 
 Use in-process (`with FakeSGLang() as fake: fake.url`) or as a process launched like SGLang
 (`python tests/fake_sglang_server.py --model-path M --port P ...`), with test switches
 `--die-after N` (exit mid-request on the (N+1)-th /generate), `--die-once-marker PATH` (die only
 when PATH does not exist yet, and create it), `--startup-delay S`, `--ignore-update-of NAME`
 (repeatable: drop that tensor from every weight update, as an engine whose name mapping misses it
-would) and `--disable-endpoint PATH` (repeatable: answer 404 there, as an SGLang without it).
+would), `--disable-endpoint PATH` (repeatable: answer 404 there, as an SGLang without it),
+`--abort-linger S` (aborted requests keep running S seconds, as a busy scheduler's do) and
+`--own-code`.
 """
 
 from __future__ import annotations
@@ -120,7 +132,8 @@ class FakeSGLang:
                  eos_token_id: int = 2, weight_version: str = "default", step_delay_s: float = 0.0,
                  die_after: int | None = None, die_once_marker: str | None = None, extra_args: list[str] | None = None,
                  exit_fn=None, ignore_update_of: str | list[str] | tuple[str, ...] = (),
-                 disable_endpoints: list[str] | tuple[str, ...] = ()):
+                 disable_endpoints: list[str] | tuple[str, ...] = (), dtype: str | None = None,
+                 abort_linger_s: float = 0.0, own_code: bool = False):
         self.model_path = model_path
         self.tp_size = tp_size
         self.vocab_size = vocab_size
@@ -134,7 +147,13 @@ class FakeSGLang:
         self.log: list[tuple[str, str, Any]] = []  # (method, path, payload)
         self.memory = {"weights": True, "kv_cache": True}
         self.abort_all_flag = threading.Event()
-        self.aborted_rids: set[str] = set()
+        self.aborted_rids: set[str] = set()  # prefixes: SGLang aborts every rid starting with one
+        self.abort_linger_s = abort_linger_s
+        self.session_open = False  # /begin_weight_update ... /end_weight_update
+        self.released: set[str] = set()  # memory tags released
+        self.flush_attempts = 0
+        self.own_checked: list[str] = []  # paths whose body SGLang's own structures judged (own_code)
+        self.refusals: list[tuple[str, str]] = []  # (path, message) of every rule the client broke
         self.generated = 0
         self.inflight: set[str] = set()
         self.tensor_updates: list[list[list[tuple[str, tuple, str]]]] = []  # per call: per rank: (name, shape, sha)
@@ -143,7 +162,10 @@ class FakeSGLang:
         self.received: list[tuple[str, tuple, str]] = []  # distributed: (name, shape, sha) in arrival order
         self.ignore_update_of = {ignore_update_of} if isinstance(ignore_update_of, str) else set(ignore_update_of)
         self.disable_endpoints = set(disable_endpoints)
-        self.weights: dict[str, Any] = _load_safetensors_dir(model_path)  # name -> CPU torch.Tensor
+        self.dtype = dtype if dtype not in (None, "auto") else None
+        self.architecture = _architecture(model_path)
+        self.weights: dict[str, Any] = {n: self._as_served(t) for n, t in _load_safetensors_dir(model_path).items()}
+        self.model_shapes = {n: tuple(t.shape) for n, t in self.weights.items()}  # the model's parameters
         # SGLang's tied-embedding models skip lm_head.weight when loading (the head IS the embedding)
         self.tied = _tied_embeddings(model_path)
         self.snapshot: dict[str, Any] | None = None  # /weights_checker snapshot
@@ -152,6 +174,12 @@ class FakeSGLang:
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread: threading.Thread | None = None
+        self.own = None
+        if own_code:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from tests.sglang_own_code import OwnCode
+
+            self.own = OwnCode()
 
     @property
     def url(self) -> str:
@@ -225,6 +253,8 @@ class FakeSGLang:
                     return self._send(400, {"error": f"invalid JSON: {exc}"})
                 if path == "/_fake/state" and method == "GET":  # test-only introspection, not SGLang's
                     return self._send(200, fake.state())
+                if path.startswith("/_fake/own/"):  # test-only: SGLang's own code, for the contract tests
+                    return self._send(*fake.own_route(path, payload or {}))
                 spec = ENDPOINTS.get(path)
                 if (spec is None or path.startswith("_") or path == "sampling_params"
                         or path in fake.disable_endpoints):
@@ -238,6 +268,15 @@ class FakeSGLang:
                     errors = check_fields(payload if payload is not None else {}, schema, path)
                     if errors:
                         return self._send(schema.get("error_status", 422), {"error": "; ".join(errors)})
+                if fake.own is not None and "fields" in schema:
+                    errors = fake.own.body_errors(spec.get("alias_of", path), payload)
+                    with fake.lock:
+                        fake.own_checked.append(path)
+                    if errors:
+                        with fake.lock:
+                            fake.refusals.append((path, "SGLang's own check: " + "; ".join(errors)))
+                        return self._send(schema.get("error_status", 422), {"error": "SGLang's own check: " +
+                                                                             "; ".join(errors)})
                 handler = getattr(fake, "ep_" + spec.get("alias_of", path).strip("/"))
                 status, body = handler(payload or {})
                 self._send(status, body)
@@ -247,15 +286,48 @@ class FakeSGLang:
     def state(self) -> dict:
         with self.lock:
             return {"paths": [c[1] for c in self.log], "calls": [[m, p, b] for m, p, b in self.log],
+                    "refusals": [list(r) for r in self.refusals], "flush_attempts": self.flush_attempts,
+                    "own_checked": list(self.own_checked),
+                    "released": sorted(self.released), "session_open": self.session_open,
                     "received": [list(r) for r in self.received], "tensor_updates": self.tensor_updates,
                     "disk_updates": self.disk_updates, "weight_version": self.weight_version,
                     "memory": dict(self.memory), "generated": self.generated, "extra_args": self.extra_args,
                     "weights": {n: [list(t.shape), _sha(t)] for n, t in self.weights.items()}}
 
     # -- weights held (test helpers, not SGLang's) ----------------------------------------------
+    def _as_served(self, t):
+        """A CPU copy in the server's --dtype (SGLang casts what it loads to its dtype)."""
+        import torch
+
+        t = t.detach().to("cpu")
+        if self.dtype is not None and t.dtype.is_floating_point:
+            t = t.to(getattr(torch, self.dtype))
+        return t.clone()
+
+    def _refuse(self, path: str, message: str, status: int = 400) -> tuple[int, dict]:
+        with self.lock:
+            self.refusals.append((path, message))
+        return status, {"success": False, "message": message}
+
+    def _load_problems(self, named) -> list[str]:
+        """What the real model's load_weights raises on: a name the model does not have, or another
+        shape (only checked when the fake holds the model's weights)."""
+        if not self.model_shapes:
+            return []
+        problems = []
+        for name, tensor in named:
+            if self.tied and name == "lm_head.weight":
+                continue
+            shape = self.model_shapes.get(name)
+            if shape is None:
+                problems.append(f"unknown parameter {name!r}")
+            elif shape != tuple(tensor.shape):
+                problems.append(f"{name}: shape {tuple(tensor.shape)} != the model's {shape}")
+        return problems
+
     def _apply_update(self, named) -> list[str]:
-        """Store `(name, tensor)` pairs by name (CPU copies), except the names told to ignore.
-        Returns the names dropped."""
+        """Store `(name, tensor)` pairs by name (CPU copies in the server's dtype), except the names
+        told to ignore. Returns the names dropped."""
         dropped = []
         with self.lock:
             for name, tensor in named:
@@ -264,10 +336,40 @@ class FakeSGLang:
                 if name in self.ignore_update_of:
                     dropped.append(name)
                     continue
-                self.weights[name] = tensor.detach().to("cpu").clone()
+                self.weights[name] = self._as_served(tensor)
         if dropped:
             print(f"fake-sglang: ignored the update of {dropped} (--ignore-update-of)", flush=True)
         return dropped
+
+    def _busy(self) -> bool:
+        with self.lock:
+            return bool(self.inflight)
+
+    def own_route(self, path: str, payload: dict) -> tuple[int, Any]:
+        """Test-only: SGLang's own parser / request normalization / payload loader, in this process."""
+        if self.own is None:
+            return 404, {"detail": "start the fake with own_code=True (--own-code)"}
+        try:
+            if path == "/_fake/own/server_args":
+                return 200, self.own.server_args(payload["argv"])
+            if path == "/_fake/own/generate_request":
+                return 200, self.own.generate_request(payload["body"])
+            if path == "/_fake/own/body_errors":
+                return 200, self.own.body_errors(payload["route"], payload["body"])
+            if path == "/_fake/own/payload":
+                return 200, self.own.payload(payload["data"], load_format=payload.get("load_format"),
+                                             visible_uuids=payload.get("visible_uuids"))
+            if path == "/_fake/own/parser_flags":
+                from rollflow.tasks.rollout.sglang_flags import live_parser_flags
+
+                return 200, live_parser_flags()
+            if path == "/_fake/own/version":
+                return 200, {"version": self.own.version}
+        except SystemExit as exc:  # argparse refusing a command line
+            return 400, {"error": f"SGLang's parser exited ({exc.code})"}
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return 400, {"error": f"{type(exc).__name__}: {exc}"}
+        return 404, {"detail": "Not Found"}
 
     # -- endpoints -------------------------------------------------------------------------------
     def ep_health(self, _):
@@ -277,6 +379,10 @@ class FakeSGLang:
         return (200, b"") if all(self.memory.values()) else (503, b"")
 
     def ep_flush_cache(self, _):
+        with self.lock:
+            self.flush_attempts += 1
+        if self._busy():  # SGLang flushes only an idle server
+            return 400, "Cache not flushed: there are running or waiting requests.\n"
         return 200, ENDPOINTS["/flush_cache"]["example_response"]["body"]
 
     def ep_model_info(self, _):
@@ -293,18 +399,48 @@ class FakeSGLang:
             self.abort_all_flag.set()
         elif payload.get("rid"):
             with self.lock:
-                self.aborted_rids.add(payload["rid"])
+                self.aborted_rids.add(payload["rid"])  # a prefix, as SGLang matches it
         return 200, b""
 
+    def _aborted(self, rid: str) -> bool:
+        with self.lock:
+            return self.abort_all_flag.is_set() or any(rid.startswith(p) for p in self.aborted_rids)
+
     def ep_release_memory_occupation(self, payload):
-        for tag in payload.get("tags") or list(self.memory):
+        if self._busy():
+            return self._refuse("/release_memory_occupation",
+                                "AssertionError: release_memory_occupation should be called only when server is "
+                                "idle. (the real scheduler dies here)", 500)
+        for tag in payload.get("tags") or MEMORY_TAGS:
             self.memory[tag] = False
+            self.released.add(tag)
         return 200, None
 
     def ep_resume_memory_occupation(self, payload):
-        for tag in payload.get("tags") or list(self.memory):
+        tags = payload.get("tags") or MEMORY_TAGS
+        missing = [t for t in tags if t not in self.released]
+        if missing:
+            return self._refuse("/resume_memory_occupation",
+                                f"KeyError: {missing[0]!r} (offload_tags.remove: tag not released; the real "
+                                "scheduler dies here)", 500)
+        for tag in tags:
             self.memory[tag] = True
+            self.released.discard(tag)
         return 200, None
+
+    def ep_begin_weight_update(self, _):
+        if self.session_open:
+            return self._refuse("/begin_weight_update", "a weight-update session is already open; call "
+                                                        "end_weight_update() first")
+        self.session_open = True
+        return 200, {"success": True, "message": "Success"}
+
+    def ep_end_weight_update(self, _):
+        if not self.session_open:
+            return self._refuse("/end_weight_update", "no weight-update session is open; call "
+                                                      "begin_weight_update() first")
+        self.session_open = False
+        return 200, {"success": True, "message": "Success"}
 
     def ep_update_weights_from_disk(self, payload):
         path = Path(payload["model_path"])
@@ -312,25 +448,36 @@ class FakeSGLang:
         if not (path / "config.json").exists() or not has_weights:
             return 400, {"success": False, "message": f"{path}: no config.json + *.safetensors",
                          "num_paused_requests": 0}
+        loaded = _load_safetensors_dir(path)
+        problems = self._load_problems(loaded.items())
+        if problems:
+            return self._refuse("/update_weights_from_disk", "; ".join(problems))
         self.disk_updates.append({"model_path": str(path), "files": sorted(p.name for p in path.iterdir())})
-        self._apply_update(_load_safetensors_dir(path).items())
+        self._apply_update(loaded.items())
         if payload.get("weight_version") is not None:
             self.weight_version = payload["weight_version"]
         return 200, ENDPOINTS["/update_weights_from_disk"]["example_response"]
 
     def ep_update_weights_from_tensor(self, payload):
-        import pickle
-
-        import torch.multiprocessing  # noqa: F401 - the tensor reductions used by the sender
-
+        if not self.session_open:
+            return self._refuse("/update_weights_from_tensor", "update_weights_from_tensor must run between "
+                                                               "begin_weight_update() and end_weight_update()")
         ranks = payload["serialized_named_tensors"]
         if len(ranks) != self.tp_size:
             return 400, {"success": False, "message": f"{len(ranks)} payloads for tp_size {self.tp_size}"}
         per_rank, rank0 = [], None
-        for data in ranks:
-            named = pickle.loads(base64.b64decode(data))  # test-only: the sender is this test process
+        for data in ranks:  # each TP rank loads only its own payload (tp_worker.deserialize_own_rank)
+            try:
+                named = self._load_payload(data, payload.get("load_format"))
+            except Exception as exc:  # noqa: BLE001 - SGLang's scheduler raises here
+                return self._refuse("/update_weights_from_tensor", f"{type(exc).__name__}: {exc}")
             per_rank.append([(n, tuple(t.shape), _sha(t)) for n, t in named])
             rank0 = named if rank0 is None else rank0
+        if any(r != per_rank[0] for r in per_rank):
+            return self._refuse("/update_weights_from_tensor", "TP ranks received different tensors")
+        problems = self._load_problems(rank0 or [])
+        if problems:
+            return self._refuse("/update_weights_from_tensor", "; ".join(problems))
         self.tensor_updates.append(per_rank)
         self._apply_update(rank0 or [])
         if payload.get("weight_version") is not None:
@@ -350,7 +497,27 @@ class FakeSGLang:
         self.groups[group] = entry
         return 200, ENDPOINTS["/init_weights_update_group"]["example_response"]
 
+    def _load_payload(self, data: str, load_format: str | None) -> list:
+        """One rank's payload: through SGLang's own unpickler with own_code, else rollflow's (both map
+        a flattened bucket back to named tensors)."""
+        if self.own is not None:
+            return self.own.load_named(data, load_format=load_format)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from rollflow.tasks.sync.ipc import deserialize_named_tensors
+
+        named = deserialize_named_tensors(base64.b64decode(data))
+        if (load_format == "flattened_bucket") != _is_flat(data):
+            raise ValueError(f"load_format={load_format!r} does not match the payload")
+        return named
+
     def ep_update_weights_from_distributed(self, payload):
+        if not self.session_open:
+            return self._refuse("/update_weights_from_distributed", "update_weights_from_distributed must run "
+                                                                    "between begin_weight_update() and "
+                                                                    "end_weight_update()")
+        problems = self._load_problems([(n, _Shape(s)) for n, s in zip(payload["names"], payload["shapes"])])
+        if problems:
+            return self._refuse("/update_weights_from_distributed", "; ".join(problems))
         group = payload.get("group_name", "weight_update_group")
         if group not in self.groups:
             return 400, {"success": False, "message": f"Group {group} not in {list(self.groups)}. "
@@ -386,6 +553,8 @@ class FakeSGLang:
         name is the handler's 400 "Get parameter by name failed"."""
         import torch
 
+        if self.architecture and self.architecture not in GET_WEIGHTS_BY_NAME_MODELS:
+            return 400, {"error": {"message": "Get parameter by name failed"}}  # the model class has none
         with self.lock:
             t = self.weights.get(payload.get("name"))
         if t is None:
@@ -401,7 +570,7 @@ class FakeSGLang:
         try:
             with self.lock:
                 if action == "snapshot":
-                    self.snapshot = {n: t.clone() for n, t in self.weights.items()}
+                    self.snapshot = {n: t.clone() for n, t in self._engine_named().items()}
                     extra = {}
                 elif action == "reset_tensors":
                     for name in list(self.weights):
@@ -419,16 +588,36 @@ class FakeSGLang:
             return 400, {"success": False, "message": f"{exc}"}
         return 200, {"success": True, "message": "Success.", **extra}
 
+    def _engine_named(self) -> dict:
+        """The held weights under SGLang's parameter names: q/k/v fused into `qkv_proj`, gate/up into
+        `gate_up_proj` (dim 0, in that order); a tied model has no separate lm_head."""
+        import torch
+
+        out, fused = {}, {}
+        for name, t in self.weights.items():
+            if self.tied and name == "lm_head.weight":
+                continue
+            for hf, engine, part in FUSED:
+                if f".{hf}." in name:
+                    fused.setdefault(name.replace(f".{hf}.", f".{engine}."), {})[part] = t
+                    break
+            else:
+                out[name] = t
+        for name, parts in fused.items():
+            out[name] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
+        return out
+
     def _compare(self, skip) -> None:
         """Every snapshot tensor against the current one, value-exact; SGLang's message format. A
         compare that passes consumes the snapshot (0.5.23); without one it is SGLang's bare assert."""
         assert self.snapshot is not None
         errors = []
-        names = list(self.snapshot) + [n for n in self.weights if n not in self.snapshot]
+        current = self._engine_named()
+        names = list(self.snapshot) + [n for n in current if n not in self.snapshot]
         for name in names:
             if any(p in name for p in skip):
                 continue
-            expect, actual = self.snapshot.get(name), self.weights.get(name)
+            expect, actual = self.snapshot.get(name), current.get(name)
             if expect is not None and actual is not None and expect.shape == actual.shape:
                 diff = (actual.float() - expect.float()).abs()  # SGLang: equal iff every |diff| is 0
                 exceed = int((~(diff <= 0)).sum())  # `~(diff <= tol)`: NaN counts too
@@ -447,9 +636,10 @@ class FakeSGLang:
         """SGLang 0.5.23's body: `ranks` (one ChecksumInfo per TP rank) and `per_engine_checksum`. The
         fake cuts every tensor along dim 0 into tp_size shards, so TP ranks hash different bytes."""
         ranks = []
+        engine_named = self._engine_named()
         for tp_rank in range(self.tp_size):
             sums = {}
-            for name, t in self.weights.items():
+            for name, t in engine_named.items():
                 if any(p in name for p in skip):
                     continue
                 shard = t.chunk(self.tp_size)[tp_rank] if t.dim() and t.shape[0] >= self.tp_size else t
@@ -483,27 +673,34 @@ class FakeSGLang:
                 self.exit_fn(17)
         batch = payload["input_ids"] and isinstance(payload["input_ids"][0], list)
         prompts = payload["input_ids"] if batch else [payload["input_ids"]]
-        sp = payload.get("sampling_params") or {}
-        n = sp.get("n", 1)
+        sps = payload.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        n = sps[0].get("n", 1)
         rid = payload.get("rid") or f"fake-{count}"
+        # SGLang's rids (GenerateReqInput._normalize_rid): a list names each prompt; a string is the
+        # prompt's own rid (one prompt, n == 1) or the prefix of `rid_i` children
         outs = []
         for p_idx, ids in enumerate(prompts):
             for j in range(n):
-                sub = rid if (len(prompts) == 1 and n == 1) else f"{rid}-{p_idx}-{j}"
-                outs.append(self._one(ids, sp, sub, rid))
+                if isinstance(rid, list):
+                    sub = rid[p_idx] if n == 1 else f"{rid[p_idx]}_{j}"
+                else:
+                    sub = rid if (len(prompts) == 1 and n == 1) else f"{rid}_{p_idx * n + j}"
+                outs.append(self._one(ids, sps[p_idx], sub))
         return 200, outs if (batch or n > 1) else outs[0]
 
-    def _one(self, ids: list[int], sp: dict, rid: str, parent_rid: str) -> dict:
+    def _one(self, ids: list[int], sp: dict, rid: str) -> dict:
         max_new = int(sp.get("max_new_tokens", 128))
         stops = set(sp.get("stop_token_ids") or []) | {self.eos_token_id}
-        seed = int(hashlib.sha256(f"{ids}|{rid}".encode()).hexdigest()[:8], 16)
+        seed = int(hashlib.sha256(f"{ids}|{rid}|{sp.get('sampling_seed')}".encode()).hexdigest()[:8], 16)
         tokens, logprobs, finish = [], [], None
         with self.lock:
-            self.inflight.add(parent_rid)
+            self.inflight.add(rid)
         try:
             for i in range(max_new):
-                if self.abort_all_flag.is_set() or parent_rid in self.aborted_rids:
+                if self._aborted(rid):
                     finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+                    time.sleep(self.abort_linger_s)  # a busy scheduler finishes aborting later
                     break
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)
@@ -517,7 +714,7 @@ class FakeSGLang:
                     break
         finally:
             with self.lock:
-                self.inflight.discard(parent_rid)
+                self.inflight.discard(rid)
         if finish is None:
             finish = {"type": "length", "length": max_new}
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
@@ -528,6 +725,34 @@ class FakeSGLang:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
             meta["output_token_logprobs_length"] = len(tokens)
         return {"output_ids": tokens, "meta_info": meta}
+
+
+MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
+# SGLang 0.5.23 model classes with get_weights_by_name (sglang/srt/models/*.py; subclasses of Llama's too)
+GET_WEIGHTS_BY_NAME_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "OPTForCausalLM", "GraniteForCausalLM",
+                              "Exaone4ForCausalLM"}
+# HF projection -> SGLang's fused parameter, and its place in the fusion (dim 0)
+FUSED = [("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+         ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+
+
+class _Shape:
+    """A shape in a tensor's place (distributed updates announce shapes before the bytes)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _is_flat(data: str) -> bool:
+    return b"FlattenedTensorMetadata" in base64.b64decode(data)
+
+
+def _architecture(model_path: str) -> str | None:
+    try:
+        archs = json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return archs[0] if archs else None
 
 
 def _tied_embeddings(model_path: str) -> bool:
@@ -592,7 +817,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-delay", type=float, default=0.0)
     ap.add_argument("--ignore-update-of", action="append", default=[], metavar="NAME")
     ap.add_argument("--disable-endpoint", action="append", default=[], metavar="PATH")
+    ap.add_argument("--abort-linger", type=float, default=0.0)
+    ap.add_argument("--own-code", action="store_true")
     args, extra = ap.parse_known_args(argv)
+    dtype = extra[extra.index("--dtype") + 1] if "--dtype" in extra else None  # SGLang's flag, passed on
     if args.host != "127.0.0.1":
         print(f"fake-sglang: refusing host {args.host}: loopback only", flush=True)
         return 2
@@ -612,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
     fake = FakeSGLang(port=args.port, model_path=args.model_path, tp_size=args.tp_size, vocab_size=vocab,
                       eos_token_id=eos, weight_version=args.weight_version, step_delay_s=args.step_delay,
                       die_after=args.die_after, die_once_marker=args.die_once_marker, extra_args=extra,
-                      ignore_update_of=args.ignore_update_of, disable_endpoints=args.disable_endpoint)
+                      ignore_update_of=args.ignore_update_of, disable_endpoints=args.disable_endpoint,
+                      dtype=dtype, abort_linger_s=args.abort_linger, own_code=args.own_code)
     print(f"fake-sglang: serving on {fake.url}", flush=True)
     try:
         fake.httpd.serve_forever()

@@ -28,7 +28,7 @@ def test_figure_summary_and_goals():
 
 
 def test_suite_selection_aliases_and_order():
-    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 6
+    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 7
     assert resolve_suites(None, "cuda") == ["rollout", "train", "sync"]
     assert resolve_suites(["3,io"], "cpu") == ["rollout", "artifact_io"]
     assert resolve_suites(["replay", "1"], "cpu") == ["orchestration", "replay"]

@@ -39,7 +39,52 @@ def _assert_bit_exact(a: dict, b: dict):
     assert compare(checksums(a), checksums(b)).ok
 
 
-MODELS = {"llama": _llama, "llama_tied": lambda: _llama(tie=True), "qwen2": _qwen2}
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=150, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    sd = {k: v + torch.randn_like(v) * 0.01 for k, v in Qwen3ForCausalLM(config).state_dict().items()}
+    return config, sd
+
+
+MODELS = {"llama": _llama, "llama_tied": lambda: _llama(tie=True), "qwen2": _qwen2, "qwen3": _qwen3}
+
+
+def test_qwen3_q_k_norms_map_to_qk_layernorm():
+    config, hf = _qwen3()
+    layout = mn.MegatronLayout.from_hf_config(config)
+    assert layout.qk_layernorm and not layout.qkv_bias
+    m = mn.hf_to_megatron(hf, layout)
+    assert torch.equal(m["decoder.layers.1." + mn.Q_NORM], hf["model.layers.1.self_attn.q_norm.weight"])
+    assert torch.equal(m["decoder.layers.1." + mn.K_NORM], hf["model.layers.1.self_attn.k_norm.weight"])
+
+
+def test_unmapped_hf_tensor_is_an_error_naming_it():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Llama's attention_bias adds o_proj.bias too; Megatron's add_qkv_bias has no slot for it.
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    hf = LlamaForCausalLM(config).state_dict()
+    with pytest.raises(mn.ConversionError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias"):
+        mn.hf_to_megatron(hf, mn.MegatronLayout.from_hf_config(config))
+
+
+def test_sliding_window_is_an_error():
+    from transformers import MistralConfig, Qwen2Config
+
+    with pytest.raises(mn.ConversionError, match="sliding_window=64"):
+        mn.MegatronLayout.from_hf_config(MistralConfig(sliding_window=64, max_position_embeddings=256,
+                                                       num_hidden_layers=1))
+    with pytest.raises(mn.ConversionError, match="sliding_window=32"):
+        mn.MegatronLayout.from_hf_config(Qwen2Config(use_sliding_window=True, sliding_window=32,
+                                                     max_position_embeddings=256, num_hidden_layers=1))
+    # Qwen2's sliding_window value is inert unless use_sliding_window is on; a window >= the context is no window.
+    mn.MegatronLayout.from_hf_config(Qwen2Config(sliding_window=32, max_position_embeddings=256, num_hidden_layers=1))
+    mn.MegatronLayout.from_hf_config(MistralConfig(sliding_window=256, max_position_embeddings=256,
+                                                   num_hidden_layers=1))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -29,7 +29,20 @@ from tests.fake_sglang_server import ENDPOINTS, FakeSGLang, check_fields
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "tasks" / "model" / "builtin" / "addition-sft"
 FAKE = str(ROOT / "tests" / "fake_sglang_server.py")
-DROPPED = "model.layers.1.mlp.up_proj.weight"
+DROPPED = "model.layers.1.mlp.down_proj.weight"  # not fused: SGLang reports it under the same name
+
+
+def engine_names(names) -> set[str]:
+    """SGLang's parameter names for HF names: q/k/v fused into qkv_proj, gate/up into gate_up_proj, and no
+    lm_head in a tied model (the built-in one is tied)."""
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}
+    out = set()
+    for name in names:
+        for hf, engine in fused.items():
+            name = name.replace(f".{hf}.", f".{engine}.")
+        out.add(name)
+    return out - {"lm_head.weight"}
 
 
 def checkpoint() -> dict[str, torch.Tensor]:
@@ -89,7 +102,7 @@ def test_check_fails_on_a_one_ulp_difference():
     with FakeSGLang(model_path=str(BUILTIN)) as fake:
         engine = tensor_engine(fake.url)
         result = verify_update_overwrites_all(engine, lambda: engine.update_weights_from_tensor(pushed, 1))
-    assert result.mismatched == [name]
+    assert result.mismatched == ["model.layers.0.self_attn.qkv_proj.bias"]  # SGLang's fused name
     (mismatch,) = result.servers[0].mismatches
     assert mismatch.num_exceed == 1 and mismatch.max_abs_err == pytest.approx(ulp, rel=1e-6)
 
@@ -198,7 +211,7 @@ def test_compare_engines_names_the_tensor_and_the_server_that_missed_an_update()
             FakeSGLang(model_path=str(BUILTIN), tp_size=2, ignore_update_of=DROPPED) as b:
         engine = tensor_engine(a.url, b.url, tp_sizes=2)
         before = engine_checksums(engine)
-        assert set(before) == {a.url, b.url} and set(before[a.url]) == set(w)
+        assert set(before) == {a.url, b.url} and set(before[a.url]) == engine_names(w)
         assert compare_engines(before).ok
         engine.update_weights_from_tensor(new, 1)
         after = engine_checksums(engine)
@@ -209,7 +222,7 @@ def test_compare_engines_names_the_tensor_and_the_server_that_missed_an_update()
         assert DROPPED in report.summary() and b.url in report.summary()
         assert report.to_dict()["differing"] == {DROPPED: [b.url]}
         # every other tensor changed on both servers and agrees
-        assert all(after[a.url][n] != before[a.url][n] for n in w)
+        assert all(after[a.url][n] != before[a.url][n] for n in engine_names(w))
         # TP shards: each rank hashes its own shard; a name's value combines them in rank order
         body = check_weights(engine, "checksum")[0]
         assert [r["parallelism_info"][0]["tp_rank"] for r in body["ranks"]] == [0, 1]
@@ -233,12 +246,23 @@ def test_compare_engines_majority_and_missing_names():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_get_weights_by_name_serves_the_held_weights_as_sglang_does():
+def test_get_weights_by_name_serves_the_held_weights_as_sglang_does(tmp_path):
+    """SGLang 0.5.23 implements get_weights_by_name per model class: Llama has it, Qwen2 answers 400."""
+    import json
+    import shutil
+
     from rollflow.tasks.sync.parity import tensor_prefix
 
     w = checkpoint()
     name = "model.layers.0.mlp.down_proj.weight"  # (128, 512)
-    with FakeSGLang(model_path=str(BUILTIN)) as fake:
+    with FakeSGLang(model_path=str(BUILTIN)) as qwen2:
+        with pytest.raises(SGLangRequestError, match="Get parameter by name failed"):
+            tensor_engine(qwen2.url).get_weights_by_name(name)
+    llama = tmp_path / "llama"
+    shutil.copytree(BUILTIN, llama)
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with FakeSGLang(model_path=str(llama)) as fake:
         engine = tensor_engine(fake.url)
         rows = engine.get_weights_by_name(name, truncate_size=2)
         assert len(rows) == 2 and len(rows[0]) == 512  # SGLang: .tolist()[:truncate_size], rows of a 2-D tensor

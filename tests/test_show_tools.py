@@ -334,7 +334,16 @@ def test_send_reproduces_greedy_artifact_and_reports_perturbations(app, tmp_path
     assert "1 samples with log-prob |diff| > 0.0001" in res.output and "row 3 token 1" in res.output
 
 
-def test_send_errors(app, tmp_path, greedy_samples):
+def test_send_errors(app, tmp_path, greedy_samples, monkeypatch):
+    import importlib.util
+
+    import rollflow.tasks.rollout.sglang_server as sglang_server
+
+    # The test setup installs SGLang's pure-Python wheel (contract tests): make it look absent here,
+    # as on a machine without the extra, where `send --engine sglang` must say what to install.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(sglang_server.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang" else real(name, *a))
     store = RolloutStore(str(tmp_path / "runs"))
     write(store, "g", 0, greedy_samples[:2], per_prompt=1)
     run_uri = str(tmp_path / "runs" / "g")

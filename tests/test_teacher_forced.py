@@ -202,8 +202,6 @@ def test_mismatch_check_verdicts():
      "rollout.logprobs='teacher_forced' needs train.backend='torch'"),
     ({"rollout": {"logprobs": "teacher_forced", "device": "cuda"}},
      "needs rollout.device and train.device of one type"),
-    ({"rollout": {"engine": "sglang", "sglang": {"seeded": True, "n_mode": "native"}}},
-     "set rollout.sglang.n_mode='repeat'"),
 ])
 def test_config_rejects_what_cannot_hold(override, expected):
     from rollflow.flows.config import ConfigError, load_config
@@ -311,8 +309,8 @@ def test_sglang_repeat_mode_seeds_every_sample(monkeypatch):
     engine = SGLangEngine(["http://127.0.0.1:9"], seeded=True, n_mode="repeat")
     sent = []
 
-    def run_job(ids, params, n, rid, seed):
-        sent.append((tuple(ids), seed))
+    def run_job(ids, params, n, rid, seeds):
+        sent.append((tuple(ids), seeds[0]))
         return [GenerationOutput([3], [-0.1], "length")]
 
     monkeypatch.setattr(engine, "_run_job", run_job)
@@ -322,9 +320,21 @@ def test_sglang_repeat_mode_seeds_every_sample(monkeypatch):
     assert len(group0) == 4 and len(set(seed for _, seed in sent)) == 8
 
 
-def test_sglang_native_seeded_groups_are_refused():
+def test_sglang_native_seeded_groups_get_one_seed_per_sample(monkeypatch):
+    """SGLang's native n copies one sampling_seed to all n samples: seeded native n sends n seeds
+    (one batch request per prompt, tests/test_sglang_protocol.py checks the body)."""
+    from rollflow.flows.config import load_config
     from rollflow.tasks.rollout.sglang_engine import SGLangEngine
 
+    load_config(overrides=["rollout.engine=sglang", "rollout.sglang.seeded=true", "rollout.sglang.n_mode=native"])
     engine = SGLangEngine(["http://127.0.0.1:9"], seeded=True, n_mode="native")
-    with pytest.raises(ValueError, match="n_mode='repeat'"):
-        engine.generate([GenerationRequest(prompt_ids=[5, 6], n=4)], SamplingParams(seed=7))
+    sent = []
+
+    def run_job(ids, params, n, rid, seeds):
+        sent.append(list(seeds))
+        return [GenerationOutput([3], [-0.1], "length")] * n
+
+    monkeypatch.setattr(engine, "_run_job", run_job)
+    engine.generate([GenerationRequest(prompt_ids=[5, 6], n=4), GenerationRequest(prompt_ids=[7], n=4)],
+                    SamplingParams(seed=7))
+    assert [len(s) for s in sent] == [4, 4] and len({x for s in sent for x in s}) == 8

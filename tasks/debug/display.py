@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from rollflow.artifacts.columns import SampleColumns
 from rollflow.artifacts.errors import ArtifactNotFound, format_ids
+from rollflow.artifacts.pipeline_meta import WEIGHT_VERSIONS, weight_version_text
 from rollflow.artifacts.sample import Sample, Status
 from rollflow.artifacts.slime import discover_template_ids, expand_template, has_rollout_id, import_slime_pt
 from rollflow.artifacts.store import SAMPLES_NAME, SPLITS, ArtifactRef, RolloutStore, join_uri, validate_run
@@ -452,6 +453,31 @@ def rollout_metrics(samples: Sequence[Sample], reward_key: str | None = None) ->
         "zero_std_group_fraction": zero_std / eligible if eligible else None,
         "repetition_fraction": float(repetitive.mean()) if n else None,
         "status_counts": status_counts,
+        **_turn_stats(samples),
+    }
+
+
+def _turn_records(samples: Sequence[Sample]) -> list[list[dict[str, Any]]]:
+    """The turn records of the samples that have any (metadata JSON parsed only for those rows)."""
+    if isinstance(samples, SampleTable):
+        column = samples.view.column("metadata")
+        rows = np.flatnonzero(pc.match_substring(column, '"turns"').to_numpy(zero_copy_only=False))
+        texts = column.take(pa.array(rows, pa.int64())).to_pylist()
+        return [t for t in (json.loads(text).get("turns") or [] for text in texts) if t]
+    return [t for t in ((s.metadata or {}).get("turns") or [] for s in samples) if t]
+
+
+def _turn_stats(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Multi-turn rollouts (rollout functions) only: how many conversations used tools, and how it went."""
+    records = _turn_records(samples)
+    if not records:
+        return {}
+    tools = [t for turns in records for t in turns if t.get("role") == "tool"]
+    return {
+        "multi_turn_fraction": sum(len(turns) > 1 for turns in records) / len(samples),
+        "turns_mean": sum(len(turns) for turns in records) / len(records),
+        "tool_calls": len(tools),
+        "tool_failures": sum(1 for t in tools if t.get("ok") is False),
     }
 
 
@@ -459,10 +485,12 @@ def rollout_metrics(samples: Sequence[Sample], reward_key: str | None = None) ->
 
 
 def filter_positions(samples: Sequence[Sample], status: str | None = None, reward_min: float | None = None,
-                     reward_max: float | None = None, reward_key: str | None = None) -> np.ndarray:
-    """Positions of the samples passing every filter. A reward filter drops unscored samples."""
+                     reward_max: float | None = None, reward_key: str | None = None,
+                     min_turns: int | None = None) -> np.ndarray:
+    """Positions of the samples passing every filter. A reward filter drops unscored samples. `min_turns`:
+    conversations (rollout functions, docs/agents.md) with at least that many turns."""
     cols_needed = status is not None or reward_min is not None or reward_max is not None
-    if not cols_needed:
+    if not cols_needed and min_turns is None:
         return np.arange(len(samples), dtype=np.int64)
     if isinstance(samples, SampleTable):
         view = samples.view
@@ -472,6 +500,8 @@ def filter_positions(samples: Sequence[Sample], status: str | None = None, rewar
         statuses = np.array([Status.parse(s.status).value for s in samples], dtype=object)
         rewards = np.array([_scalar_reward(s.reward, reward_key or s.reward_key) for s in samples], dtype=np.float64)
     keep = np.ones(len(samples), dtype=bool)
+    if min_turns is not None:
+        keep &= _turn_counts(samples) >= min_turns
     if status is not None:
         try:
             wanted = Status.parse(status).value
@@ -485,13 +515,26 @@ def filter_positions(samples: Sequence[Sample], status: str | None = None, rewar
     return np.flatnonzero(keep)
 
 
+def _turn_counts(samples: Sequence[Sample]) -> np.ndarray:
+    """Turns per sample (0 for single-turn samples)."""
+    if isinstance(samples, SampleTable):
+        column = samples.view.column("metadata")
+        rows = np.flatnonzero(pc.match_substring(column, '"turns"').to_numpy(zero_copy_only=False))
+        counts = np.zeros(len(samples), dtype=np.int64)
+        for row, text in zip(rows, column.take(pa.array(rows, pa.int64())).to_pylist()):
+            counts[row] = len(json.loads(text).get("turns") or [])
+        return counts
+    return np.array([len((s.metadata or {}).get("turns") or []) for s in samples], dtype=np.int64)
+
+
 def filter_samples(samples: Sequence[Sample], status: str | None = None, reward_min: float | None = None,
-                   reward_max: float | None = None, reward_key: str | None = None) -> Sequence[Sample]:
+                   reward_max: float | None = None, reward_key: str | None = None,
+                   min_turns: int | None = None) -> Sequence[Sample]:
     """The samples with the given status and a reward in [reward_min, reward_max] (bounds optional).
 
     A SampleTable in gives a (lazy) SampleTable out; a list gives a list.
     """
-    positions = filter_positions(samples, status, reward_min, reward_max, reward_key)
+    positions = filter_positions(samples, status, reward_min, reward_max, reward_key, min_turns)
     if isinstance(samples, SampleTable):
         return samples.select(positions)
     items = list(samples)
@@ -526,6 +569,22 @@ def _prompt_text(prompt: Any) -> str:
         return json.dumps(prompt, ensure_ascii=False)
 
 
+def _response_text(sample: Sample) -> str:
+    """The response; a multi-turn sample's turns marked: [assistant] 12+45= [tool calc ok] 57 [assistant] 0357."""
+    turns = sample.metadata.get("turns") if isinstance(sample.metadata, dict) else None
+    if not turns:
+        return sample.response
+    parts = []
+    for t in turns:
+        tag = t.get("role", "?")
+        if tag == "tool":
+            tag += f" {t.get('name', '?')} {'ok' if t.get('ok', True) else 'failed'}"  # the error: --json
+        if t.get("reward") is not None:
+            tag += f" r={float(t['reward']):.3g}"
+        parts.append(f"[{tag}] {t.get('text', '')}")
+    return " ".join(parts)
+
+
 def _reward_text(sample: Sample) -> str:
     if sample.reward is None:
         return "-"
@@ -557,18 +616,22 @@ def render_table(samples: Sequence[Sample], limit: int = 20, offset: int = 0, *,
     table.add_column("reward", justify="right", no_wrap=True)
     table.add_column("label", overflow="fold")
     table.add_column("status", no_wrap=True)
+    table.add_column("weights", overflow="fold")  # weight version per token run: v0x12+v1x40 (partial rollouts)
     table.add_column("metadata", overflow="fold")
     for row, sample in _page(samples, limit, offset):
-        metadata = json.dumps(sample.metadata, ensure_ascii=False, separators=(",", ":")) if sample.metadata else ""
+        # turns: in the response cell; weight_versions: in the weights cell
+        shown = {k: v for k, v in (sample.metadata or {}).items() if k not in ("turns", WEIGHT_VERSIONS)}
+        metadata = json.dumps(shown, ensure_ascii=False, separators=(",", ":")) if shown else ""
         cells = (
             str(row),
             str(sample.group_index),
             shorten(_prompt_text(sample.prompt), max_chars),
-            shorten(sample.response, max_chars),
+            shorten(_response_text(sample), max_chars),
             str(sample.response_length),
             shorten(_reward_text(sample), max_chars),
             shorten(sample.label or "", max_chars),
             Status.parse(sample.status).value,
+            weight_version_text(sample),
             shorten(metadata, max_chars),
         )
         # Text, not str: sample text is data, a "[bold]" in a response must not become markup.

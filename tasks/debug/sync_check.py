@@ -46,5 +46,5 @@ def sync_check(report: ParityReport | None, *, weight_version: int | None = None
             f"({len(report.mismatched)} mismatched, {len(report.missing_in_engine)} missing, "
             f"{len(report.unexpected_in_engine)} unexpected of {report.n_tensors})", list(CAUSES))
     return CheckResult(NAME, PASS, figures,
-                       f"all {report.n_tensors} engine tensors equal the trainer's (sha256 over dtype, shape, bytes"
+                       f"all {report.n_tensors} engine tensors equal the trainer's (fingerprints of dtype, shape and every bit"
                        f"{', in ' + compared_in if compared_in else ''}) at weight_version {weight_version}")

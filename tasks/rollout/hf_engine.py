@@ -1,10 +1,11 @@
 """The `hf` rollout engine: batched sampling with transformers' `generate` (CPU default, small GPUs).
 
-On CUDA it uses transformers' static KV cache (`cache_implementation="static"`), for which
-transformers compiles the decode step itself (torch.compile + CUDA graphs): 2.4x the dynamic
-cache's tokens/s on an H200 (benchmarks/results/h200-*.json, suite `rollout`). A compiled step is specialised
-to its shapes, so prompt widths are padded up to a multiple of `length_bucket` and batches up to a
-power of two (extra rows are dropped): a rollout then recompiles for few distinct shapes only.
+With a static cache (on CUDA by default) it runs its own decode loop over transformers' static KV
+cache (tasks/rollout/static_decode.py: the compiled one-token step that `generate` uses, Gumbel-max
+sampling and log-probs on the device, no per-token host synchronisation); top-k / top-p sampling and
+the dynamic cache (CPU default) go through `generate`. A compiled step is specialised to its shapes, so
+prompt widths are padded up to a multiple of `length_bucket` and batches up to a power of two (extra
+rows are dropped): a rollout then recompiles for few distinct shapes only.
 
 Log-probs: by default those of the sampling steps themselves (~1e-5 off the trainer's in fp32). With a
 `ScoringLayout` (rollout.logprobs='teacher_forced') the engine rescores every call's samples after
@@ -18,16 +19,20 @@ from the same RNG stream, so the samples of a group differ; never reseed per sam
 
 from __future__ import annotations
 
+import threading
 from typing import Literal, Union
 
 import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
+from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
+from rollflow.tasks.rollout.static_decode import StaticDecoder
 
 
 StaticCache = Union[bool, Literal["auto"]]
+_MEMCPY_BYTES = 8 << 20  # tensors at least this large are copied one by one (docs/performance.md section 5)
 
 
 class _StepLogProbs:
@@ -82,8 +87,12 @@ class HFEngine:
         self.static_cache = static_cache
         self.length_bucket = max(1, int(length_bucket))
         self.scoring = scoring
+        self.resident = ResidentWeights(self.model)
+        self._decoder: StaticDecoder | None = None
         if scoring is not None:
             check_scoring(self.model, scoring)
+        # Set from another thread (the actor's control group) to cut a running generate short: partial rollouts.
+        self._abort = threading.Event()
 
     @property
     def uses_static_cache(self) -> bool:
@@ -115,9 +124,20 @@ class HFEngine:
             pos += r.n
         return grouped
 
+    def abort(self, rids: list[str] | None = None) -> int:
+        """Stop the running generate after its current step (and any later call until `reset_abort`): rows
+        that have not finished come back with finish_reason "abort" and their tokens so far."""
+        self._abort.set()
+        return 1
+
+    def reset_abort(self) -> None:
+        self._abort.clear()
+
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         n_real = len(prompts)
+        if self._abort.is_set():
+            return [GenerationOutput([], [], "abort") for _ in range(n_real)]
         width = max(len(p) for p in prompts)
         static = self.uses_static_cache
         if static:
@@ -134,10 +154,17 @@ class HFEngine:
         stops = [self.eos_token_id, *params.stop_token_ids]
         greedy = params.temperature == 0
         scale = 1.0 if greedy else params.temperature
+        if static and (greedy or (params.top_k == 0 and params.top_p == 1.0)):
+            decoded = self._static_decoder().run(ids.to(self.device), mask.to(self.device),
+                                                 max_new_tokens=params.max_new_tokens,
+                                                 temperature=params.temperature, stop_ids=stops,
+                                                 pad_id=self.pad_token_id, abort=self._abort)
+            return _outputs(decoded.tokens, decoded.log_probs, n_real, set(stops), aborted=decoded.aborted)
         # On CPU the log-probs come from `output_logits` (unchanged numerics); elsewhere from a
         # recorder that keeps one step of full-vocabulary log-probs at a time, on the device.
         recorder = None if self.device.type == "cpu" else _StepLogProbs(scale)
         extra = {"cache_implementation": "static"} if static else {}
+        extra["stopping_criteria"] = _abort_criteria(self._abort)
         if recorder is not None:
             from transformers import LogitsProcessorList
 
@@ -165,15 +192,14 @@ class HFEngine:
             new_dev = out.sequences[:, width:]
             log_probs = recorder.finish(new_dev).cpu()
             new_tokens = new_dev.cpu()
-        results = []
-        stop_set = set(stops)
-        for row in range(n_real):
-            toks = new_tokens[row].tolist()
-            end = next((i + 1 for i, t in enumerate(toks) if t in stop_set), None)
-            finish = "stop" if end is not None else "length"
-            end = end if end is not None else len(toks)
-            results.append(GenerationOutput(toks[:end], log_probs[row, :end].tolist(), finish))
-        return results
+        # Stopped before the budget by an abort (not by every row finishing): unfinished rows are aborted.
+        aborted = self._abort.is_set() and new_tokens.shape[1] < params.max_new_tokens
+        return _outputs(new_tokens, log_probs, n_real, set(stops), aborted=aborted)
+
+    def _static_decoder(self) -> StaticDecoder:
+        if self._decoder is None:
+            self._decoder = StaticDecoder(self.model, compile=self.device.type == "cuda")
+        return self._decoder
 
     def rescore(self, prompts: list[list[int]], outputs: list[GenerationOutput],
                 params: SamplingParams) -> list[GenerationOutput]:
@@ -205,25 +231,47 @@ class HFEngine:
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], weight_version: int) -> None:
         version = next_weight_version(self.weight_version, weight_version)
-        own = self.model.state_dict()
-        missing = sorted(set(own) - set(named_tensors))
-        unexpected = sorted(set(named_tensors) - set(own))
-        if missing or unexpected:
+        targets = self.resident.tensors()
+        if named_tensors.keys() != targets.keys():
+            missing = sorted(set(targets) - set(named_tensors))
+            unexpected = sorted(set(named_tensors) - set(targets))
             raise KeyError(
                 f"weight update does not match the engine's parameters: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]} (check the trainer->engine name mapping)"
             )
+        for name, d in targets.items():
+            if d.shape != named_tensors[name].shape:
+                raise ValueError(f"weight update: {name} has shape {tuple(named_tensors[name].shape)}, engine "
+                                 f"expects {tuple(d.shape)}")
+        # A tied parameter is written once, when the trainer sends the same tensor under both names.
+        skip = {name for name, first in self.resident.aliases().items()
+                if named_tensors[name] is named_tensors[first]
+                or named_tensors[name].data_ptr() == named_tensors[first].data_ptr()}
+        big, small_dst, small_src = [], [], []
+        for name, d in targets.items():
+            if name in skip:
+                continue
+            if d.numel() * d.element_size() >= _MEMCPY_BYTES:
+                big.append((d, named_tensors[name]))
+            else:
+                small_dst.append(d)
+                small_src.append(named_tensors[name])
         with torch.no_grad():
-            for name, tensor in named_tensors.items():
-                target = own[name]
-                if target.shape != tensor.shape:
-                    raise ValueError(f"weight update: {name} has shape {tuple(tensor.shape)}, engine expects "
-                                     f"{tuple(target.shape)}")
-                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            # Large tensors as plain copies (a device memcpy runs at full bandwidth); the many small ones
+            # as one multi-tensor copy: a few kernel launches instead of one per tensor. Mixed devices
+            # or dtypes fall back to per-tensor copies inside `_foreach_copy_`.
+            for d, src in big:
+                d.copy_(src)
+            if small_dst:
+                torch._foreach_copy_(small_dst, small_src)
         self.weight_version = version
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights where they live (no host copy; Parameters themselves, read-only), for device checksums."""
+        return self.resident.tensors()
 
     # -- colocation: the same sequence as SGLang's memory saver ------------------------------------
     def release_memory(self, tags=None) -> None:
@@ -246,6 +294,30 @@ class HFEngine:
         if home is not None:
             self.model.to(home)
             self._home_device = None
+
+
+def _outputs(new_tokens: torch.Tensor, log_probs: torch.Tensor, n_real: int, stop_set: set[int], *,
+             aborted: bool = False) -> list[GenerationOutput]:
+    """Rows cut after their first stop token (kept: the trainer scores it); padding rows dropped. With
+    `aborted`, rows that did not stop are "abort" (continued in a later rollout) instead of "length"."""
+    results = []
+    for toks, lps in zip(new_tokens[:n_real].tolist(), log_probs[:n_real].tolist()):
+        end = next((i + 1 for i, t in enumerate(toks) if t in stop_set), None)
+        finish = "stop" if end is not None else "abort" if aborted else "length"
+        end = end if end is not None else len(toks)
+        results.append(GenerationOutput(toks[:end], lps[:end], finish))
+    return results
+
+
+def _abort_criteria(event: threading.Event):
+    """A stopping criterion that ends generation for every row once `event` is set."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Abort(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Abort()])
 
 
 def check_scoring(model, layout: ScoringLayout) -> None:

@@ -201,6 +201,10 @@ def resolve_reward_fn(spec: str, *, remote: Any = None) -> RewardFn:
 
 def reward_fn_from_config(rollout: Any) -> RewardFn:
     """The reward function of a RolloutConfig (spec, remote settings, scope)."""
+    if rollout.reward == "conversation_feedback":
+        from rollflow.tasks.rollout.feedback import feedback_reward
+
+        return feedback_reward(resolve_reward_fn(rollout.feedback.judge), rollout.feedback.votes)
     fn = resolve_reward_fn(rollout.reward, remote=getattr(rollout, "remote_reward", None))
     if getattr(rollout, "reward_scope", SAMPLE) == GROUP and reward_scope(fn) != GROUP:
         inner = fn

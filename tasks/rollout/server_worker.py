@@ -14,6 +14,7 @@ from typing import Sequence
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.net import node_ip
 from rollflow.tasks.rollout.settings import RolloutConfig
+from rollflow.tasks.rollout.sglang_config import engine_dtype
 from rollflow.tasks.rollout.sglang_server import LOOPBACK, LaunchSpec, SGLangServer, free_port
 
 
@@ -23,10 +24,21 @@ def launch_spec_for(model_dir: str | Path, rollout: RolloutConfig, *, port: int 
     cfg = rollout.sglang
     return LaunchSpec(model_path=str(model_dir), port=port or cfg.port or free_port(), tp_size=cfg.tp_size or 1,
                       host=cfg.host,
-                      mem_fraction_static=cfg.mem_fraction_static, dtype=cfg.dtype or rollout.dtype,
+                      mem_fraction_static=cfg.mem_fraction_static, dtype=engine_dtype(rollout),
                       skip_tokenizer_init=cfg.skip_tokenizer_init, enable_memory_saver=cfg.memory_saver,
                       base_gpu_id=base_gpu_id, weight_version=weight_version, args=cfg.args,
                       launcher=tuple(cfg.launcher), python=cfg.python)
+
+
+# torch's allocator settings: SGLang's memory saver (--enable-memory-saver) installs its own allocator
+# hooks, which an inherited PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments from the trainer's
+# environment) breaks; SGLang strips the same two variables for its own helper processes.
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def dropped_env(rollout: RolloutConfig) -> tuple[str, ...]:
+    """Variables of the launching process the server must not inherit."""
+    return ALLOCATOR_ENV if rollout.sglang.memory_saver else ()
 
 
 def server_env(rollout: RolloutConfig, gpu_ids: Sequence[str] | None) -> dict[str, str]:
@@ -53,7 +65,7 @@ class SGLangServerWorker:
         self.index = index
         self.gpu_ids = list(gpu_ids or [])
         self.server = SGLangServer(spec, log_path=log_path, env=server_env(rollout, gpu_ids),
-                                   tail_lines=cfg.log_tail_lines).start()
+                                   tail_lines=cfg.log_tail_lines, drop_env=dropped_env(rollout)).start()
         try:
             self.server.wait_healthy(cfg.startup_timeout_s)
         except BaseException:

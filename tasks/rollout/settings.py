@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollflow.tasks.rollout.addition import addition_prompts
+from rollflow.tasks.rollout.agent_settings import AgentConfig, FeedbackConfig
 from rollflow.tasks.rollout.engine import SamplingParams
 from rollflow.tasks.rollout.prompts import PromptItem
 from rollflow.tasks.rollout.sglang_config import SGLangConfig
@@ -134,6 +135,21 @@ class RolloutConfig(_Strict):
                               "trainer's own forward (same padding, positions, micro-batches, dtype), so train-vs-"
                               "rollout log-probs are bitwise equal; costs one extra forward per rollout")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="engine='sglang' only: server settings")
+    function: str = Field("single_turn", description="rollout function: 'single_turn' (one batched generate per "
+                                                     "rollout) or a dotted path 'pkg.mod:fn' (multi-turn agents, "
+                                                     "tools; docs/agents.md)")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="limits of rollout.function's conversations")
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig,
+                                     description="rollout.reward='conversation_feedback' only: the judge")
+
+    @field_validator("function")
+    @classmethod
+    def _function_importable(cls, value: str) -> str:
+        if value != "single_turn":
+            from rollflow.tasks.rollout.agent import resolve_rollout_fn
+
+            resolve_rollout_fn(value)  # ValueError naming rollout.function and what is wrong
+        return value
 
     @field_validator("reward")
     @classmethod
@@ -154,12 +170,21 @@ class RolloutConfig(_Strict):
         if self.logprobs == "teacher_forced" and self.engine != "hf":
             raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.engine='hf' (the {self.engine} engine "
                              "cannot run the trainer's forward); set rollout.logprobs='engine'")
-        sg = self.sglang
-        if self.engine == "sglang" and sg.seeded and sg.n_mode == "native" and self.n_samples_per_prompt > 1:
-            # One request with n samples carries one sampling_seed: SGLang's seeded sampler then returns n
-            # identical samples, and every GRPO advantage is 0.
-            raise ValueError("rollout.sglang.seeded=true with rollout.sglang.n_mode='native' gives every sample of "
-                             "a group the same seed (identical samples); set rollout.sglang.n_mode='repeat'")
+        if self.logprobs == "teacher_forced" and self.function != "single_turn":
+            raise ValueError(f"rollout.logprobs='teacher_forced' rescores one engine call per sample, but "
+                             f"rollout.function={self.function!r} makes several; set rollout.logprobs='engine'")
+        if self.reward == "conversation_feedback" and not self.feedback.judge:
+            raise ValueError("rollout.reward='conversation_feedback' needs a judge: set rollout.feedback.judge to a "
+                             "dotted path 'pkg.mod:judge' (docs/agents.md)")
+        if self.feedback.judge:
+            from rollflow.tasks.rollout.rewards import resolve_reward_fn
+
+            try:
+                resolve_reward_fn(self.feedback.judge)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("rollout.reward=", "rollout.feedback.judge=", 1)) from None
+        # seeded + native n is fine: the SGLang engine sends a prompt's n samples with n seeds (one batch
+        # request), since SGLang's own `n` copies one sampling_seed to all n (identical samples)
         return self
 
     def reward_key_for(self, split: str) -> Optional[str]:

@@ -11,6 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollflow.tasks.rollout.sglang_flags import load_flags, validate_args
 
+# Colocated, SGLang's static pool (weights + KV cache, a share of the GPU's memory) and the trainer rank
+# share each GPU, and stay resident together while weights sync: their shares must leave this much
+# headroom for CUDA contexts, IPC bucket copies and activations.
+FIT_LIMIT = 0.9
+# SGLang engines default to bf16 (what SGLang serves in RL setups); rollout.dtype's float32 default is the
+# hf engine's, so it applies to SGLang only when set explicitly.
+SGLANG_DEFAULT_DTYPE = "bfloat16"
+
 # ServerArgs fields rollflow sets from its own settings: a passthrough may not set them a second way.
 MANAGED_FIELDS = {
     "model_path": "model.path",
@@ -43,8 +51,13 @@ class SGLangConfig(BaseModel):
                     "their node's IP")
     tp_size: Optional[int] = Field(None, ge=1, description="tensor parallel size (default: resources.gpus_per_engine, or 1)")
     port: Optional[int] = Field(None, ge=1, le=65535, description="server port on 127.0.0.1 (default: a free one)")
-    mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1, description="--mem-fraction-static (default: SGLang's)")
-    dtype: Optional[str] = Field(None, description="--dtype (default: rollout.dtype)")
+    mem_fraction_static: Optional[float] = Field(
+        None, gt=0, lt=1, description="--mem-fraction-static (default: SGLang's; placement=colocate: "
+                                      f"{FIT_LIMIT:g} - colocate_trainer_fraction)")
+    colocate_trainer_fraction: float = Field(
+        0.4, gt=0, lt=1, description="placement=colocate: share of each GPU the trainer rank keeps (weights, "
+                                     "gradients, optimizer states, activations); engine + trainer must fit")
+    dtype: Optional[str] = Field(None, description="--dtype (default: bfloat16; rollout.dtype when that is set)")
     skip_tokenizer_init: bool = Field(True, description="token ids in and out; rollflow decodes with its own tokenizer")
     memory_saver: bool = Field(False, description="--enable-memory-saver: release/resume weights and KV cache "
                                                   "(turned on by offload=true)")
@@ -92,3 +105,28 @@ class SGLangConfig(BaseModel):
         if self.weight_sync != "auto":
             return self.weight_sync
         return "tensor" if placement == "colocate" else "disk"
+
+
+def engine_dtype(rollout) -> str:
+    """The dtype SGLang engines run: rollout.sglang.dtype, else rollout.dtype if set explicitly, else bf16."""
+    if rollout.sglang.dtype:
+        return rollout.sglang.dtype
+    if "dtype" in rollout.model_fields_set:
+        return rollout.dtype
+    return SGLANG_DEFAULT_DTYPE
+
+
+def colocated_mem_fraction(cfg: SGLangConfig) -> float:
+    """--mem-fraction-static for an engine sharing its GPUs with a trainer rank: the configured one if it
+    fits beside `colocate_trainer_fraction`, else a ValueError naming both fields."""
+    limit = round(FIT_LIMIT - cfg.colocate_trainer_fraction, 4)
+    if cfg.mem_fraction_static is None:
+        if limit <= 0.05:
+            raise ValueError(f"rollout.sglang.colocate_trainer_fraction={cfg.colocate_trainer_fraction:g} leaves no "
+                             f"memory for a colocated engine (engine + trainer <= {FIT_LIMIT:g}); lower it")
+        return limit
+    if cfg.mem_fraction_static > limit:
+        raise ValueError(f"rollout.sglang.mem_fraction_static={cfg.mem_fraction_static:g} + rollout.sglang."
+                         f"colocate_trainer_fraction={cfg.colocate_trainer_fraction:g} > {FIT_LIMIT:g}: a colocated "
+                         f"engine and trainer rank do not fit on one GPU; set mem_fraction_static <= {limit:g}")
+    return cfg.mem_fraction_static

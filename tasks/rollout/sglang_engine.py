@@ -6,15 +6,22 @@ take one of three paths:
 
 - disk: the trainer's tensors are written as an HF safetensors directory (`write_hf_checkpoint`),
   then `POST /update_weights_from_disk` (works anywhere the server can read the directory);
-- tensor (colocated): `POST /update_weights_from_tensor` with per-TP-rank base64 payloads of
-  `ForkingPickler`-serialized `[(name, tensor), ...]` (CUDA tensors serialize as CUDA IPC handles, so
-  only metadata crosses HTTP);
+- tensor (colocated): `POST /update_weights_from_tensor` with one base64 payload per TP rank, each a
+  flattened bucket (`load_format="flattened_bucket"`: one uint8 tensor + SGLang's per-tensor metadata,
+  tasks/sync/ipc.py); CUDA tensors serialize as CUDA IPC handles, so only metadata crosses HTTP, and
+  each TP rank's payload must come from a process on that rank's GPU (flows/weight_sync.py pairs them);
 - distributed (disaggregated): `POST /init_weights_update_group` while the trainer joins as rank 0,
   then per bucket `POST /update_weights_from_distributed` with names/dtypes/shapes while the trainer
   broadcasts the tensors in the same order (NCCL on GPUs; gloo works for CPU tests).
 
-Memory release/resume (`tags`: "weights", "kv_cache") serves colocation. The payload shapes are
-those of SGLang 0.5.x (`sglang/srt/managers/io_struct.py`, `sglang/srt/entrypoints/http_server.py`);
+Tensor and distributed updates run inside a weight-update session (`POST /begin_weight_update` ...
+`POST /end_weight_update`, per server): SGLang 0.5.23 refuses them otherwise (HTTP 400).
+
+Memory release/resume (`tags`: "weights", "kv_cache", "cuda_graph") serves colocation: the server must
+be idle before a release (SGLang asserts it), so the engine flushes the cache until it answers 200
+first, and resumes only tags it released (SGLang raises on resuming a tag it holds). Request ids end
+with `RID_END`: SGLang aborts by rid prefix, so no id may be a prefix of another. The payload shapes
+are those of SGLang 0.5.23 (`sglang/srt/managers/io_struct.py`, `sglang/srt/entrypoints/http_server.py`);
 `tests/fixtures/sglang_protocol.json` records them with their sources.
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -41,7 +49,10 @@ from rollflow.tasks.sync.buckets import buckets_by_bytes  # noqa: F401 - re-expo
 from rollflow.tasks.sync.weight_group import DEFAULT_GROUP
 
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
-MEMORY_TAGS = ("weights", "kv_cache")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
+# SGLang aborts every request whose rid STARTS WITH the rid given (scheduler.abort_request): ending every
+# id with a character used nowhere else in it makes no id a prefix of another.
+RID_END = "."
 
 
 class SGLangRequestError(RuntimeError):
@@ -76,6 +87,23 @@ def generate_payload(input_ids: Sequence[int], sampling: Mapping[str, Any], rid:
     if rid is not None:
         payload["rid"] = rid
     return payload
+
+
+def batch_payload(input_ids: Sequence[int], samplings: Sequence[Mapping[str, Any]],
+                  rids: Sequence[str]) -> dict[str, Any]:
+    """One request for len(samplings) samples of one prompt, each with its own sampling params (its own
+    seed): SGLang's native `n` copies one params dict, seed included, to every sample."""
+    if len(samplings) != len(rids):
+        raise ValueError(f"{len(samplings)} sampling params for {len(rids)} rids")
+    return {"input_ids": [list(input_ids) for _ in samplings], "sampling_params": [dict(s) for s in samplings],
+            "return_logprob": True, "rid": list(rids)}
+
+
+def request_id(prefix: str, *parts: int) -> str:
+    """`prefix-i-j.`: never a prefix of another id of the same prefix (see RID_END)."""
+    if RID_END in prefix:
+        raise ValueError(f"request id prefix {prefix!r} contains {RID_END!r}")
+    return "-".join([prefix, *(str(p) for p in parts)]) + RID_END
 
 
 def finish_reason_of(meta_info: Mapping[str, Any]) -> str:
@@ -262,6 +290,8 @@ class SGLangEngine:
                                    limits=httpx.Limits(max_connections=max_inflight + 16,
                                                        max_keepalive_connections=max_inflight + 16))
         self.weight_group: str | None = None  # the trainer's weight-update group these servers joined
+        self.released: dict[str, set[str]] = {u: set() for u in self.urls}  # memory tags released, per server
+        self.idle_timeout_s = 300.0  # how long a release waits for the server to become idle
         self._abort = threading.Event()
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
@@ -298,18 +328,18 @@ class SGLangEngine:
         with self._lock:
             self._call += 1
             prefix = f"rf{os.getpid()}-{self._call}-{uuid.uuid4().hex[:6]}"
-        jobs: list[tuple[int, list[int], int, str, int | None]] = []  # (request idx, ids, n, rid, seed)
+        # (request idx, ids, n, rid, seeds): one seed per sample, or [None] (unseeded, native n)
+        jobs: list[tuple[int, list[int], int, str, list[int | None]]] = []
         sample = 0
         for i, req in enumerate(requests):
             if self.n_mode == "native":
-                if self.seeded and req.n > 1:
-                    raise ValueError("rollout.sglang.seeded=true with n_mode='native' would send one sampling_seed "
-                                     f"for {req.n} samples (identical samples); use rollout.sglang.n_mode='repeat'")
-                jobs.append((i, req.prompt_ids, req.n, f"{prefix}-{i}", self._seed(params, sample)))
+                seeds = [self._seed(params, sample + j) for j in range(req.n)]
+                jobs.append((i, req.prompt_ids, req.n, request_id(prefix, i),
+                             seeds if seeds[0] is not None else [None]))
                 sample += req.n
             else:
                 for j in range(req.n):
-                    jobs.append((i, req.prompt_ids, 1, f"{prefix}-{i}-{j}", self._seed(params, sample)))
+                    jobs.append((i, req.prompt_ids, 1, request_id(prefix, i, j), [self._seed(params, sample)]))
                     sample += 1
         results: list[list[GenerationOutput]] = [[] for _ in requests]
         if not jobs:
@@ -339,14 +369,21 @@ class SGLangEngine:
             return None
         return sample_seed(params.seed, sample)
 
-    def _run_job(self, ids: list[int], params: SamplingParams, n: int, rid: str, seed: int | None) -> list[GenerationOutput]:
+    def _run_job(self, ids: list[int], params: SamplingParams, n: int, rid: str,
+                 seeds: list[int | None]) -> list[GenerationOutput]:
         if self._abort.is_set():
             return [aborted_output() for _ in range(n)]
+        if len(seeds) == n and n > 1:  # seeded native n: n samples with n seeds, as one batch request
+            # children `rid` + `j.`: aborting `rid` aborts them all (as SGLang's own `rid_k` children of n)
+            payload = batch_payload(ids, [sampling_params_payload(params, seed=seed) for seed in seeds],
+                                    [f"{rid}{j}{RID_END}" for j in range(n)])
+        else:
+            payload = generate_payload(ids, sampling_params_payload(params, n=n, seed=seeds[0]), rid)
         url = self.pool.acquire()
         with self._lock:
             self._inflight[rid] = _Inflight(rid, url)
         try:
-            body = self._post_generate(url, generate_payload(ids, sampling_params_payload(params, n=n, seed=seed), rid))
+            body = self._post_generate(url, payload)
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
@@ -478,17 +515,55 @@ class SGLangEngine:
         for url in self.urls:
             self._post(url, "/flush_cache")
 
+    def wait_idle(self, url: str, timeout_s: float | None = None, interval_s: float = 0.05) -> int:
+        """POST /flush_cache until it answers 200: SGLang flushes only an idle server and answers 400
+        while requests run or wait (e.g. just after an abort). Returns the attempts it took."""
+        import httpx
+
+        deadline = time.monotonic() + (self.idle_timeout_s if timeout_s is None else timeout_s)
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                r = self.client.post(f"{url}/flush_cache", timeout=30.0)
+                last = f"{r.status_code}: {r.text[:200]}"
+                if r.status_code == 200:
+                    return attempts
+            except httpx.TransportError as exc:
+                self._raise_if_died(url, during="/flush_cache")
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise SGLangRequestError(f"{url} still busy after {attempts} /flush_cache attempts (last answer "
+                                         f"{last}): SGLang releases memory only on an idle server")
+            time.sleep(interval_s)
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """POST /release_memory_occupation: free `tags` (weights, kv_cache; None = both) for a colocated
-        trainer. Needs the server launched with --enable-memory-saver."""
-        payload = {"tags": self._tags(tags)}
+        """POST /release_memory_occupation: free `tags` (weights, kv_cache, cuda_graph; None = all) for a
+        colocated trainer, on an idle server (flushed until it answers 200 first: SGLang asserts idleness
+        inside its scheduler). Tags already released are not released again. Needs the server launched
+        with --enable-memory-saver."""
+        wanted = self._tags(tags) or list(MEMORY_TAGS)
         for url in self.urls:
-            self._post(url, "/release_memory_occupation", payload)
+            todo = [t for t in wanted if t not in self.released[url]]
+            if not todo:
+                continue
+            self.wait_idle(url)
+            self._post(url, "/release_memory_occupation", {"tags": todo})
+            self.released[url].update(todo)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        payload = {"tags": self._tags(tags)}
+        """POST /resume_memory_occupation for the tags (None = all) this engine released and has not
+        resumed: SGLang raises on resuming a tag it holds, so a retried resume is a no-op. The CUDA
+        graphs come back with the KV cache (they were captured over it)."""
+        wanted = self._tags(tags) or list(MEMORY_TAGS)
+        if "kv_cache" in wanted and "cuda_graph" not in wanted:
+            wanted.append("cuda_graph")
         for url in self.urls:
-            self._post(url, "/resume_memory_occupation", payload)
+            todo = [t for t in wanted if t in self.released[url]]
+            if not todo:
+                continue
+            self._post(url, "/resume_memory_occupation", {"tags": todo})
+            self.released[url].difference_update(todo)
 
     @staticmethod
     def _tags(tags: Sequence[str] | None) -> list[str] | None:
@@ -500,16 +575,64 @@ class SGLangEngine:
         return list(tags)
 
     def offload(self) -> None:
-        """Colocation, before training: release the KV cache and the weights."""
-        self.release_memory(["kv_cache", "weights"])
+        """Colocation, before training: release the KV cache, the weights and the CUDA graphs."""
+        self.release_memory(["kv_cache", "weights", "cuda_graph"])
 
     def onload_weights(self) -> None:
         """Colocation, after training and before the weight update: weights back, KV cache still free."""
         self.resume_memory(["weights"])
 
     def onload_kv_cache(self) -> None:
-        """Colocation, after the weight update: KV cache back, ready to generate."""
-        self.resume_memory(["kv_cache"])
+        """Colocation, after the weight update: KV cache and CUDA graphs back, ready to generate."""
+        self.resume_memory(["kv_cache", "cuda_graph"])
+
+    # -- weight-update session (SGLang 0.5.23: tensor and distributed updates only inside one) --------
+    def begin_weight_update(self) -> None:
+        """POST /begin_weight_update on every server. A session left open by a failed attempt (a Prefect
+        retry of the sync) is closed and opened again."""
+        opened: list[str] = []
+        try:
+            for url in self.urls:
+                try:
+                    self._post(url, "/begin_weight_update", {})
+                except SGLangRequestError as exc:
+                    if "already open" not in str(exc):
+                        raise
+                    self._post(url, "/end_weight_update", {})
+                    self._post(url, "/begin_weight_update", {})
+                opened.append(url)
+        except BaseException:
+            for url in opened:
+                self._end_quietly(url)
+            raise
+
+    def end_weight_update(self) -> None:
+        """POST /end_weight_update on every server (each is tried even when one fails)."""
+        errors = []
+        for url in self.urls:
+            try:
+                self._post(url, "/end_weight_update", {})
+            except SGLangRequestError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise SGLangRequestError("; ".join(errors))
+
+    def _end_quietly(self, url: str) -> None:
+        try:
+            self._post(url, "/end_weight_update", {}, timeout=30.0)
+        except Exception:  # noqa: BLE001 - best effort while another error is on its way up
+            pass
+
+    @contextlib.contextmanager
+    def weight_update_session(self):
+        self.begin_weight_update()
+        try:
+            yield
+        except BaseException:
+            for url in self.urls:
+                self._end_quietly(url)
+            raise
+        self.end_weight_update()
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Mapping[str, Any], weight_version: int) -> None:
@@ -548,21 +671,30 @@ class SGLangEngine:
         self.weight_version = version
 
     def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-                                   weight_version: int, *, serializer: Callable[[list], bytes] = serialize_named_tensors,
+                                   weight_version: int, *, serializer: Callable[[list], bytes] | None = None,
                                    load_format: str | None = None, device: str | None = None) -> int:
-        """Bucketed POST /update_weights_from_tensor; one serialized payload per TP rank of each server.
-        Tensors move to `device` first (colocated: the engine's GPU, so they travel as IPC handles).
-        Returns the number of requests per server."""
+        """Bucketed POST /update_weights_from_tensor inside a weight-update session; one serialized payload
+        per TP rank of each server (default: SGLang's flattened bucket; `serializer` + `load_format` for
+        another). Tensors move to `device` first (colocated: the engine's GPU, so they travel as IPC
+        handles). Returns the number of requests per server."""
         self._target_version(weight_version)  # a skipped or repeated version fails before anything is sent
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         device = device or self.tensor_device
         if device is not None:
             items = [(name, t.to(device)) for name, t in items]
-        buckets = list(buckets_by_bytes(items, self.bucket_bytes)) or [[]]
-        for b, bucket in enumerate(buckets):
-            payloads = [base64.b64encode(serializer(bucket)).decode("ascii") for _ in range(self.payloads_per_bucket)]
-            self.apply_serialized_bucket(payloads, last=b == len(buckets) - 1, weight_version=weight_version,
-                                         load_format=load_format)
+        buckets = list(buckets_by_bytes(items, self.bucket_bytes))
+        with self.weight_update_session():
+            for b, bucket in enumerate(buckets):
+                if serializer is None:  # SGLang's flattened bucket: one uint8 tensor + metadata per payload
+                    from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
+
+                    flat, entries = flatten_bucket(bucket)
+                    raw, fmt = serialize_flattened_bucket(flat, entries), FLATTENED_BUCKET
+                else:
+                    raw, fmt = serializer(bucket), load_format
+                payloads = [base64.b64encode(raw).decode("ascii") for _ in range(self.payloads_per_bucket)]
+                self.apply_serialized_bucket(payloads, last=b == len(buckets) - 1, weight_version=weight_version,
+                                             load_format=fmt)
         return len(buckets)
 
     @property
@@ -611,8 +743,9 @@ class SGLangEngine:
 
         1. (once, when `join_group` is given) POST /init_weights_update_group to every server while
            `join_group()` makes the trainer rank 0 of the same group (e.g. `init_weight_group(...)`, tasks/sync/weight_group.py);
-        2. per bucket: POST /update_weights_from_distributed (names, dtypes, shapes) to every server
-           while `broadcast(tensor)` sends each tensor of the bucket in the same order.
+        2. inside a weight-update session, per bucket: POST /update_weights_from_distributed (names,
+           dtypes, shapes) to every server while `broadcast(tensor)` sends each tensor of the bucket in
+           the same order.
         Returns the number of buckets.
         """
         version = self._target_version(weight_version)
@@ -625,15 +758,17 @@ class SGLangEngine:
                 fut.result(timeout=timeout_s)
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         buckets = list(buckets_by_bytes(items, self.bucket_bytes))
-        for b, bucket in enumerate(buckets):
-            last = b == len(buckets) - 1
-            futures = self.update_weights_from_distributed(
-                [n for n, _ in bucket], [torch_dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket],
-                group_name=group_name, weight_version=version if last else None, flush_cache=last)
-            for _, tensor in bucket:
-                broadcast(tensor)
-            for fut in futures:
-                fut.result(timeout=timeout_s)
+        with self.weight_update_session():
+            for b, bucket in enumerate(buckets):
+                last = b == len(buckets) - 1
+                futures = self.update_weights_from_distributed(
+                    [n for n, _ in bucket], [torch_dtype_name(t.dtype) for _, t in bucket],
+                    [list(t.shape) for _, t in bucket],
+                    group_name=group_name, weight_version=version if last else None, flush_cache=last)
+                for _, tensor in bucket:
+                    broadcast(tensor)
+                for fut in futures:
+                    fut.result(timeout=timeout_s)
         self.weight_version = version
         return len(buckets)
 
@@ -729,7 +864,7 @@ def engine_from_config(model_dir: str | Path, rollout, *, model_name: str, weigh
     needed only to launch the default `python -m sglang.launch_server`; a missing install is reported
     here, at use time, with the install hint.
     """
-    from rollflow.tasks.rollout.server_worker import launch_spec_for, server_env
+    from rollflow.tasks.rollout.server_worker import dropped_env, launch_spec_for, server_env
 
     common = engine_options(model_dir, rollout, model_name=model_name, weight_version=weight_version)
     if servers:
@@ -739,7 +874,7 @@ def engine_from_config(model_dir: str | Path, rollout, *, model_name: str, weigh
     spec = launch_spec_for(model_dir, rollout, base_gpu_id=base_gpu_id, weight_version=weight_version)
     log_path = Path(log_dir) / f"sglang-{spec.port}.log" if log_dir else None
     server = SGLangServer(spec, log_path=log_path, env=server_env(rollout, None),
-                          tail_lines=rollout.sglang.log_tail_lines).start()
+                          tail_lines=rollout.sglang.log_tail_lines, drop_env=dropped_env(rollout)).start()
     try:
         server.wait_healthy(rollout.sglang.startup_timeout_s)
     except BaseException:

@@ -154,10 +154,11 @@ class SGLangServer:
     """One server process: start, wait for health, detect death, stop."""
 
     def __init__(self, spec: LaunchSpec, *, log_path: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 tail_lines: int = 40):
+                 tail_lines: int = 40, drop_env: Sequence[str] = ()):
         self.spec = spec
         self.command = launch_command(spec)
         self.env = dict(env or {})
+        self.drop_env = tuple(drop_env)  # variables of this process the server must not inherit
         self.tail_lines = tail_lines
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="sglang-")) / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -173,7 +174,8 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - the child keeps writing to it
         log.write(f"$ {' '.join(self.command)}\n".encode())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {k: v for k, v in os.environ.items() if k not in self.drop_env}
+        env.update({"PYTHONUNBUFFERED": "1", **{k: v for k, v in self.env.items() if k not in self.drop_env}})
         try:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, preexec_fn=_child_setup, close_fds=True)

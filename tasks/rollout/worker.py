@@ -92,8 +92,62 @@ class RolloutWorker:
     def describe(self) -> dict[str, str]:
         return self.engine.describe()
 
-    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False) -> list[Sample]:
-        """Train: n samples per prompt (greedy: one). Eval: data.eval's sampling when configured."""
+    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False, attempt: int = 0,
+                continue_from: str | None = None, max_staleness: int = 0) -> list[Sample]:
+        """Train: n samples per prompt (greedy: one). Eval: data.eval's sampling when configured.
+
+        `attempt` >= 1: an over-sampling call of dynamic sampling (its own prompts and seed). `continue_from`:
+        the previous rollout's artifact URI, whose aborted groups are continued first (partial rollouts)."""
+        if attempt == 0 and hasattr(self.engine, "reset_abort"):
+            self.engine.reset_abort()  # an abort meant for the previous rollout does not cut this one
+        continued = self._continued(rollout_id, continue_from, max_staleness) if continue_from else []
+        if attempt:
+            from rollflow.tasks.rollout.dynamic_sampling import oversample_prompts
+            from rollflow.tasks.rollout.engine import sample_seed
+
+            params = self.rollout_cfg.sampling(rollout_id)
+            params = dataclasses.replace(params, seed=sample_seed(params.seed, 1_000_000 + attempt),
+                                         stop_token_ids=params.stop_token_ids + self.stop_token_ids)
+            items = oversample_prompts(self.data_cfg, rollout_id, attempt)
+            return generate_samples(self.engine, self.tokenizer, items, params, self.rollout_cfg.n_samples_per_prompt)
+        fresh = self._rollout(rollout_id, split, greedy=greedy)
+        if not continued:
+            return fresh
+        from rollflow.tasks.rollout.partial import renumber
+
+        n = self.rollout_cfg.n_samples_per_prompt
+        groups = continued + [fresh[i : i + n] for i in range(0, len(fresh), n)]
+        return [dataclasses.replace(s, index=i) for i, s in enumerate(renumber(groups))]
+
+    def _continued(self, rollout_id: int, uri: str, max_staleness: int) -> list[list[Sample]]:
+        """The aborted groups of the artifact at `uri`, continued under the engine's current weights."""
+        from rollflow.artifacts.store import ArtifactRef, RolloutStore
+        from rollflow.tasks.rollout.partial import aborted_groups
+
+        ref = ArtifactRef.from_uri(uri)
+        artifact = RolloutStore(ref.root).load_uri(uri)
+        return self._continue_groups(rollout_id, aborted_groups(artifact.samples), ref.rollout_id, max_staleness)
+
+    def _continue_groups(self, rollout_id: int, groups: list[list[Sample]], source_rollout_id: int,
+                         max_staleness: int) -> list[list[Sample]]:
+        from rollflow.tasks.rollout.partial import continue_groups
+
+        params = self.rollout_cfg.sampling(rollout_id)
+        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
+        return continue_groups(self.engine, self.tokenizer, groups, params, source_rollout_id=source_rollout_id,
+                               trainer_version=rollout_id, max_staleness=max_staleness)
+
+    def finish_aborted(self, rollout_id: int, samples: list[Sample]) -> list[Sample]:
+        """Partial rollouts, when an abort left a rollout without one finished group: generate the aborted groups
+        of `samples` to the end now, before any weight change (same weights, so the rollout is an ordinary one)."""
+        from rollflow.tasks.rollout.partial import aborted_groups
+
+        if hasattr(self.engine, "reset_abort"):
+            self.engine.reset_abort()
+        done = self._continue_groups(rollout_id, aborted_groups(samples), rollout_id, max_staleness=rollout_id + 1)
+        return [s for group in done for s in group]  # group indices kept: the caller puts them back in place
+
+    def _rollout(self, rollout_id: int, split: str, *, greedy: bool) -> list[Sample]:
         items = prompts_for(self.data_cfg, rollout_id, split)
         if split == "eval" and self.data_cfg.eval is not None:
             n = self.data_cfg.eval_n_samples
@@ -103,6 +157,11 @@ class RolloutWorker:
             params = self.rollout_cfg.sampling(rollout_id, greedy=greedy)
         if self.stop_token_ids:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
+        if self.rollout_cfg.function != "single_turn":
+            from rollflow.tasks.rollout.agent import resolve_rollout_fn, run_rollout_function
+
+            return run_rollout_function(resolve_rollout_fn(self.rollout_cfg.function), self.engine, self.tokenizer,
+                                        items, params, n, self.rollout_cfg.agent.limits())
         return generate_samples(self.engine, self.tokenizer, items, params, n)
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
@@ -214,9 +273,21 @@ class RolloutWorker:
         """Serialized copies of each bucket the trainer makes: one per TP rank of every server."""
         return getattr(self.engine, "payloads_per_bucket", 1)
 
-    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int) -> int:
-        self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version)
+    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int,
+                                load_format: str | None = None) -> int:
+        self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version, load_format=load_format)
         return self.engine.weight_version
+
+    def begin_weight_update(self) -> None:
+        """SGLang's weight-update session around tensor / distributed updates (no-op for other engines)."""
+        begin = getattr(self.engine, "begin_weight_update", None)
+        if begin is not None:
+            begin()
+
+    def end_weight_update(self) -> None:
+        end = getattr(self.engine, "end_weight_update", None)
+        if end is not None:
+            end()
 
     def in_weight_group(self, group_name: str) -> bool:
         return getattr(self.engine, "weight_group", None) == group_name
@@ -232,7 +303,9 @@ class RolloutWorker:
         return self.engine.weight_version
 
     def weight_checksums(self) -> dict[str, str]:
-        return checksums(self.engine.named_weights())
+        # Fingerprints computed where the weights live (tasks/sync/parity.py): no copy to the host.
+        resident = getattr(self.engine, "weight_tensors", None)
+        return checksums(resident() if resident is not None else self.engine.named_weights())
 
 
 def _flatten(values) -> list:

@@ -131,6 +131,82 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
     return buf.getvalue()
 
 
+# SGLang's `load_format="flattened_bucket"` (sglang/srt/weight_sync/tensor_bucket.py, 0.5.23): one payload
+# is `{"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata, ...]}`; the receiver views
+# each slice back as its dtype and shape. The metadata class is SGLang's (its SafeUnpickler allows it by
+# name); the trainer need not have SGLang installed, so the pickle names it without importing it.
+FLATTENED_BUCKET = "flattened_bucket"
+_SGLANG_FLAT_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatEntry:
+    """One tensor's slice of a flattened bucket (the fields of SGLang's FlattenedTensorMetadata, in order)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+class _ExternalClass:
+    """A class the receiver has and the sender may lack, pickled by module and name only."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __call__(self, *args):  # pickle checks that a reduce callable is callable; never called here
+        raise TypeError(f"{self.module}.{self.name} exists only on the receiving side")
+
+
+class _FlatPickler(pickle._Pickler):  # the Python pickler: it can write a global it cannot import
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_external(self, obj: _ExternalClass) -> None:
+        self.save(obj.module)
+        self.save(obj.name)
+        self.write(pickle.STACK_GLOBAL)
+
+    dispatch[_ExternalClass] = save_external
+
+    def reducer_override(self, obj: Any):
+        if isinstance(obj, torch.Tensor):
+            return _reduce_tensor(obj)
+        if isinstance(obj, FlatEntry):
+            # FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel): a dataclass
+            return (_ExternalClass(*_SGLANG_FLAT_METADATA),
+                    (obj.name, torch.Size(obj.shape), obj.dtype, obj.start_idx, obj.end_idx, obj.numel))
+        return NotImplemented
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[FlatEntry]]:
+    """The bucket's tensors as one uint8 tensor (on their device) plus where each one lies. Every
+    start offset must be a multiple of the tensor's element size (the receiver views the slice as
+    that dtype): `buckets_by_bytes` callers keep one dtype per bucket or order by alignment."""
+    if not named:
+        raise ValueError("cannot flatten an empty bucket")
+    parts, entries, offset = [], [], 0
+    for name, tensor in named:
+        t = _plain(tensor).contiguous()
+        if offset % t.element_size():
+            raise ValueError(f"{name} ({t.dtype}) would start at byte {offset}, not a multiple of its element "
+                             f"size {t.element_size()}: SGLang cannot view it back; split the bucket by dtype")
+        flat = t.reshape(-1).view(torch.uint8)
+        entries.append(FlatEntry(str(name), t.shape, t.dtype, offset, offset + flat.numel(), flat.numel()))
+        parts.append(flat)
+        offset += flat.numel()
+    return torch.cat(parts), entries
+
+
+def serialize_flattened_bucket(flat: torch.Tensor, entries: list[FlatEntry]) -> bytes:
+    """One `serialized_named_tensors` entry for load_format="flattened_bucket"."""
+    buf = io.BytesIO()
+    _FlatPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({"flattened_tensor": flat, "metadata": list(entries)})
+    return buf.getvalue()
+
+
 def encode_payloads(named: list[tuple[str, torch.Tensor]], *, tp_size: int = 1) -> list[str]:
     """`serialized_named_tensors`: one base64 payload per TP rank. Each rank gets its own serialization
     because CUDA IPC ref-counts are per serialization (a rank releasing its copy must not free another's)."""
@@ -151,16 +227,28 @@ class IpcBucket:
 
 
 def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, tp_size: int = 1,
-                device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Iterator[IpcBucket]:
+                device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                flattened: bool = False) -> Iterator[IpcBucket]:
     """Consecutive tensors up to `bucket_bytes` per bucket (a larger tensor alone), each first moved to
-    `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time."""
+    `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time.
+    `flattened`: each payload is one flattened bucket (SGLang's load_format="flattened_bucket"), so a
+    bucket is one IPC handle however many tensors it holds."""
     from rollflow.tasks.sync.buckets import buckets_by_bytes
 
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     converted = ((name, t.detach().to(device=device, dtype=dtype)) for name, t in named)
     for pairs in buckets_by_bytes(converted, bucket_bytes):
         tensors = [t for _, t in pairs]
-        yield IpcBucket(payloads=encode_payloads(pairs, tp_size=tp_size), keepalive=tensors,
-                        names=[n for n, _ in pairs], nbytes=sum(t.numel() * t.element_size() for t in tensors))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if flattened:
+            flat, entries = flatten_bucket(pairs)
+            payloads = [base64.b64encode(serialize_flattened_bucket(flat, entries)).decode("ascii")
+                        for _ in range(tp_size)]
+            tensors = [flat]  # the handle points into the flat copy: it must outlive the load
+        else:
+            payloads = encode_payloads(pairs, tp_size=tp_size)
+        yield IpcBucket(payloads=payloads, keepalive=tensors, names=[n for n, _ in pairs], nbytes=nbytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +274,8 @@ class _TensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == _REBUILD_CUDA:
             return _rebuild_cuda_tensor_here
+        if (module, name) == _SGLANG_FLAT_METADATA:
+            return FlatEntry
         if module == "torch" or module.startswith("torch.") or module == "collections" or (
                 module == "builtins" and name in _SAFE_BUILTINS):
             return super().find_class(module, name)
@@ -194,9 +284,12 @@ class _TensorUnpickler(pickle.Unpickler):
 
 
 def deserialize_named_tensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `serialize_named_tensors` in another process: IPC handles open on the local index
-    of the GPU whose UUID they carry."""
+    """Inverse of `serialize_named_tensors` (or of `serialize_flattened_bucket`) in another process:
+    IPC handles open on the local index of the GPU whose UUID they carry."""
     named = _TensorUnpickler(io.BytesIO(data)).load()
+    if isinstance(named, dict) and set(named) == {"flattened_tensor", "metadata"}:
+        flat = named["flattened_tensor"]
+        return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in named["metadata"]]
     if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
         raise ValueError(f"weight payload is {type(named).__name__}, expected a list of (name, tensor)")
     return [(str(n), t) for n, t in named]

@@ -47,6 +47,8 @@ QKV_B = "self_attention.linear_qkv.bias"
 PROJ_W = "self_attention.linear_proj.weight"
 FC1_W = "mlp.linear_fc1.weight"
 FC2_W = "mlp.linear_fc2.weight"
+Q_NORM = "self_attention.q_layernorm.weight"  # Qwen3's per-head RMSNorm of q / k (qk_layernorm)
+K_NORM = "self_attention.k_layernorm.weight"
 EMBED = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -54,6 +56,17 @@ FINAL_NORM = "decoder.final_layernorm.weight"
 
 class ConversionError(ValueError):
     pass
+
+
+def sliding_window(config) -> int | None:
+    """The sliding-window width an HF config really applies, or None (full causal attention)."""
+    if getattr(config, "model_type", "") in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None  # Qwen configs carry a sliding_window value that only use_sliding_window turns on
+    window = getattr(config, "sliding_window", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if window is None or (max_positions is not None and window >= max_positions):
+        return None
+    return int(window)
 
 
 def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:
@@ -84,6 +97,7 @@ class MegatronLayout:
     tie_word_embeddings: bool
     qkv_bias: bool
     spec: Spec = "local"
+    qk_layernorm: bool = False
     tp_size: int = 1
     pp_size: int = 1
     layers_per_stage: tuple[int, ...] | None = None  # None: num_layers / pp_size each
@@ -112,12 +126,21 @@ class MegatronLayout:
                        make_vocab_size_divisible_by: int = 128,
                        layers_per_stage: Sequence[int] | None = None) -> "MegatronLayout":
         model_type = getattr(config, "model_type", "")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ConversionError(f"model_type={model_type!r}: the Megatron mapping covers llama / qwen2 / mistral")
+        if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+            raise ConversionError(f"model_type={model_type!r}: the Megatron mapping covers llama / qwen2 / qwen3 / "
+                                  "mistral")
         if getattr(config, "mlp_bias", False):
             raise ConversionError("mlp_bias=True is not supported by the Megatron mapping")
+        window = sliding_window(config)
+        if window is not None:
+            raise ConversionError(f"sliding_window={window} (< max_position_embeddings="
+                                  f"{getattr(config, 'max_position_embeddings', None)}): the Megatron layer specs "
+                                  "here attend over the full causal context and cannot honour a sliding window; "
+                                  "use train.backend=torch, or a config without sliding-window attention")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        # Llama's attention_bias also adds o_proj.bias, which Megatron's add_qkv_bias lacks: hf_to_megatron then
+        # names it as an unmapped tensor instead of dropping it.
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         return cls(
             num_layers=config.num_hidden_layers,
@@ -132,6 +155,7 @@ class MegatronLayout:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             spec=spec,
+            qk_layernorm=model_type == "qwen3",
             tp_size=tp_size,
             pp_size=pp_size,
             layers_per_stage=tuple(layers_per_stage) if layers_per_stage is not None else None,
@@ -208,9 +232,12 @@ def _pad_vocab(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: MegatronLayout) -> StateDict:
     """An HF Llama/Qwen2 state dict -> the global (tp=1, pp=1) Megatron state dict."""
+    taken: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         if name not in hf:
             raise ConversionError(f"HF state dict lacks {name!r}")
+        taken.add(name)
         return hf[name]
 
     out: StateDict = {EMBED: _pad_vocab(take("model.embed_tokens.weight"), layout)}
@@ -223,12 +250,21 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: MegatronLayout) -> St
             out[m + QKV_B] = fuse_qkv(take(p + "self_attn.q_proj.bias"), take(p + "self_attn.k_proj.bias"),
                                       take(p + "self_attn.v_proj.bias"), layout)
         out[m + PROJ_W] = take(p + "self_attn.o_proj.weight").clone()
+        if layout.qk_layernorm:
+            out[m + Q_NORM] = take(p + "self_attn.q_norm.weight").clone()
+            out[m + K_NORM] = take(p + "self_attn.k_norm.weight").clone()
         out[m + layout.pre_mlp_norm] = take(p + "post_attention_layernorm.weight").clone()
         out[m + FC1_W] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
         out[m + FC2_W] = take(p + "mlp.down_proj.weight").clone()
     out[FINAL_NORM] = take("model.norm.weight").clone()
     if not layout.tie_word_embeddings:
         out[OUTPUT] = _pad_vocab(take("lm_head.weight"), layout)
+    elif "lm_head.weight" in hf:
+        taken.add("lm_head.weight")  # HF lists the tied head too; it is the embedding
+    unmapped = sorted(name for name in hf if name not in taken and not name.endswith("rotary_emb.inv_freq"))
+    if unmapped:
+        raise ConversionError(f"HF tensors the Megatron mapping does not carry (they would be dropped): "
+                              f"{unmapped[:6]}{' ...' if len(unmapped) > 6 else ''} ({len(unmapped)} in all)")
     return out
 
 
@@ -246,6 +282,10 @@ def megatron_layer_to_hf(suffix: str, tensor: torch.Tensor, layout: MegatronLayo
                 f"{hf_prefix}self_attn.v_proj.{kind}": v}
     if suffix == PROJ_W:
         return {hf_prefix + "self_attn.o_proj.weight": tensor}
+    if suffix == Q_NORM:
+        return {hf_prefix + "self_attn.q_norm.weight": tensor}
+    if suffix == K_NORM:
+        return {hf_prefix + "self_attn.k_norm.weight": tensor}
     if suffix == FC1_W:
         gate, up = torch.chunk(tensor, 2, dim=0)
         return {hf_prefix + "mlp.gate_proj.weight": gate.contiguous(), hf_prefix + "mlp.up_proj.weight": up.contiguous()}
@@ -310,6 +350,11 @@ def _tp_rule(name: str, layout: MegatronLayout) -> str:
     if suffix in (PROJ_W, FC2_W):
         return "row"
     return "replicated"  # norms (also TE's fused layer_norm_weight), _extra_state
+
+
+def tp_rule(name: str, layout: MegatronLayout) -> str:
+    """How tensor `name` is split over tensor-parallel ranks: 'column', 'row', 'vocab', 'fc1' or 'replicated'."""
+    return _tp_rule(name, layout)
 
 
 def split_tensor_parallel(mcore: Mapping[str, torch.Tensor], layout: MegatronLayout) -> list[StateDict]:

@@ -132,8 +132,12 @@ def compute_advantages(
     gamma: float = 1.0,
     eps: float = 1e-6,
     whiten_eps: float = 1e-8,
+    turn_units: list[list[tuple[int, int, float]]] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token ``(advantages, returns)`` for ``estimator`` (see the module docstring).
+
+    ``turn_units[i]``: sample i's scored turns (start, end, reward) in response offsets; their tokens are
+    credited with the turn's reward instead of the sample's (tasks/train/turn_credit.py).
 
     ``rewards`` [N] are scalar rewards; ``response_masks[i]`` is sample i's 0/1 loss mask of
     length ``response_length_i``; ``kl[i]`` (same lengths) is the per-token KL used as a reward
@@ -187,6 +191,12 @@ def compute_advantages(
         if kl is None:
             return torch.zeros_like(masks[i])
         return kl_coef * kl[i].to(dtype) * masks[i]
+
+    if turn_units is not None:
+        from rollflow.tasks.train.turn_credit import turn_advantages
+
+        return turn_advantages(estimator, r, masks, group_size, turn_units, normalize_std=normalize_std,
+                               penalty=[penalty(i) for i in range(n)], gamma=gamma, eps=eps, whiten_eps=whiten_eps)
 
     if estimator in ("grpo", "gspo", "rloo"):
         if estimator == "rloo" and group_size == 1:

@@ -1,4 +1,5 @@
-"""The `megatron` TrainBackend: a megatron-core GPTModel for the Llama / Qwen2 family, one process.
+"""The `megatron` TrainBackend: a megatron-core GPTModel for the Llama / Qwen2 / Qwen3 family, one rank of a
+TP x PP x DP layout (docs/megatron.md, "Parallel training").
 
 Behind the same protocol as `torch_backend.TorchBackend` (tasks/train/step.py: TrainBackend): the same
 TrainBatch layout, the same `micro_batch_objective`, the same `train/*` metric names. Weights come in
@@ -6,8 +7,7 @@ and go out with HF names through `rollflow.tasks.sync.megatron_names`, so the en
 (`rollflow.tasks.sync.parity.compare`) are unchanged.
 
 megatron-core is imported lazily: this module imports on a CPU box without it, and building the backend
-there raises `MegatronMissing` with the install line. Target: tp = pp = 1 on one GPU (the converter has
-the tp/pp paths for later).
+there raises `MegatronMissing` with the install line.
 
 Layer specs (`MegatronSettings.layer_spec`):
   - "te": Transformer Engine spec (fused layernorm-linear, TE attention). Needs transformer-engine.
@@ -45,13 +45,22 @@ import torch
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.sync import megatron_names as mn
 from rollflow.tasks.train.batch import TrainBatch
+from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
+from rollflow.tasks.train.data_parallel import sum_stats
 from rollflow.tasks.train.fused_ops import install_rope_fusion, token_log_probs
+from rollflow.tasks.train.megatron_schedule import (ModelInput, model_inputs, run_schedule, schedule_loss_scale,
+                                                     token_budget_micro_batches)
+from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
 from rollflow.tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.torch_backend import split_rows
 from rollflow.tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
 
 MISSING_MESSAGE = ("train.backend='megatron' needs megatron-core: pip install 'rollflow[megatron]' "
                    "(Python >= 3.12 for megatron-core >= 0.17; 0.16.1 on 3.11)")
+
+
+# Written last by `MegatronBackend.save_distributed`: only a directory with it is a checkpoint.
+COMMIT_MARKER = "rollflow_commit.json"
 
 
 class MegatronMissing(ImportError):
@@ -106,24 +115,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel_state(device: torch.device, seed: int, *, tp_size: int = 1, pp_size: int = 1) -> None:
-    """One-process torch.distributed + Megatron's model-parallel groups (idempotent)."""
+def init_parallel_state(device: torch.device, seed: int, *, settings: MegatronSettings | None = None,
+                        dp: DataParallel | None = None) -> None:
+    """torch.distributed (this rank's place from `dp`; one process without it) + Megatron's parallel groups
+    (tp / pp / cp from `settings`, data parallel = world / (tp * pp * cp)). Idempotent."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    settings = settings or MegatronSettings()
     if device.type == "cuda":
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if dp is not None:
+            dist.init_process_group(backend=backend, init_method=dp.init_method, rank=dp.rank,
+                                    world_size=dp.world_size)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", 0)),
+                                    world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    settings.data_parallel_size(dist.get_world_size())  # one clear error before any group is built
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
-                                                 pipeline_model_parallel_size=pp_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=settings.tp, pipeline_model_parallel_size=settings.pp,
+            virtual_pipeline_model_parallel_size=settings.vpp, context_parallel_size=settings.cp)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel_state() -> None:
+    """Undo `init_parallel_state` (Megatron's groups, then the default group)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------- SDPA core attention
@@ -245,15 +273,23 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=layout.qkv_bias,
+        # In the config too, not only in the layer spec: finalize_model_grads sums the q/k norm grads over TP
+        # only when it is set (each TP rank's copy sees its own heads); without it the replicas diverge.
+        qk_layernorm=layout.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bf16=dtype == torch.bfloat16,
         fp16=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        sequence_parallel=False,
+        tensor_model_parallel_size=settings.tp,
+        pipeline_model_parallel_size=settings.pp,
+        virtual_pipeline_model_parallel_size=settings.vpp,
+        context_parallel_size=settings.cp,
+        sequence_parallel=settings.sequence_parallel,
+        recompute_granularity=settings.recompute_granularity,
+        recompute_method=settings.recompute_method,
+        recompute_num_layers=settings.recompute_num_layers,
         use_cpu_initialization=device.type != "cuda",
         perform_initialization=random_init,
         # Fusions that need TE or apex stay off; the torch.compile'd ones are opt-in (settings.fusions).
@@ -266,16 +302,22 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
         attention_softmax_in_fp32=True,
         attention_backend=AttnBackend[settings.attention_backend] if spec == "te" else AttnBackend.local,
     )
+    if settings.vpp is not None:
+        # Interleaved stages exchange activations and gradients with their neighbours at once. Batched into one
+        # p2p call, the sends and receives between the same two ranks (pp = 2: next == previous) pair up in the
+        # wrong order (the CPU test measured a 10x grad norm on gloo); overlap_p2p_comm posts them separately.
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(settings.transformer_config)
     return TransformerConfig(**kwargs), spec
 
 
-def build_layer_spec(spec: str, settings: MegatronSettings):
+def build_layer_spec(spec: str, settings: MegatronSettings, *, qk_layernorm: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if spec == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")  # a fresh spec object per call
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    # a fresh spec object per call
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     if spec == "sdpa":
         layer.submodules.self_attention.submodules.core_attention = make_sdpa_core_attention(settings.sdpa_backends)
     elif spec != "local":
@@ -284,20 +326,30 @@ def build_layer_spec(spec: str, settings: MegatronSettings):
 
 
 def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype, device: torch.device,
-                    random_init: bool = False):
-    """A megatron-core GPTModel for an HF Llama / Qwen2 config (tp = pp = 1); returns (model, layout)."""
+                    random_init: bool = False, vp_stage: int | None = None):
+    """This rank's megatron-core GPTModel (its TP shard of its pipeline stage; with vpp, of its virtual stage
+    `vp_stage`) for an HF Llama / Qwen2 / Qwen3 config; returns (model, layout, spec). The layout's pipeline
+    stages are the virtual ones (pp * vpp, `virtual_stage`). Parallel state must be initialised."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    settings.check_model(hf_config.num_hidden_layers,
+                         getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     config, spec = build_transformer_config(hf_config, settings, dtype=dtype, device=device, random_init=random_init)
-    layout = mn.MegatronLayout.from_hf_config(hf_config, spec="te" if spec == "te" else "local",
+    if spec != "te" and (settings.sequence_parallel or settings.cp > 1):  # layer_spec=auto resolved without TE
+        raise ValueError(f"train.megatron.sequence_parallel / cp > 1 need the te layer spec (transformer-engine); "
+                         f"layer_spec resolved to {spec!r}: install transformer-engine or turn them off")
+    layout = mn.MegatronLayout.from_hf_config(hf_config, spec="te" if spec == "te" else "local", tp_size=settings.tp,
+                                              pp_size=settings.pp * (settings.vpp or 1),
                                               make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(spec, settings),
+        transformer_layer_spec=build_layer_spec(spec, settings, qk_layernorm=layout.qk_layernorm),
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
         parallel_output=True,
         share_embeddings_and_output_weights=layout.tie_word_embeddings,
         position_embedding_type="rope",
@@ -307,12 +359,41 @@ def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype
     # Norm weights are created in fp32; cast everything, as Megatron's Float16Module does (rotary inv_freq is a
     # plain attribute, not a buffer, so it stays fp32).
     model = model.to(device=device, dtype=dtype)
+    mark_tensor_parallel(model, layout)
     return model, layout, spec
 
 
-def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], layout: mn.MegatronLayout) -> None:
-    """Copy an HF state dict into a (tp = pp = 1) Megatron model through the converter; strict on names."""
-    converted = mn.hf_to_megatron(hf_state, layout)
+def mark_tensor_parallel(model: torch.nn.Module, layout: mn.MegatronLayout) -> None:
+    """Tag every TP-split parameter as Megatron's parallel layers do when they initialise weights.
+
+    megatron-core sets `tensor_model_parallel` / `partition_dim` only inside its weight initialisers, so with
+    `perform_initialization=False` (weights loaded from HF) every parameter looks replicated: the global grad
+    norm then counts TP rank 0's shards only (measured: 1.505 instead of 1.850 at tp=2) and clipping is wrong.
+    """
+    dims = {"column": 0, "vocab": 0, "fc1": 0, "row": 1}
+    for name, param in model.named_parameters():
+        dim = dims.get(mn.tp_rule(name, layout))
+        if dim is not None:  # the attribute names of megatron.core.tensor_parallel.set_tensor_model_parallel_attributes
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+
+
+def virtual_stage(pp_rank: int, pp_size: int, vp_stage: int | None) -> int:
+    """Index of a model chunk in the layer order: interleaving gives rank r's chunk v the layers of stage v*pp + r."""
+    return pp_rank if vp_stage is None else vp_stage * pp_size + pp_rank
+
+
+def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], layout: mn.MegatronLayout,
+                    vp_stage: int | None = None) -> None:
+    """Copy an HF state dict into this rank's Megatron model (its tp shard of its pp stage) through the
+    converter; strict on names (and the converter is strict on HF tensors it does not map)."""
+    from megatron.core import parallel_state
+
+    if layout.tp_size * layout.pp_size == 1:
+        converted = mn.hf_to_megatron(hf_state, layout)
+    else:
+        stage = virtual_stage(parallel_state.get_pipeline_model_parallel_rank(),
+                              parallel_state.get_pipeline_model_parallel_world_size(), vp_stage)
+        converted = mn.to_megatron_shards(hf_state, layout)[(stage, parallel_state.get_tensor_model_parallel_rank())]
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing = sorted(set(own) - set(converted))
     unexpected = sorted(set(converted) - set(own))
@@ -327,9 +408,9 @@ def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], l
             target.copy_(source.to(dtype=target.dtype))
 
 
-def export_hf_weights(model: torch.nn.Module, layout: mn.MegatronLayout) -> dict[str, torch.Tensor]:
-    state = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    return {k: v.cpu().clone() for k, v in mn.megatron_to_hf(state, layout).items()}
+def _chunk_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
 
 
 # ------------------------------------------------------------------------------------------ log-probs
@@ -417,11 +498,25 @@ class _MasterAdamW:
 
 
 class MegatronBackend:
+    """One rank of the megatron trainer: its TP shard of its pipeline stage, in its data-parallel replica.
+
+    Two paths, by `train.megatron.optimizer`:
+      - "megatron" (CUDA; any tp / pp / dp): Megatron's DistributedDataParallel, its schedule
+        (`get_forward_backward_func`: 1F1B when pp > 1) with `finalize_model_grads`, its optimizer
+        (distributed optimizer optional, global-norm clipping over all model-parallel ranks) and its LR
+        scheduler (warmup + decay). Vocab-parallel log-probs when tp > 1.
+      - "torch" (one rank; also runs on CPU): rollflow's own micro-batch loop and AdamW on fp32 masters.
+    Every rank holds the whole TrainBatch; rank r of the data-parallel group trains on its contiguous share
+    of each mini-batch (`data_parallel.shard_rows`), as the torch backend's data parallel does.
+    """
+
     name = "megatron"
 
     def __init__(self, hf_config, hf_state: dict[str, torch.Tensor] | None, optim: OptimConfig, *,
-                 temperature: float = 1.0, keep_ref: bool = True):
+                 temperature: float = 1.0, keep_ref: bool = True, dp: DataParallel | None = None):
         require_megatron()
+        from megatron.core import parallel_state as ps
+
         torch.set_num_threads(optim.threads)
         torch.manual_seed(optim.seed)
         self.optim_cfg = optim
@@ -429,75 +524,132 @@ class MegatronBackend:
         self.settings = optim.megatron.resolved(self.device.type)
         self.temperature = temperature if temperature > 0 else 1.0
         self.dtype = DTYPES[optim.dtype]
-        init_parallel_state(self.device, optim.seed)
+        self.optimizer_kind = self.settings.optimizer
+        if self.optimizer_kind == "auto":
+            self.optimizer_kind = "megatron" if self.device.type == "cuda" else "torch"
+        s = self.settings
+        megatron_only = [name for name, on in (("use_distributed_optimizer", s.use_distributed_optimizer),
+                                               ("overlap_grad_reduce", s.overlap_grad_reduce),
+                                               ("lr_warmup_steps", s.lr_warmup_steps > 0),
+                                               ("lr_decay_style", s.lr_decay_style != "constant"),
+                                               ("max_tokens_per_gpu", s.max_tokens_per_gpu is not None)) if on]
+        if self.optimizer_kind == "torch" and megatron_only:
+            raise ValueError(f"train.megatron.{megatron_only[0]} needs optimizer='megatron' (Megatron's DDP, optimizer "
+                             "and scheduler); with optimizer='torch' it would do nothing")
+        world = dp.world_size if dp is not None else int(os.environ.get("WORLD_SIZE", 1))
+        if self.optimizer_kind == "torch" and world > 1:
+            raise ValueError(f"train.megatron.optimizer='torch' runs one rank (got world size {world}): use "
+                             "optimizer='megatron' (Megatron's DDP, schedule and optimizer) for tp / pp / dp > 1")
+        init_parallel_state(self.device, optim.seed, settings=self.settings, dp=dp)
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        if self.settings.cp > 1:
+            # TE's attention expects each cp rank's share of the sequence; splitting the batch (and the loss)
+            # over cp ranks is not built, and feeding every rank the whole sequence would be silently wrong.
+            raise NotImplementedError(f"train.megatron.cp={self.settings.cp}: context parallelism (the sequence split "
+                                      "over cp ranks) is not built yet; set cp=1")
         random_init = hf_state is None
         if self.device.type != "cuda" and resolve_layer_spec(self.settings.layer_spec) != "sdpa":
             raise ValueError("on CPU the megatron backend runs only train.megatron.layer_spec='sdpa' (the local "
                              "spec's attention forks Megatron's CUDA RNG tracker)")
-        self.model, self.layout, self.layer_spec = build_gpt_model(hf_config, self.settings, dtype=self.dtype,
-                                                                   device=self.device, random_init=random_init)
-        if hf_state is not None:
-            load_hf_weights(self.model, hf_state, self.layout)
-        # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
-        self.ref_model = None
-        if keep_ref:  # a second model, not a deepcopy: Megatron modules hold process groups
-            self.ref_model, _, _ = build_gpt_model(hf_config, self.settings, dtype=self.dtype, device=self.device,
-                                                   random_init=False)
-            self.ref_model.load_state_dict(self.model.state_dict())
-            self.ref_model.eval().requires_grad_(False)
-        self.optimizer_kind = self.settings.optimizer
-        if self.optimizer_kind == "auto":
-            self.optimizer_kind = "megatron" if self.device.type == "cuda" else "torch"
+        # One model chunk per virtual pipeline stage (vpp); one chunk otherwise. `self.model` is the first.
+        self.chunks: list[torch.nn.Module] = []
+        for vp in ([None] if self.settings.vpp is None else range(self.settings.vpp)):
+            chunk, self.layout, self.layer_spec = build_gpt_model(hf_config, self.settings, dtype=self.dtype,
+                                                                  device=self.device, random_init=random_init,
+                                                                  vp_stage=vp)
+            if hf_state is not None:
+                load_hf_weights(chunk, hf_state, self.layout, vp_stage=vp)
+            self.chunks.append(chunk)
+        self.model = self.chunks[0]
+        self._host_weights: dict[tuple[int, str], torch.Tensor] | None = None  # set while offloaded
+        # The reference is the starting policy, frozen: kept as a host copy (pinned on CUDA) and swapped into
+        # the one model for the reference pass, so no second model sits in GPU memory (slime does the same).
+        self._ref_state: dict[str, torch.Tensor] | None = None
+        if keep_ref:
+            self._ref_state = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}
+            if self.device.type == "cuda":
+                self._ref_state = {k: v.pin_memory() for k, v in self._ref_state.items()}
         self._build_optimizer()
 
     # -- optimizer ---------------------------------------------------------------------------------
 
     def _build_optimizer(self) -> None:
         optim = self.optim_cfg
+        self.scheduler = None
         if self.optimizer_kind == "torch":
             self.ddp = None
+            self.ddps: list = []
             self.train_model = self.model
             self.optimizer = _MasterAdamW([p for p in self.model.parameters() if p.requires_grad], optim)
             return
         if self.optimizer_kind != "megatron":
             raise ValueError(f"train.megatron.optimizer={self.optimizer_kind!r}: expected auto, megatron or torch")
-        if self.device.type != "cuda":
-            raise ValueError("train.megatron.optimizer='megatron' needs CUDA (Megatron's optimizer hard-codes CUDA "
-                             "tensors); use optimizer='torch' on CPU")
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-        self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
+        s = self.settings
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=s.overlap_grad_reduce,
+            overlap_param_gather=s.overlap_param_gather, use_distributed_optimizer=s.use_distributed_optimizer)
+        # Bucketing (overlap) only on the first chunk, as Megatron-LM does with interleaved stages.
+        self.ddps = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                             disable_bucketing=i > 0) for i, chunk in enumerate(self.chunks)]
+        self.ddp = self.ddps[0]
         self.train_model = self.ddp
+        for chunk in self.chunks:
+            # The schedule reduces grads (DP average, tied-embedding and sequence-parallel norm grads) at its end.
+            chunk.config.finalize_model_grads_func = finalize_model_grads
+            chunk.config.no_sync_func = (self.ddp.no_sync if len(self.ddps) == 1
+                                         else [d.no_sync for d in self.ddps])
+            if s.overlap_param_gather:
+                chunk.config.param_sync_func = (self.ddp.start_param_sync if len(self.ddps) == 1
+                                                else [d.start_param_sync for d in self.ddps])
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+            optimizer="adam", lr=optim.lr, min_lr=s.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=1e-8, clip_grad=optim.grad_clip,
-            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=False,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=s.use_distributed_optimizer,
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
-        for group in self.optimizer.param_groups:  # no LR scheduler: a constant LR, as the torch backend
-            group["lr"] = optim.lr
+        self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
+        decay_steps = s.lr_warmup_steps + (s.lr_decay_steps or 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if s.lr_warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.lr if s.lr_decay_style == "constant" else s.min_lr, lr_warmup_steps=s.lr_warmup_steps,
+            lr_decay_steps=decay_steps, lr_decay_style=s.lr_decay_style, start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
 
     def _zero_grad(self) -> None:
-        if self.ddp is not None:
-            self.ddp.zero_grad_buffer()
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def _optimizer_step(self) -> float:
         if self.ddp is None:
             return self.optimizer.step()
-        self.ddp.finish_grad_sync()
-        # Megatron checks for inf only under fp16 loss scaling; bf16/fp32 would clip by a NaN norm and
-        # write NaN weights, so look at the reduced grads first.
-        grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+        # Megatron checks for inf only under fp16 loss scaling; bf16/fp32 would clip by a NaN norm and write NaN
+        # weights, so look at the reduced grads first (one flag, agreed by every rank).
+        grads = [p.main_grad for chunk in self.chunks for p in chunk.parameters()
+                 if getattr(p, "main_grad", None) is not None]
+        bad = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else self.device)
         if grads and not bool(torch.stack([g.float().norm() for g in grads]).isfinite().all()):
+            bad += 1
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item():
             return float("nan")
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("Megatron optimizer step was skipped (inf/nan gradients)")
+        self.scheduler.step(increment=1)
         return float(grad_norm)
+
+    @property
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -518,45 +670,333 @@ class MegatronBackend:
             logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)  # [B, L, V_pad]
         return token_log_probs(logits[:, :-1], tokens[:, 1:], **kwargs)
 
+    def _forward_kwargs(self) -> dict[str, Any]:
+        # megatron-core >= 0.19: sequence-first [s, b, V/tp] logits straight from the output layer (no transpose
+        # copy of the logits); older releases return [b, s, V/tp].
+        # One stage only: how 0.19 treats the hook on stages without the output layer is not verified here.
+        use = self.pp_size == 1 and _accepts_output_processor(self.model)
+        return {"output_processor": _seq_first_logits} if use else {}
+
+    def _output_log_probs(self, item: ModelInput, logits: torch.Tensor, *, entropy_grad: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs / entropy [rows, width - 1] of the real rows and columns of the last stage's logits."""
+        n, width = item.n_real, item.width
+        seq_first = bool(self._forward_kwargs())
+        logits = logits[: width - 1, :n] if seq_first else logits[:n, : width - 1]
+        target = item.tokens[:n, 1:width]
+        target = target.t() if seq_first else target
+        if self.tp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            lp, ent = vocab_parallel_log_probs(logits, target, vocab_start=self.tp_rank * logits.shape[-1],
+                                               vocab_size=self.layout.vocab_size, temperature=self.temperature,
+                                               group=ps.get_tensor_model_parallel_group())
+        else:
+            lp, ent = token_log_probs(logits, target, temperature=self.temperature, vocab_size=self.layout.vocab_size,
+                                      chunk=self.settings.log_prob_chunk, impl=self.settings.log_prob_impl,
+                                      entropy_grad=entropy_grad)
+        return (lp.t(), ent.t()) if seq_first else (lp, ent)
+
+    def _model_inputs(self, batch: TrainBatch, micros: list[TrainBatch]) -> list[ModelInput]:
+        multiple = self.tp_size if self.settings.sequence_parallel else 1
+        empty = batch.select(slice(0, 0))
+        if self.pp_size == 1:  # no activations between stages: each micro-batch keeps its own rows and width
+            return [item for m in (micros or [empty])
+                    for item in model_inputs([m], rows=max(m.size, 1), device=self.device, empty=m,
+                                             width_multiple=multiple)]
+        if len(self.chunks) > 1 and len(micros) < self.pp_size:
+            # The interleaved schedule needs at least pp micro-batches: all-padding ones fill up (loss 0).
+            micros = list(micros or [empty]) + [empty] * (self.pp_size - max(len(micros), 1))
+        return model_inputs(micros, rows=self.optim_cfg.micro_batch_size, device=self.device, empty=empty,
+                            width_multiple=multiple)
+
+    @property
+    def _reports_stats(self) -> bool:
+        """One rank per data-parallel replica reports the replica's statistics (its last stage, tp / cp rank 0)."""
+        return self.pp_rank == self.pp_size - 1 and self.tp_rank == 0 and self.cp_rank == 0
+
+    def _schedule_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        rows = shard_rows(batch.size, self.dp_rank, self.dp_size)
+        mine = batch.select(rows)
+        micros = self._micro_batches(mine)
+
+        def loss_fn(item, logits, _num_microbatches):
+            lp, _ = self._output_log_probs(item, logits, entropy_grad=False)
+            return logits.new_zeros(()), {"log_probs": lp.float().cpu()}
+
+        with cpu_shims(self.device):
+            data = run_schedule(self.chunks, self._model_inputs(mine, micros), loss_fn, forward_only=True,
+                                forward_kwargs=self._forward_kwargs())
+        out = torch.zeros((batch.size, batch.tokens.shape[1] - 1), dtype=torch.float32)
+        if self._reports_stats and mine.size:
+            row = rows.start
+            for d in data:  # micro-batches in order; token-budget ones are narrower than the batch
+                lp = d["log_probs"]
+                out[row:row + lp.shape[0], : lp.shape[1]] = lp
+                row += lp.shape[0]
+        # Every rank gets every row: the sum of the reporting ranks' disjoint rows (zeros elsewhere) is exact.
+        flat = out.to(self._collective_device())
+        torch.distributed.all_reduce(flat)
+        return flat.cpu()
+
+    def _collective_device(self) -> torch.device:
+        return self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:
-        model = self.model if which == "policy" else self.ref_model
-        if model is None:
+        if which != "policy" and self._ref_state is None:
             raise RuntimeError("reference log-probs requested but the trainer was built without a reference model")
         _check_right_padded(batch.attention_mask)
-        was_training = model.training
-        model.eval()
-        # Same micro-batch split as the training forward: numerics then match bit for bit.
-        parts = [self._log_probs(model, mb, entropy_grad=False)[0].cpu()
-                 for mb in split_rows(batch, self.optim_cfg.micro_batch_size)]
-        model.train(was_training)
-        return torch.cat(parts, dim=0)
+        with self._weights_of(which):
+            was_training = self.model.training
+            for chunk in self.chunks:
+                chunk.eval()
+            if self.ddp is not None:
+                lp = self._schedule_log_probs(batch)
+            else:
+                # Same micro-batch split as the training forward: numerics then match bit for bit.
+                lp = torch.cat([self._log_probs(self.model, mb, entropy_grad=False)[0].cpu()
+                                for mb in split_rows(batch, self.optim_cfg.micro_batch_size)], dim=0)
+            for chunk in self.chunks:
+                chunk.train(was_training)
+        return lp
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """Every chunk's tensors, keyed `{chunk}/{name}`."""
+        return {f"{i}/{k}": v for i, chunk in enumerate(self.chunks) for k, v in _chunk_weights(chunk).items()}
+
+    @contextlib.contextmanager
+    def _weights_of(self, which: str):
+        """The policy's weights as they are, or the reference's swapped in (and the policy's put back after)."""
+        if which == "policy":
+            yield
+            return
+        own = self._weights()
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in own.items()}
+        with torch.no_grad():
+            for k, v in own.items():
+                v.copy_(self._ref_state[k], non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in own.items():
+                    v.copy_(saved[k], non_blocking=True)
 
     def micro_step(self, micro: TrainBatch, algo: AlgoConfig, denom: Denominators) -> dict[str, float]:
-        """Forward, objective and backward of one micro-batch (grads accumulate)."""
+        """Forward, objective and backward of one micro-batch (grads accumulate); the optimizer='torch' path."""
         log_probs, entropy = self._log_probs(self.train_model, micro, entropy_grad=algo.entropy_coef > 0)
         loss, stats = micro_batch_objective(log_probs, entropy, batch_to(micro, self.device), algo, denom)
         loss.backward()
         return stats
 
+    def _micro_batches(self, rows: TrainBatch) -> list[TrainBatch]:
+        """This rank's rows as micro-batches: by token budget (`max_tokens_per_gpu`) or `micro_batch_size` rows."""
+        budget = self.settings.max_tokens_per_gpu
+        if budget is not None:
+            return token_budget_micro_batches(rows, budget)
+        size = self.optim_cfg.micro_batch_size
+        return [rows.select(slice(i, i + size)) for i in range(0, rows.size, size)]
+
+    def _schedule_micro_batches(self, batch: TrainBatch, micros: list[TrainBatch], algo: AlgoConfig,
+                                denom: Denominators) -> dict[str, float]:
+        """This rank's micro-batches of one mini-batch through Megatron's schedule; summed statistics."""
+        if self.settings.max_tokens_per_gpu is not None:  # minibatch_steps handed the rank's rows as one
+            micros = [m for rows in micros for m in self._micro_batches(rows)]
+
+        def loss_fn(item: ModelInput, logits: torch.Tensor, num_microbatches: int):
+            if item.n_real == 0:  # a rank without rows: a zero loss that still reaches every parameter
+                return logits.sum() * 0.0, {}
+            lp, ent = self._output_log_probs(item, logits, entropy_grad=algo.entropy_coef > 0)
+            loss, stats = micro_batch_objective(lp, ent, batch_to(item.micro, self.device), algo, denom)
+            return loss * schedule_loss_scale(num_microbatches, self.dp_size), stats
+
+        with cpu_shims(self.device):
+            data = run_schedule(self.ddps, self._model_inputs(batch, micros), loss_fn, forward_only=False,
+                                forward_kwargs=self._forward_kwargs())
+        acc: dict[str, float] = {}
+        if self._reports_stats:
+            for stats in data:
+                for key, value in stats.items():
+                    acc[key] = acc.get(key, 0.0) + value
+        return acc
+
     def train(self, batch: TrainBatch, algo: AlgoConfig, on_step=None) -> dict[str, float]:
         """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats
         (`on_step` gets each step's own: objective.minibatch_steps)."""
         _check_right_padded(batch.attention_mask)
-        # eval(): no dropout, so the training forward is the same function as the scoring forward.
-        self.model.eval()
-        return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
-                               zero_grad=self._zero_grad,
-                               micro_step=lambda micro, denom: self.micro_step(micro, algo, denom),
-                               optimizer_step=self._optimizer_step, on_step=on_step)
+        # train(): Megatron's activation recompute runs only in training mode. Dropout is 0, so the training
+        # forward is still the same function as the scoring forward (step-1 exactness).
+        for chunk in self.chunks:
+            chunk.train()
+        if self.ddp is None:
+            return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
+                                   zero_grad=self._zero_grad,
+                                   micro_step=lambda micro, denom: self.micro_step(micro, algo, denom),
+                                   optimizer_step=self._optimizer_step, on_step=on_step)
+        from rollflow.tasks.train.objective import STAT_NAMES
+
+        names = STAT_NAMES + tuple(k for k in ("kl_loss",) if k not in STAT_NAMES)
+        rows_per_micro = self.optim_cfg.micro_batch_size if self.settings.max_tokens_per_gpu is None else batch.size
+        return minibatch_steps(
+            batch, self.optim_cfg.num_steps_per_rollout, rows_per_micro,
+            zero_grad=self._zero_grad, micro_step=None, optimizer_step=self._optimizer_step,
+            local_rows=lambda n: shard_rows(n, self.dp_rank, self.dp_size),
+            sum_stats=lambda stats: sum_stats(stats, None, names),
+            run_micro_batches=lambda micros, denom: self._schedule_micro_batches(batch, micros, algo, denom),
+            on_step=on_step)
+
+    # -- colocated placement: free the GPU while the engine generates -----------------------------------
+
+    def offload(self) -> None:
+        """Move this rank's weights, main grads and optimizer state to host memory (weights pinned) so a colocated
+        engine can use the GPU; `onload` brings them back. A no-op on CPU (nothing to free) and when offloaded."""
+        if self.device.type != "cuda" or self._host_weights is not None:
+            return
+        if self.ddp is None:
+            raise NotImplementedError("offload needs train.megatron.optimizer='megatron' (Megatron's grad buffers "
+                                      "and optimizer state know how to move); optimizer='torch' keeps its state")
+        torch.cuda.synchronize()
+        for ddp in self.ddps:  # grad buffers, and the param buffer of the distributed optimizer
+            for buffer in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", [])):
+                buffer.offload_to_cpu(move_params=True, move_grads=True)
+        host: dict[tuple[int, str], torch.Tensor] = {}
+        for i, chunk in enumerate(self.chunks):  # parameters that live outside the param buffer
+            for name, param in chunk.named_parameters():
+                if param.is_cuda and param.data.untyped_storage().size() > 0:
+                    host[(i, name)] = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                    host[(i, name)].copy_(param.data, non_blocking=True)
+        torch.cuda.synchronize()
+        for i, chunk in enumerate(self.chunks):
+            for name, param in chunk.named_parameters():
+                if (i, name) in host:
+                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self.optimizer.offload_to_cpu()
+        self._host_weights = host
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Undo `offload`: weights, (zeroed) grad buffers and optimizer state back on the GPU."""
+        if self._host_weights is None:
+            return
+        for ddp in self.ddps:
+            for buffer in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", [])):
+                buffer.reload_from_cpu(move_params=True, move_grads=True)
+        for i, chunk in enumerate(self.chunks):
+            for name, param in chunk.named_parameters():
+                if (i, name) in self._host_weights:
+                    param.data = self._host_weights[(i, name)].to(self.device, non_blocking=True)
+        self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        self._host_weights = None
 
     # -- weights and checkpoints -----------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named tensors (vocab padding removed), for the engine sync and `rollflow.tasks.sync.parity`."""
-        return export_hf_weights(self.model, self.layout)
+        """HF-named tensors of the whole model (vocab padding removed), for the engine sync and
+        `rollflow.tasks.sync.parity`. TP shards are all-gathered per parameter on the device; each pipeline
+        stage converts its own layers (with its layer offset), and the stages' HF tensors are then shared
+        over the pipeline group, so every rank returns the same full dict."""
+        from megatron.core import parallel_state as ps
+
+        stage: dict[str, torch.Tensor] = {}
+        for vp, chunk in enumerate(self.chunks):
+            local = {k: v.detach() for k, v in _chunk_weights(chunk).items()}
+            if self.tp_size > 1:
+                group = ps.get_tensor_model_parallel_group()
+                shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+                for name, tensor in local.items():
+                    parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+                    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+                    for rank, part in enumerate(parts):
+                        shards[rank][name] = part
+            else:
+                shards = [local]
+            index = virtual_stage(self.pp_rank, self.pp_size, vp if self.settings.vpp else None)
+            stage.update({k: v.cpu().clone() for k, v in mn.export_stage_to_hf(shards, self.layout, index).items()})
+        if self.pp_size == 1:
+            return stage
+        stages: list = [None] * self.pp_size
+        torch.distributed.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
+        out: dict[str, torch.Tensor] = {}
+        for part in stages:
+            out.update(part)
+        return out
+
+    def save_distributed(self, directory: str) -> None:
+        """Megatron's distributed checkpoint (torch_dist): every rank writes its own shards of the model and
+        of the optimizer, no rank gathers the whole state; loadable at another tp / pp / dp layout.
+
+        Commit protocol as for rollouts: the payload first, `COMMIT_MARKER` last (rank 0, after a barrier);
+        a directory without the marker is not a checkpoint. `directory` is a path every rank can write (a
+        shared filesystem on several hosts) and must not hold an earlier checkpoint.
+        """
+        import json
+
+        from megatron.core import dist_checkpointing
+
+        path = os.path.abspath(directory)
+        if os.path.exists(os.path.join(path, COMMIT_MARKER)):
+            raise FileExistsError(f"{path} already holds a committed checkpoint; checkpoints are immutable")
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._sharded_state(), path)
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            meta = {"format": "rollflow-megatron-dist-1", "optimizer_kind": self.optimizer_kind,
+                    "layout": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size}}
+            with open(os.path.join(path, COMMIT_MARKER), "w") as fh:
+                json.dump(meta, fh)
+        torch.distributed.barrier()
+
+    def load_distributed(self, directory: str) -> None:
+        """Load a `save_distributed` checkpoint, written at any tp / pp / dp layout, into this one."""
+        import json
+
+        from megatron.core import dist_checkpointing
+
+        path = os.path.abspath(directory)
+        marker = os.path.join(path, COMMIT_MARKER)
+        if not os.path.exists(marker):
+            raise FileNotFoundError(f"{path} has no {COMMIT_MARKER}: not a committed megatron checkpoint (an "
+                                    "interrupted save, or another format)")
+        with open(marker) as fh:
+            meta = json.load(fh)
+        if meta.get("optimizer_kind") != self.optimizer_kind:
+            raise ValueError(f"checkpoint optimizer {meta.get('optimizer_kind')!r} != this backend's "
+                             f"{self.optimizer_kind!r}")
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True), path)
+        for key, chunk in self._chunk_keys():
+            missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise ValueError(f"checkpoint does not fit the model: missing {missing[:4]}, "
+                                 f"unexpected {unexpected[:4]}")
+        if "optimizer" in loaded:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        if self.scheduler is not None and "scheduler" in loaded:
+            self.scheduler.load_state_dict(loaded["scheduler"])
+
+    def _chunk_keys(self) -> list[tuple[str, torch.nn.Module]]:
+        # Megatron-LM's names: "model", or "model0", "model1", ... with virtual pipeline stages.
+        if len(self.chunks) == 1:
+            return [("model", self.model)]
+        return [(f"model{i}", chunk) for i, chunk in enumerate(self.chunks)]
+
+    def _sharded_state(self, loading: bool = False) -> dict:
+        # Sharded keys carry global layer ids (vp_stage-aware offsets), so any layout can load them.
+        state: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in self._chunk_keys()}
+        model_state = dict(state)
+        if self.ddp is not None:
+            # is_loading: Megatron creates the (empty) Adam moments first, so the load has tensors to fill.
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=loading)
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
 
     def checkpoint_bytes(self) -> bytes:
+        if len(self.chunks) > 1:
+            raise NotImplementedError("virtual pipeline stages checkpoint through save_distributed only")
         buf = io.BytesIO()
         model_state = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
         torch.save({"format": "rollflow-megatron-1", "model": model_state,
@@ -581,13 +1021,14 @@ class MegatronBackend:
         torch.set_rng_state(state["rng"])
 
 
-def build_megatron_backend(model_dir, optim: OptimConfig, *, temperature: float) -> MegatronBackend:
-    """From a local HF model directory (config.json + safetensors)."""
+def build_megatron_backend(model_dir, optim: OptimConfig, *, temperature: float,
+                           dp: DataParallel | None = None) -> MegatronBackend:
+    """From a local HF model directory (config.json + safetensors); `dp`: this rank's place in the trainer."""
     require_megatron()
     from rollflow.tasks.model.tiny import load_model
 
     hf_model = load_model(model_dir)
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    backend = MegatronBackend(hf_model.config, state, optim, temperature=temperature)
+    backend = MegatronBackend(hf_model.config, state, optim, temperature=temperature, dp=dp)
     del hf_model, state
     return backend

@@ -121,7 +121,9 @@ def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size:
                     zero_grad, micro_step, optimizer_step,
                     local_rows: Callable[[int], slice] | None = None,
                     sum_stats: Callable[[dict[str, float]], dict[str, float]] | None = None,
-                    on_step: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
+                    on_step: Callable[[dict[str, float]], None] | None = None,
+                    run_micro_batches: Callable[[list[TrainBatch], Denominators], dict[str, float]] | None = None,
+                    ) -> dict[str, float]:
     """The optimizer loop every backend shares: consecutive mini-batches, one optimizer step each.
 
     `micro_step(micro, denom) -> stats` runs forward + objective + backward of one micro-batch;
@@ -137,6 +139,10 @@ def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size:
     each mini-batch, and `sum_stats(stats) -> stats` sums the ranks' shares of the statistics. The
     denominators stay those of the whole mini-batch (every rank holds the whole batch), so the ranks'
     losses add up to the single-rank loss and their gradients must be summed, not averaged.
+
+    `run_micro_batches(micros, denom) -> summed stats`, if given, replaces the per-micro-batch calls of
+    `micro_step` with one call over all of this rank's micro-batches of the mini-batch (Megatron's
+    pipeline schedule interleaves their forwards and backwards).
     """
     slices = minibatch_slices(batch.size, steps_per_rollout)
     totals: dict[str, float] = {}
@@ -151,9 +157,14 @@ def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size:
             mini = mini.select(local_rows(mini.size))  # may be empty: the rank still joins the collectives
         zero_grad()
         acc: dict[str, float] = {}
-        for start in range(0, mini.size, micro_batch_size):
-            for key, value in micro_step(mini.select(slice(start, start + micro_batch_size)), denom).items():
-                acc[key] = acc.get(key, 0.0) + value
+        micros = [mini.select(slice(start, start + micro_batch_size))
+                  for start in range(0, mini.size, micro_batch_size)]
+        if run_micro_batches is not None:
+            acc = dict(run_micro_batches(micros, denom))
+        else:
+            for micro in micros:
+                for key, value in micro_step(micro, denom).items():
+                    acc[key] = acc.get(key, 0.0) + value
         if sum_stats is not None:
             acc = sum_stats(acc)
         # Ranks see the same summed loss and global grad norm, so they all skip or all step.

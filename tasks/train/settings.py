@@ -159,6 +159,77 @@ class MegatronSettings(_Strict):
         ))
     transformer_config: dict[str, Any] = Field(
         default_factory=dict, description="extra TransformerConfig fields, passed through")
+    # Parallel layout: data parallel = world / (tp * pp * cp) (`data_parallel_size`).
+    tp: int = Field(1, ge=1, description="tensor-parallel size (divides the KV heads and the FFN width)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size (stages; divides the layers)")
+    cp: int = Field(1, ge=1, description="context-parallel size (needs the te layer spec's attention)")
+    vpp: Optional[int] = Field(None, ge=2, description="virtual pipeline stages per rank (interleaved 1F1B); pp > 1")
+    sequence_parallel: bool = Field(False, description="shard norms / dropout activations over the TP group; tp > 1")
+    recompute_granularity: Optional[Literal["full", "selective"]] = Field(
+        None, description="activation recompute (Megatron's); takes effect because training runs in train mode")
+    recompute_method: Optional[Literal["uniform", "block"]] = Field(
+        None, description="full recompute only: uniform (groups of recompute_num_layers) or block (first N layers)")
+    recompute_num_layers: Optional[int] = Field(None, ge=1, description="full recompute only")
+    use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data parallel (ZeRO-1)")
+    overlap_grad_reduce: bool = Field(False, description="overlap the DP grad reduce with backward (CUDA)")
+    overlap_param_gather: bool = Field(False, description="overlap the param all-gather (distributed optimizer)")
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warmup optimizer steps (Megatron's scheduler)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_steps: Optional[int] = Field(None, ge=1, description="steps of decay after warmup (non-constant styles)")
+    min_lr: float = Field(0.0, ge=0, description="the LR the decay ends at")
+    max_tokens_per_gpu: Optional[int] = Field(
+        None, ge=1, description="token budget of a micro-batch (rows x its own padded width) instead of "
+                                "micro_batch_size rows; optimizer=megatron, pp = 1")
+
+    @model_validator(mode="after")
+    def _parallel_layout(self) -> "MegatronSettings":
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("train.megatron.sequence_parallel=true needs train.megatron.tp > 1; set it false at tp=1")
+        if self.vpp is not None and self.pp == 1:
+            raise ValueError(f"train.megatron.vpp={self.vpp} needs train.megatron.pp > 1; unset vpp")
+        if self.sequence_parallel and self.layer_spec in ("sdpa", "local"):
+            raise ValueError(f"train.megatron.sequence_parallel=true needs the te layer spec: megatron-core's torch "
+                             f"norms (layer_spec={self.layer_spec!r}) refuse sequence parallelism; set "
+                             "sequence_parallel=false or layer_spec=te")
+        if self.cp > 1 and self.layer_spec in ("sdpa", "local"):
+            raise ValueError(f"train.megatron.cp={self.cp} needs the te layer spec (TE attention splits the sequence "
+                             f"over cp ranks); layer_spec={self.layer_spec!r} cannot: set cp=1 or layer_spec=te")
+        if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
+            raise ValueError("train.megatron.recompute_method / recompute_num_layers apply to "
+                             "recompute_granularity='full' only; set recompute_granularity=full or unset them")
+        if self.recompute_granularity == "full" and not (self.recompute_method and self.recompute_num_layers):
+            raise ValueError("train.megatron.recompute_granularity='full' needs recompute_method (uniform | block) and "
+                             "recompute_num_layers")
+        if self.max_tokens_per_gpu is not None and self.pp > 1:
+            raise ValueError("train.megatron.max_tokens_per_gpu needs pp = 1 (pipeline stages exchange fixed-shape "
+                             "activations); use micro_batch_size with pp > 1, or unset max_tokens_per_gpu")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("train.megatron.overlap_param_gather needs use_distributed_optimizer=true")
+        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
+            raise ValueError(f"train.megatron.lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps")
+        return self
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """world / (tp * pp * cp), or one clear error naming the fields."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"trainer world size {world_size} is not divisible by train.megatron.tp * pp * cp = "
+                             f"{self.tp} * {self.pp} * {self.cp}; use a world size that is a multiple of "
+                             f"{self.model_parallel_size}")
+        return world_size // self.model_parallel_size
+
+    def check_model(self, num_layers: int, num_kv_heads: int) -> None:
+        """The layout against the model's shape (before any rank builds anything)."""
+        stages = self.pp * (self.vpp or 1)
+        if num_layers % stages:
+            raise ValueError(f"num_hidden_layers={num_layers} is not divisible by train.megatron.pp * vpp = {stages}; "
+                             "choose pp / vpp that divide the layer count")
+        if num_kv_heads % self.tp:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by train.megatron.tp={self.tp}; "
+                             "choose a tp that divides the KV heads")
 
 
 class OptimConfig(_Strict):

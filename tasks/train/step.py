@@ -15,6 +15,7 @@ from rollflow.artifacts.sample import Sample
 from rollflow.tasks.groups import identical_group_fraction
 from rollflow.tasks.train.advantages import compute_advantages
 from rollflow.tasks.train.batch import TrainBatch, batch_from_samples, per_sample, to_dense
+from rollflow.tasks.train.turn_credit import turn_units
 from rollflow.tasks.train.batch_columns import batch_from_columns, identical_group_fraction_of_columns
 from rollflow.tasks.train.kl import approx_kl
 from rollflow.tasks.train.losses import masked_mean
@@ -95,6 +96,7 @@ def prepare_batch(backend: TrainBackend, samples: list[Sample] | SampleColumns, 
             normalize_std=algo.normalize_advantage_std,
             kl=kl_rows if token_kl else None, kl_coef=algo.kl_coef if token_kl else 0.0,
             gamma=algo.gamma if algo.advantage_estimator == "reinforce_plus_plus" else 1.0,
+            turn_units=turn_units(samples),  # per-turn rewards (conversation feedback), else None
         )
         batch.advantages = to_dense([a.float() for a in adv_rows], span)
         batch.returns = to_dense([r.float() for r in ret_rows], span)

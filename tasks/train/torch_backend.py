@@ -11,6 +11,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES, cast_model
 from rollflow.tasks.model.teacher_forced import gather_log_probs, next_token_logits, teacher_forced_log_probs
+from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.train.batch import TrainBatch
 from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.data_parallel import (
@@ -65,6 +66,7 @@ class TorchBackend:
         self.group = init_data_parallel(dp) if dp is not None else None
         # Parameters cast, RoPE inv_freq kept as loaded: the same model as an engine loaded in this dtype.
         self.model = cast_model(model, DTYPES[optim.dtype], optim.device)
+        self._resident: ResidentWeights | None = None
         if self.group is not None:
             broadcast_module(self.model, self.group)
         # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
@@ -130,6 +132,13 @@ class TorchBackend:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights where they live (no host copy; Parameters themselves, read-only): the source of a
+        device-to-device sync and of checksums computed on the device."""
+        if self._resident is None:
+            self._resident = ResidentWeights(self.model)
+        return self._resident.tensors()
 
     def checkpoint_bytes(self) -> bytes:
         buf = io.BytesIO()

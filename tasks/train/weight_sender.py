@@ -14,6 +14,7 @@ methods to the sync task (flows/weight_sync.py), which drives both actors in SGL
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Iterator
 
 import torch
@@ -62,26 +63,31 @@ class WeightSender:
 
     # -- tensor path (CUDA IPC) -------------------------------------------------------------------
     def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None,
-                  device: str | None = None) -> int:
-        """Plan the buckets; returns how many `ipc_next` calls follow."""
+                  device: str | None = None, flattened: bool = False) -> int:
+        """Plan the buckets; returns how many `ipc_next` calls follow. `tp_size`: payload copies per
+        bucket (1 when every engine TP rank takes the payload of the trainer rank on its own GPU);
+        `flattened`: SGLang's load_format="flattened_bucket"."""
         from rollflow.tasks.sync.ipc import ipc_buckets
 
         named = self._named_tensors()
         n = len(bucket_plan(named, bucket_bytes, dtype))
         self._ipc = ipc_buckets(named.items(), bucket_bytes, tp_size=tp_size, device=device, dtype=
-                                DTYPES[dtype] if dtype else None)
+                                DTYPES[dtype] if dtype else None, flattened=flattened)
         self._held = None
         return n
 
     def ipc_next(self) -> dict:
-        """The next bucket's payloads (one base64 string per TP rank) and its tensor names; the
-        previous bucket's tensors are released (the engine has loaded them by now)."""
+        """The next bucket's payloads (one base64 string per copy), its tensor names and the GPU they
+        were made on (this process's CUDA_VISIBLE_DEVICES, as the scheduler numbers GPUs; None without);
+        the previous bucket's tensors are released (the engine has loaded them by now)."""
         if self._ipc is None:
             raise RuntimeError("ipc_next before ipc_begin")
         self._held = None
         bucket = next(self._ipc)
         self._held = bucket
-        return {"payloads": list(bucket.payloads), "names": list(bucket.names), "nbytes": int(bucket.nbytes)}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
+        return {"payloads": list(bucket.payloads), "names": list(bucket.names), "nbytes": int(bucket.nbytes),
+                "gpu": visible.split(",")[0] if visible else None}
 
     def ipc_end(self) -> None:
         self._ipc = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from rollflow.artifacts.pipeline_meta import trained_rows
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
@@ -27,20 +28,32 @@ from rollflow.tasks.train.step import train_on_samples
 from rollflow.tasks.train.torch_backend import TorchBackend
 
 
-MEGATRON_DP_REFUSED = ("multi-rank Megatron (TP/PP/DP across GPUs) is not available in this build; use "
-                       "train.backend=torch for data parallel or trainer_gpus=1")
+MEGATRON_DP_REFUSED = ("multi-rank Megatron through the train worker runs data parallel only, on CUDA, with "
+                       "Megatron's optimizer and no distributed optimizer (its checkpoints are rank 0's bytes); "
+                       "tp / pp / cp > 1 need the distributed checkpoint (MegatronBackend.save_distributed), which "
+                       "rl_train does not call yet: use train.backend=torch for data parallel, or trainer_gpus=1")
+
+
+def megatron_multi_rank_refusal(optim: OptimConfig) -> str | None:
+    """Why this megatron config cannot run as several TrainWorker ranks, or None if it can."""
+    m = optim.megatron
+    on_cuda = str(optim.device).startswith("cuda") and m.optimizer in ("auto", "megatron")
+    if not on_cuda or m.model_parallel_size > 1 or m.use_distributed_optimizer:
+        return MEGATRON_DP_REFUSED
+    return None
 
 
 def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp: DataParallel | None = None):
-    """The backend of `optim.backend`; `dp` makes the torch backend one rank of a data-parallel group."""
+    """The backend of `optim.backend`; `dp` makes the backend one rank of a data-parallel group."""
     multi_rank = dp is not None and dp.enabled
-    if optim.backend == "megatron" and multi_rank:
-        # Refused before anything loads or joins a group: the megatron backend is one process, one GPU.
-        raise NotImplementedError(f"{MEGATRON_DP_REFUSED} (got world_size={dp.world_size})")
+    if optim.backend == "megatron" and multi_rank and (why := megatron_multi_rank_refusal(optim)):
+        # Refused before anything loads or joins a group.
+        raise NotImplementedError(f"{why} (got world_size={dp.world_size})")
     if optim.backend == "megatron":
         from rollflow.tasks.train.megatron_backend import build_megatron_backend  # imports megatron-core lazily
 
-        return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature)
+        return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature,
+                                      dp=dp if multi_rank else None)
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
     from rollflow.tasks.model.dtypes import DTYPES
@@ -125,6 +138,9 @@ class TrainWorker:
                         split=artifact.manifest.split, uri=ArtifactRef.from_dict(ref).uri)
         if reward_key is not None:  # the run's key of dict rewards wins over the samples' own (as slime)
             samples = samples.with_reward_key(reward_key)
+        # Groups kept in the artifact but not trained (dynamic-sampling filter, partial rollouts): a replay of
+        # the artifact drops exactly the rows the run dropped.
+        samples = trained_rows(samples)
         group_size = artifact.manifest.n_samples_per_prompt
         if group_size <= 1 and len(samples) > 1:
             group_size = infer_group_size(samples)
@@ -229,7 +245,9 @@ class TrainWorker:
 
     def weight_checksums(self, as_dtype: str | None = None) -> dict[str, str]:
         """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
-        named = self.backend.named_weights()
+        # Fingerprints computed where the weights live (tasks/sync/parity.py): no copy to the host.
+        resident = getattr(self.backend, "weight_tensors", None)
+        named = resident() if resident is not None else self.backend.named_weights()
         if as_dtype is not None:
             from rollflow.tasks.model.dtypes import DTYPES
 
@@ -251,12 +269,19 @@ class TrainWorker:
             return {k: v.detach() for k, v in model.state_dict().items()}
         return self.backend.named_weights()
 
-    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None) -> int:
+    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None, flattened: bool = False) -> int:
         device = self.optim.device if str(self.optim.device).startswith("cuda") else None
-        return self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device)
+        return self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device, flattened)
 
     def ipc_next(self) -> dict:
         return self._sender().ipc_next()
+
+    def visible_gpu(self) -> str | None:
+        """This rank's GPU as the cluster numbers them (Ray sets CUDA_VISIBLE_DEVICES), None without."""
+        import os
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
+        return visible.split(",")[0] if visible else None
 
     def ipc_end(self) -> None:
         self._sender().ipc_end()

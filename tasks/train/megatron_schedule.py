@@ -1,0 +1,133 @@
+"""Micro-batches through Megatron's own schedule (`get_forward_backward_func`), with the loss scaled right.
+
+How the gradient stays that of the single-rank objective:
+
+- rollflow's objective (`objective.micro_batch_objective`) returns each micro-batch's SHARE of the
+  mini-batch loss: it divides by the whole mini-batch's token / sample counts, so the shares of all
+  micro-batches on all data-parallel ranks add up to the single-rank loss;
+- Megatron's schedule divides each micro-batch's loss by the number of micro-batches (and multiplies it
+  by the context-parallel size), and its DistributedDataParallel scales the reduced gradient by
+  1 / (data-parallel size x context-parallel size), i.e. it averages;
+- so the loss handed to the schedule is the share times `schedule_loss_scale(num_microbatches, dp)` =
+  num_microbatches x dp, which turns Megatron's mean back into the sum the objective needs, for any
+  DP x micro-batch split (tests/test_megatron_parallel.py: DP=1 vs DP=2, 1 vs 4 micro-batches).
+
+Every micro-batch of one call has the same [rows, width] (pipeline stages exchange fixed-shape
+activations): short micro-batches are padded with dummy rows and the width is padded to a multiple of
+the TP size under sequence parallelism; padding is right-side, so causal attention keeps the real
+positions' outputs unchanged, and the loss reads the real rows and columns only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollflow.tasks.train.batch import TrainBatch
+
+
+def schedule_loss_scale(num_microbatches: int, data_parallel_size: int) -> float:
+    """Factor on a micro-batch's loss share that undoes Megatron's mean over micro-batches and DP ranks."""
+    if num_microbatches < 1 or data_parallel_size < 1:
+        raise ValueError(f"num_microbatches={num_microbatches} and data_parallel_size={data_parallel_size} "
+                         "must be >= 1")
+    return float(num_microbatches * data_parallel_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInput:
+    """One micro-batch as the model sees it: padded tokens / positions, and the real rows' TrainBatch."""
+
+    tokens: torch.Tensor  # [rows, width] long
+    position_ids: torch.Tensor  # [rows, width] long
+    micro: TrainBatch  # the real rows (may be empty: a rank with no rows still joins the collectives)
+    width: int  # real width L of `micro`
+
+    @property
+    def n_real(self) -> int:
+        return self.micro.size
+
+
+def trim_width(micro: TrainBatch, width: int) -> TrainBatch:
+    """The first `width` token columns of a right-padded batch (`width - 1` of the target-aligned fields)."""
+    full = micro.tokens.shape[1]
+    out = {}
+    for field in dataclasses.fields(micro):
+        value = getattr(micro, field.name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in (full, full - 1):
+            value = value[:, : width - (full - value.shape[1])]
+        out[field.name] = value
+    return TrainBatch(**out)
+
+
+def token_budget_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
+    """Consecutive rows grouped so that rows x (longest row of the group) <= max_tokens, each group cut to
+    its own longest row: no padding to the longest sample of the rollout. A row longer than the budget
+    is a micro-batch of its own."""
+    lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
+    groups: list[tuple[int, int, int]] = []  # (start, stop, width)
+    start, width = 0, 0
+    for row, length in enumerate(lengths):
+        wider = max(width, length)
+        if row > start and (row - start + 1) * wider > max_tokens:
+            groups.append((start, row, width))
+            start, wider = row, length
+        width = wider
+    if lengths:
+        groups.append((start, len(lengths), width))
+    return [trim_width(batch.select(slice(a, b)), max(w, 2)) for a, b, w in groups]
+
+
+def model_inputs(micros: list[TrainBatch], *, rows: int, width_multiple: int, device: torch.device,
+                 empty: TrainBatch) -> list[ModelInput]:
+    """Pad every micro-batch to `rows` rows and a width that is a multiple of `width_multiple`.
+
+    `empty` (a 0-row TrainBatch of the right width) stands in when this rank has no rows at all: the
+    schedule still runs one all-padding micro-batch so the gradient reduction has every rank.
+    """
+    micros = micros or [empty]
+    width = micros[0].tokens.shape[1]
+    padded_width = -(-width // width_multiple) * width_multiple
+    out = []
+    for micro in micros:
+        tokens = torch.zeros((rows, padded_width), dtype=torch.long)
+        tokens[: micro.size, :width] = micro.tokens
+        # Positions continue past the real width (right padding; causal attention never looks right).
+        positions = torch.arange(padded_width, dtype=torch.long).expand(rows, padded_width).clone()
+        positions[: micro.size, :width] = micro.position_ids
+        out.append(ModelInput(tokens.to(device), positions.to(device), micro, width))
+    return out
+
+
+def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
+                 loss_fn: Callable[[ModelInput, torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]], *,
+                 forward_only: bool, forward_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Forward (and backward) of `inputs` through Megatron's schedule for this parallel layout.
+
+    `loss_fn(item, output, num_microbatches) -> (loss, data)` runs on the last pipeline stage on the
+    model's output (logits); `data` of each micro-batch is returned there, in order ([] elsewhere).
+    `forward_kwargs` go to every model call (e.g. megatron-core 0.19's `output_processor`).
+    """
+    extra = dict(forward_kwargs or {})
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    num_microbatches = len(inputs)
+
+    def forward_step(data_iterator, model):
+        item = next(data_iterator)
+        output = model(input_ids=item.tokens, position_ids=item.position_ids, attention_mask=None, **extra)
+
+        def loss_func(output_tensor):
+            return loss_fn(item, output_tensor, num_microbatches)
+
+        return output, loss_func
+
+    rows, width = inputs[0].tokens.shape
+    # Interleaved stages: one iterator per model chunk, each over the same micro-batches.
+    data = iter(inputs) if len(model_chunks) == 1 else [iter(inputs) for _ in model_chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=model_chunks,
+        num_microbatches=num_microbatches, seq_length=width, micro_batch_size=rows, forward_only=forward_only)
