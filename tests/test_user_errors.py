@@ -19,6 +19,7 @@ def cli(monkeypatch, tmp_path):
     """The `rollflow` app; starting Prefect or Ray fails the test (the checks must come first)."""
     import rollflow.flows.cli as cli_mod
     import rollflow.flows.cli_align as align_mod
+    import rollflow.flows.group  # noqa: F401  imported before the patch, so it never binds the stub for good
     import rollflow.infra.workers as workers
 
     def no_prefect(*a, **k):

@@ -25,7 +25,6 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import functools
-import importlib
 import inspect
 import re
 from typing import Any, Awaitable, Callable, Optional, Union
@@ -33,6 +32,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 from rollflow.artifacts.sample import Sample, Status
 from rollflow.tasks.model.tokenizer import prompt_token_ids
 from rollflow.tasks.rollout.conversation import TURNS_KEY, Conversation
+from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.engine import RolloutEngine, SamplingParams
 from rollflow.tasks.rollout.generate import warn_identical_groups
 from rollflow.tasks.rollout.prompts import PromptItem
@@ -71,20 +71,7 @@ class RolloutContext:
 
 def resolve_rollout_fn(spec: str) -> RolloutFn:
     """`pkg.mod:fn` or `pkg.mod.fn`; 'single_turn' has no function (the batched built-in path)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"rollout.function={spec!r} is neither 'single_turn' nor a dotted path like "
-                         "'my_pkg.agents:rollout'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"rollout.function={spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"rollout.function={spec!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_callable("rollout.function", spec, "'single_turn' or a dotted path like 'my_pkg.agents:rollout'")
 
 
 def _is_async(fn: Any) -> bool:

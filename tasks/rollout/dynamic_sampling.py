@@ -9,12 +9,12 @@ A group filter is a plain function `(group: list[Sample]) -> bool` (rewards alre
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Callable
 
 from rollflow.artifacts.pipeline_meta import mark_filtered
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.rollout.addition import addition_prompts
+from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.prompts import PromptItem
 
 GroupFilter = Callable[[list[Sample]], bool]
@@ -30,14 +30,7 @@ def reward_not_constant(group: list[Sample]) -> bool:
 
 
 def load_filter(path: str) -> GroupFilter:
-    module, _, name = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"pipeline.dynamic_sampling.filter_path={path!r} cannot be imported: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"pipeline.dynamic_sampling.filter_path={path!r} is not a function")
-    return fn
+    return load_callable("pipeline.dynamic_sampling.filter_path", path)
 
 
 def oversample_prompts(data, rollout_id: int, attempt: int) -> list[PromptItem]:

@@ -13,7 +13,6 @@ F1). An `http(s)://` URL scores each sample on a reward server (`tasks/rollout/r
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import re
 import string
@@ -23,6 +22,7 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from rollflow.artifacts.sample import Sample
+from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.addition import addition_reward
 
 RewardFn = Callable[[Sample], Any]
@@ -181,22 +181,9 @@ def resolve_reward_fn(spec: str, *, remote: Any = None) -> RewardFn:
         from rollflow.tasks.rollout.remote_reward import RemoteReward
 
         return RemoteReward.from_config(spec, remote)
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(
-            f"rollout.reward={spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), a dotted path "
-            "like 'my_pkg.rewards:score', nor an http(s) URL of a reward server"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"rollout.reward={spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"rollout.reward={spec!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_callable("rollout.reward", spec,
+                         f"a built-in ({', '.join(BUILTIN_REWARDS)}), a dotted path like 'my_pkg.rewards:score', "
+                         "or an http(s) URL of a reward server")
 
 
 def reward_fn_from_config(rollout: Any) -> RewardFn:
