@@ -17,6 +17,24 @@ PREFECT_OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": 
                    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_between_modules():
+    """In-process Megatron backends join a one-process torch.distributed group (and Megatron's groups) in the
+    pytest process; tear them down after each module so later modules start clean (tests/test_train_dp.py
+    checks that nothing is initialised before its ranks join)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except ImportError:
+            pass
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """A real Prefect API (temporary server + database) for the whole session; yields its URL."""

@@ -35,17 +35,6 @@ DEVICES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _leave_no_process_group():
-    """The backends here join a one-process torch.distributed group in the pytest process; later modules
-    (tests/test_train_dp.py) check that nothing is initialised, so the group is torn down after this module."""
-    yield
-    if HAVE_MEGATRON:
-        from rollflow.tasks.train.megatron_backend import destroy_parallel_state
-
-        destroy_parallel_state()
-
-
 def _config(kind: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
