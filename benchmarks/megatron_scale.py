@@ -32,7 +32,10 @@ import torch  # noqa: E402
 DATASHEET_BF16 = 989e12  # H200 SXM dense bf16 (no sparsity)
 PRESETS = {
     # name: (vocab, hidden, layers, heads, kv_heads, ffn)
+    "tiny": (512, 64, 4, 4, 2, 128),  # CPU smoke test of this script (--device cpu)
     "0.9b": (32000, 2048, 16, 16, 8, 5632),
+    "3b": (128256, 3072, 28, 24, 8, 8192),  # Llama-3.2-3B
+    "6b": (32000, 4096, 28, 32, 32, 11008),  # Llama-2-7B with 28 of its 32 layers (the one-GPU fit limit)
     "7b": (32000, 4096, 32, 32, 32, 11008),  # Llama-2-7B
     "70b": (128256, 8192, 80, 64, 8, 28672),  # Llama-3-70B
 }
@@ -73,15 +76,26 @@ def _llama(preset: str):
                        tie_word_embeddings=False)
 
 
-def _batch(n: int, seq: int, vocab: int):
+def _lengths(n: int, seq: int, ragged: bool) -> torch.Tensor:
+    """Row lengths: all `seq`, or (ragged) uniform in [seq / 4, seq] as RL responses are, seeded."""
+    if not ragged:
+        return torch.full((n,), seq)
+    return torch.randint(seq // 4, seq + 1, (n,), generator=torch.Generator().manual_seed(1))
+
+
+def _batch(n: int, seq: int, vocab: int, ragged: bool = False):
     from rollflow.tasks.train.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (n, seq), generator=g)
-    resp = torch.zeros(n, seq - 1)
-    resp[:, seq // 4:] = 1.0  # a quarter prompt, the rest response
-    return TrainBatch(tokens=tokens, attention_mask=torch.ones_like(tokens),
-                      position_ids=torch.arange(seq).expand(n, seq).clone(), response_mask=resp,
+    lengths = _lengths(n, seq, ragged)
+    cols = torch.arange(seq)
+    attention = (cols[None, :] < lengths[:, None]).long()
+    tokens = torch.randint(0, vocab, (n, seq), generator=g) * attention
+    # target-aligned (column j scores token j + 1): a quarter of each row prompt, the rest response
+    resp = ((cols[None, 1:] >= (lengths // 4)[:, None]) & (cols[None, 1:] < lengths[:, None])).float()
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return TrainBatch(tokens=tokens, attention_mask=attention,
+                      position_ids=position_ids, response_mask=resp,
                       rewards=torch.zeros(n, dtype=torch.float64), rollout_log_probs=torch.zeros(n, seq - 1),
                       group_size=n, truncated=torch.zeros(n, dtype=torch.bool),
                       advantages=torch.randn(n, seq - 1, generator=g) * resp)
@@ -105,54 +119,76 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     from rollflow.tasks.train.megatron_backend import MegatronBackend, destroy_parallel_state
     from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
-    torch.cuda.set_device(rank)
-    megatron = {"tp": args.tp, "pp": args.pp, "sequence_parallel": args.sp,
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    megatron = {"tp": args.tp, "pp": args.pp, "sequence_parallel": args.sp, "packing": args.packing,
+                "pack_multiple": args.pack_multiple,
                 "use_distributed_optimizer": not args.no_dist_opt, "layer_spec": args.spec}
     if not args.no_recompute:
         megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     dp = world // (args.tp * args.pp)
-    optim = OptimConfig(backend="megatron", device=f"cuda:{rank}", dtype="bfloat16", lr=1e-6,
+    megatron["optimizer"] = "megatron"
+    if not cuda:
+        megatron.update(layer_spec="sdpa", fusions="off", log_prob_impl="chunked", rope_fusion="none")
+    optim = OptimConfig(backend="megatron", device=f"cuda:{rank}" if cuda else "cpu",
+                        dtype="bfloat16" if cuda else "float32", lr=1e-6,
                         num_steps_per_rollout=1, micro_batch_size=args.micro_batch, megatron=megatron)
     config = _llama(args.preset)
     be = MegatronBackend(config, None, optim, keep_ref=False,
-                         dp=DataParallel(rank, world, "127.0.0.1", port, backend="nccl"))
-    matmul = torch.tensor([_matmul_rate(be.device)], device=be.device)
+                         dp=DataParallel(rank, world, "127.0.0.1", port, backend="nccl" if cuda else "gloo"))
+    n_params = sum(p.numel() for chunk in be.chunks for p in chunk.parameters())
+    if cuda:
+        torch.cuda.synchronize()
+        state_gib = torch.cuda.memory_allocated() / 2 ** 30  # weights + grad buffers + optimizer state, built
+    matmul = torch.tensor([_matmul_rate(be.device) if cuda else 1.0], device=be.device)
     torch.distributed.all_reduce(matmul, op=torch.distributed.ReduceOp.MIN)
     n = args.micro_batch * args.micro_batches * dp
-    batch = _batch(n, args.seq, config.vocab_size)
+    batch = _batch(n, args.seq, config.vocab_size, args.ragged)
     batch.log_probs = be.compute_log_probs(batch) * batch.response_mask
     algo = AlgoConfig()
-    be.train(batch, algo)  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    be.train(batch, algo)  # warm-up (the optimizer state is allocated at its first step)
+    if cuda:
+        torch.cuda.synchronize()
+        state_gib = torch.cuda.memory_allocated() / 2 ** 30
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.iters):
         torch.distributed.barrier()
         t = time.perf_counter()
         stats = be.train(batch, algo)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30], device=be.device)
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    mem = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
+                        state_gib if cuda else 0.0, float(n_params)], device=be.device, dtype=torch.float64)
+    torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MAX)
+    peak, state, rank_params = mem.tolist()
     if rank == 0:
         v, h, layers, heads, _kv, _ffn = PRESETS[args.preset]
-        tokens = n * args.seq
-        model_flops = 6 * params(args.preset)["matmul"] * tokens + 6 * layers * args.seq * h * tokens
+        lengths = _lengths(n, args.seq, args.ragged).double()
+        tokens = int(lengths.sum())  # real tokens: padding is not work done
+        model_flops = 6 * params(args.preset)["matmul"] * tokens + 6 * layers * h * float((lengths ** 2).sum())
         step = sorted(times)[len(times) // 2]
         rate = model_flops / step / world
-        result = {"preset": args.preset, "world": world, "tp": args.tp, "pp": args.pp, "dp": dp,
+        result = {"preset": args.preset, "packing": args.packing, "ragged": args.ragged, "real_tokens": tokens, "world": world, "tp": args.tp, "pp": args.pp, "dp": dp,
                   "micro_batch": args.micro_batch, "micro_batches_per_rank": args.micro_batches, "seq": args.seq,
                   "settings": megatron, "train_call_s_median": step, "tokens_per_s": tokens / step,
                   "tokens_per_s_per_gpu": tokens / step / world, "model_tflops_per_gpu": rate / 1e12,
                   "mfu_vs_datasheet_989": rate / DATASHEET_BF16, "matmul_measured_tflops": float(matmul) / 1e12,
-                  "mfu_vs_measured_matmul": rate / float(matmul), "peak_mem_gib_max_rank": float(peak),
+                  "mfu_vs_measured_matmul": rate / float(matmul), "peak_mem_gib_max_rank": peak,
+                  "state_mem_gib_max_rank": state, "params_max_rank": rank_params,
+                  "peak_bytes_per_param": peak * 2 ** 30 / rank_params,
+                  "state_bytes_per_param": state * 2 ** 30 / rank_params,
                   "grad_norm": stats["train/grad_norm"], "loss": stats["train/loss"],
                   "memory_estimate": memory_gib(args.preset, world, args.tp, args.pp, not args.no_dist_opt),
-                  "flops_formula": "6*N_matmul*T + 6*L*s*h*T (causal); recompute's extra forward not counted"}
+                  "flops_formula": "6*N_matmul*T + 6*L*h*sum(s_i^2) over rows (causal); T = real tokens (padding not "
+                                   "counted); recompute's extra forward not counted"}
         print(json.dumps(result, indent=1))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            name = f"megatron-scale-{args.preset}-tp{args.tp}-pp{args.pp}-dp{dp}.json"
+            layout = ("-ragged" if args.ragged else "") + ("-thd" if args.packing == "thd" else "")
+            name = f"megatron-scale-{args.preset}-tp{args.tp}-pp{args.pp}-dp{dp}{layout}.json"
             (Path(args.out) / name).write_text(json.dumps(result, indent=1))
     destroy_parallel_state()
 
@@ -171,6 +207,11 @@ def main() -> None:
     parser.add_argument("--no-recompute", action="store_true")
     parser.add_argument("--no-dist-opt", action="store_true")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1; needs the te layer spec)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: gloo ranks, fp32, sdpa spec (a smoke test of this script with --preset tiny)")
+    parser.add_argument("--packing", default="off", choices=["off", "thd"], help="train.megatron.packing")
+    parser.add_argument("--pack-multiple", type=int, default=1, help="train.megatron.pack_multiple")
+    parser.add_argument("--ragged", action="store_true", help="row lengths uniform in [seq/4, seq] (else all seq)")
     parser.add_argument("--estimate", action="store_true", help="print the memory table and exit")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
@@ -182,7 +223,7 @@ def main() -> None:
         return
     import torch.multiprocessing as mp
 
-    world = args.gpus or torch.cuda.device_count()
+    world = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

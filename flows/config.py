@@ -282,10 +282,22 @@ class RunConfig(_Strict):
         """train.megatron.{tp, pp, cp} against the trainer ranks (one per trainer GPU), before any worker starts."""
         if self.train.backend == "megatron" and not self.debug.rollout_only:
             world = max(1, self.resources.trainer_gpus)
+            m = self.train.megatron
             try:
-                self.train.megatron.data_parallel_size(world)
+                dp = m.data_parallel_size(world)
             except ValueError as exc:
                 raise ValueError(f"{exc} (resources.trainer_gpus={self.resources.trainer_gpus})") from None
+            sharded = world > 1 and (m.model_parallel_size > 1 or m.vpp is not None
+                                     or (m.use_distributed_optimizer and dp > 1))
+            layout = f"train.megatron tp={m.tp} pp={m.pp} cp={m.cp} vpp={m.vpp} over {world} trainer GPUs"
+            if sharded and self.rollout.engine == "sglang" and self.rollout.sglang.weight_sync != "disk":
+                raise ValueError(f"{layout} shards the weights over ranks; rollout.sglang.weight_sync="
+                                 f"{self.rollout.sglang.weight_sync!r} sends from one trainer rank's own tensors. Set "
+                                 "rollout.sglang.weight_sync=disk (the ranks gather, rank 0 writes) or tp=pp=1")
+            if sharded and "://" in self.store.root and not self.store.root.startswith("file://"):
+                raise ValueError(f"{layout} writes Megatron's distributed checkpoints from every rank to a shared "
+                                 f"filesystem; store.root={self.store.root!r} is an object store. Use a path every "
+                                 "trainer host can write (local disk on one host, NFS / Lustre across hosts)")
         return self
 
     @model_validator(mode="after")

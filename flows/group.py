@@ -248,7 +248,9 @@ class WorkerGroup:
 
         cfg = self.cfg
         if weights is None and resume_iteration:
-            weights = _checkpoint_weights(cfg, resume_iteration)
+            # A running trainer has loaded that checkpoint: its weights are HF-named whatever its checkpoint format
+            # (a sharded trainer's is Megatron's distributed one, which only the trainer ranks can read).
+            weights = self._live_trainer_weights() or _checkpoint_weights(cfg, resume_iteration)
         extra: dict[str, Any] = {}
         if launches_servers(cfg):
             stop_actor(cfg.run, ENGINE)  # its servers are about to be replaced
@@ -272,12 +274,20 @@ class WorkerGroup:
         engine = self.find_engine()
         if engine is not None and engine.alive():
             return engine
-        rank0 = get_actor(self.run, TRAINER)
-        if rank0 is not None:
-            trainer = TrainerClient([rank0])  # weights are rank 0's (every rank holds the same)
-            if trainer.alive():
-                return self.start_engine(weight_version, weights=trainer.named_weights())
+        weights = self._live_trainer_weights()
+        if weights is not None:
+            return self.start_engine(weight_version, weights=weights)
         return self.start_engine(weight_version or None)
+
+    def _live_trainer_weights(self) -> Pending[dict[str, torch.Tensor]] | None:
+        """The running trainer's HF-named weights (every rank takes part when it is sharded), else None."""
+        if get_actor(self.run, TRAINER) is None:
+            return None
+        try:
+            trainer = self.trainer()
+        except RuntimeError:
+            return None
+        return trainer.named_weights() if trainer.alive() else None
 
     def abort_rollout(self) -> int:
         """Abort the engine's in-flight requests now (runs beside a rollout in the actor's control group);
@@ -359,4 +369,8 @@ def _checkpoint_weights(cfg: RunConfig, iteration: int):
     from rollflow.tasks.train.checkpoint import load_checkpoint
 
     payload = load_checkpoint(cfg.store.root, cfg.run, iteration)
+    if payload.startswith(b"{"):
+        raise ValueError(f"checkpoint {iteration} of run {cfg.run!r} is a sharded megatron trainer's (Megatron's "
+                         "distributed format): only the trainer ranks read it; start the trainer first and take the "
+                         "engine's weights from it")
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)["model"]

@@ -115,6 +115,18 @@ def resume_memory_task(cfg: RunConfig, tags: list[str]) -> None:
     WorkerGroup.for_run(cfg).engine().resume_memory(tags)
 
 
+@task(name="offload-trainer", cache_policy=NO_CACHE)
+def trainer_offload_task(cfg: RunConfig) -> bool:
+    """Colocation, after the sync and checkpoint: the trainer's state to host memory while the engine generates."""
+    return WorkerGroup.for_run(cfg).trainer().offload()
+
+
+@task(name="onload-trainer", cache_policy=NO_CACHE)
+def trainer_onload_task(cfg: RunConfig) -> bool:
+    """Colocation, after the engine released its memory: the trainer's state back on the GPU for training."""
+    return WorkerGroup.for_run(cfg).trainer().onload()
+
+
 @task(name="sync", cache_policy=NO_CACHE)
 def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     """Trainer weights -> engine by the engine's path (flows/weight_sync.py), then parity checked."""
@@ -298,8 +310,10 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     reporting.stage("train")
     offload = offloads(cfg)
     if offload:
-        # SGLang's colocation order: release -> train -> resume weights -> update weights -> resume KV cache.
+        # Colocation order: engine release -> trainer onload -> train -> engine resume weights -> update weights
+        # -> (checkpoint) -> trainer offload -> engine resume KV cache; the engine then generates alone.
         release_memory_task(cfg)
+        trainer_onload_task(cfg)
     load_task(cfg, ref)
     prefetch = None
     if cfg.pipeline.pipelined and iteration < cfg.iterations:
@@ -318,8 +332,6 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     if offload:
         resume_memory_task(cfg, ["weights"])
     parity = sync_task(cfg, iteration)
-    if offload:
-        resume_memory_task(cfg, ["kv_cache"])
     row["sync/weight_version"] = parity["weight_version"]
     row["sync/parity_ok"] = float(parity["ok"])
     row["perf/iteration_s"] = time.perf_counter() - started
@@ -331,6 +343,9 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     if iteration % cfg.checkpoint_every == 0 or iteration == cfg.iterations:
         reporting.stage("checkpoint")
         checkpoint_task(cfg, iteration)
+    if offload:  # after the checkpoint, which reads the weights
+        trainer_offload_task(cfg)
+        resume_memory_task(cfg, ["kv_cache"])
     reporting.publish_iteration(cfg, rows, row["rollout_uri"])
     reporting.stage("done", iteration, reporting.metrics_line(row))
     return row

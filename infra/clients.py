@@ -94,11 +94,12 @@ class TrainerDescription:
     rank: int
     world_size: int
     dp_backend: str | None
+    sharded: bool = False  # no rank holds the whole state: weight reads and checkpoints involve every rank
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainerDescription:
         return cls(backend=str(d["backend"]), rank=int(d["rank"]), world_size=int(d["world_size"]),
-                   dp_backend=d.get("dp_backend"))
+                   dp_backend=d.get("dp_backend"), sharded=bool(d.get("sharded", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,20 @@ class TrainerClient:
         if not ranks:
             raise ValueError("a trainer has at least one rank")
         self.ranks = list(ranks)
+        self._sharded: bool | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether calls that read the weights must reach every rank (asked once per client)."""
+        if self._sharded is None:
+            self._sharded = len(self.ranks) > 1 and self.describe().sharded
+        return self._sharded
+
+    def _on(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method` on `rank`, or on every rank at once when the trainer is sharded (then `rank`'s result)."""
+        if not self.sharded:
+            return _get(getattr(self.ranks[rank], method).remote(*args, **kwargs))
+        return _get([getattr(a, method).remote(*args, **kwargs) for a in self.ranks])[rank]
 
     @property
     def actor(self) -> Any:
@@ -205,24 +220,38 @@ class TrainerClient:
             a.replay_step.remote(ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
                                  subsample=subsample, dump_uri=dump_uri, reward_key=reward_key) for a in self.ranks])
 
+    def offload(self) -> bool:
+        """Colocation: every rank's weights, grads and optimizer state to host memory while the engine generates."""
+        return self._rank0_of_all([a.offload.remote() for a in self.ranks])
+
+    def onload(self) -> bool:
+        """Undo `offload` on every rank, before training."""
+        return self._rank0_of_all([a.onload.remote() for a in self.ranks])
+
     def train_steps(self) -> list[dict[str, float]]:
         """Each optimizer step's statistics (loss, grad_norm, ...) of the last train or replay call (rank 0)."""
         return _get(self.actor.train_steps.remote())
 
     # rank 0
     def save_checkpoint(self, iteration: int, extra: dict[str, Any] | None = None) -> str:
-        """Commit checkpoint `iteration` (`extra` goes into its meta.json); its folder."""
-        return _get(self.actor.save_checkpoint.remote(iteration, extra=extra))
+        """Commit checkpoint `iteration` (`extra` goes into its meta.json); its folder. Every rank is called (a
+        sharded trainer writes a distributed checkpoint; the others return at once and rank 0 writes)."""
+        return self._rank0_of_all([a.save_checkpoint.remote(iteration, extra=extra) for a in self.ranks])
 
     def named_weights(self) -> Pending[dict[str, torch.Tensor]]:
-        """HF-named weights, left in Ray's object store: pass `.ref` to an engine's call."""
-        return Pending(self.actor.named_weights.remote())
+        """HF-named weights, left in Ray's object store: pass `.ref` to an engine's call. A sharded trainer's
+        ranks gather them together; rank 0's dict is the one passed on."""
+        if not self.sharded:
+            return Pending(self.actor.named_weights.remote())
+        refs = [a.export_weights.remote() for a in self.ranks]
+        _get(refs[1:])  # the other ranks took part in the gathers and return {}
+        return Pending(refs[0])
 
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
-        return _get(self.actor.weight_prefixes.remote(n, as_dtype))
+        return self._on(0, "weight_prefixes", n, as_dtype)
 
     def weight_checksums(self, as_dtype: str | None = None, *, rank: int = 0) -> dict[str, str]:
-        return _get(self.ranks[rank].weight_checksums.remote(as_dtype))
+        return self._on(rank, "weight_checksums", as_dtype)
 
     # weight sync into SGLang engines (flows/weight_sync.py)
     def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None) -> int:

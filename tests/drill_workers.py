@@ -103,3 +103,27 @@ class RecordingTrainWorker(TrainWorker):
     def train_on_artifact(self, *args, **kwargs):
         _log_call("train")
         return super().train_on_artifact(*args, **kwargs)
+
+    def offload(self):
+        _log_call("trainer offload")
+        return super().offload()
+
+    def onload(self):
+        _log_call("trainer onload")
+        return super().onload()
+
+
+class CpuMegatronTrainWorker(TrainWorker):
+    """A trainer actor whose Megatron runs on CPU: megatron-core's CUDA-hard-coded DDP / schedule / optimizer
+    paths go through the test-only shims (tests/megatron_cpu_shim.py) for the whole life of the actor process,
+    and the product's refusal of multi-rank megatron off CUDA is lifted here (only here: the product never
+    patches torch)."""
+
+    def __init__(self, *args, **kwargs):
+        import rollflow.tasks.train.worker as train_module
+        from tests.megatron_cpu_shim import cpu_megatron
+
+        self._shim = cpu_megatron()
+        self._shim.__enter__()
+        train_module.megatron_multi_rank_refusal = lambda optim: None
+        super().__init__(*args, **kwargs)

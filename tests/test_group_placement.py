@@ -110,8 +110,9 @@ def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, 
     finally:
         calls_file(run).unlink(missing_ok=True)
     steps = [c for c in calls if not c.startswith("start ")]
-    # SGLang's colocation order: release -> train -> resume weights -> update weights -> resume KV cache
-    assert steps == ["release", "train", "resume weights", "update 1", "resume kv_cache"], calls
+    # SGLang's colocation order, with the trainer's state on the host while the engine generates
+    assert steps == ["release", "trainer onload", "train", "resume weights", "update 1", "trainer offload",
+                     "resume kv_cache"], calls
     starts = _starts_from(calls)
     if fake_gpus:
         # trainer and engine share the one bundle of the run's placement group

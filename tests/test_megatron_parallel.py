@@ -34,11 +34,14 @@ LAYOUTS = {
     "llama": [("tp2_mb1", 2, 1, 1, {}), ("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}),
               ("pp2_vpp2_mb4", 1, 2, 4, {"vpp": 2}), ("dp2_mb1", 1, 1, 1, {}), ("dp2_mb4", 1, 1, 4, {}),
               ("dp2_distopt_mb4", 1, 1, 4, {"use_distributed_optimizer": True}),
-              ("tp2_tokens48", 2, 1, 1, {"max_tokens_per_gpu": 48})],
+              ("tp2_tokens48", 2, 1, 1, {"max_tokens_per_gpu": 48}),
+              # packed rows (THD): per-row attention and RoPE, log-probs gathered back to the rows
+              ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}), ("pp2_packed_mb4", 1, 2, 4, {"packing": "thd"}),
+              ("dp2_packed_tokens60", 1, 1, 1, {"packing": "thd", "max_tokens_per_gpu": 60})],
     "qwen2": [("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}), ("pp2_vpp2_mb1", 1, 2, 1, {"vpp": 2}),
-              ("dp2_mb4", 1, 1, 4, {})],
+              ("dp2_mb4", 1, 1, 4, {}), ("tp2_packed_mb1", 2, 1, 1, {"packing": "thd"})],
     # q/k norms are replicated over TP but each rank sees its own heads: their grads must be summed over TP
-    "qwen3": [("tp2_mb4", 2, 1, 4, {})],
+    "qwen3": [("tp2_mb4", 2, 1, 4, {}), ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"})],
 }
 
 
@@ -332,3 +335,52 @@ def test_lr_warmup_follows_megatrons_scheduler():
                 update={"optimizer": "torch"})}), keep_ref=False)
     assert len(steps) == 2 and all(s["skipped"] == 0 for s in steps)
     assert lrs == [0.0, pytest.approx(LR * 2 / 4)]
+
+
+def test_packed_micro_batches_hold_only_real_tokens():
+    """packing='thd': each micro-batch is its rows' real tokens end to end ([1, sum of lengths], positions
+    restarting per row, cu_seqlens at the row bounds); every attention call sees one row; the log-probs equal the
+    HF reference's. A token budget counts real tokens, not rows x longest row."""
+    from rollflow.tasks.train.megatron_backend import MegatronBackend, destroy_parallel_state
+    from rollflow.tasks.train.megatron_schedule import token_budget_micro_batches
+    from rollflow.tasks.train.settings import OptimConfig
+
+    from tests.megatron_cpu_shim import cpu_megatron
+
+    ref = _reference("llama")
+    batch = ref["batch"]
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    optim = OptimConfig(backend="megatron", device="cpu", dtype="float32", lr=LR, num_steps_per_rollout=1,
+                        micro_batch_size=4, megatron={"layer_spec": "sdpa", "optimizer": "megatron", "packing": "thd"})
+    with cpu_megatron():
+        be = MegatronBackend(ref["config"], ref["state"], optim, keep_ref=False)
+        try:
+            items = be._model_inputs(batch, be._micro_batches(batch))
+            seen: list[int] = []
+            attention = be.model.decoder.layers[0].self_attention.core_attention
+            original = attention._sdpa
+            attention._sdpa = lambda q, k, v: (seen.append(q.shape[2]), original(q, k, v))[1]
+            log_probs = be.compute_log_probs(batch)
+        finally:
+            destroy_parallel_state()
+    assert [tuple(i.tokens.shape) for i in items] == [(1, sum(lengths[:4])), (1, sum(lengths[4:]))]
+    first = items[0]
+    assert first.packed.cu_seqlens_q.tolist() == [0] + torch.tensor(lengths[:4]).cumsum(0).tolist()
+    assert first.position_ids[0, : lengths[0] + 2].tolist() == list(range(lengths[0])) + [0, 1]
+    assert seen == lengths  # one causal attention per row, of the row's own length
+    mask = batch.response_mask > 0
+    torch.testing.assert_close(log_probs[mask], ref["log_probs"][mask], rtol=0, atol=2e-5)
+    # budget: rows are added while their real tokens fit (padded: rows x the longest row would)
+    budget = lengths[0] + lengths[1]
+    packed = token_budget_micro_batches(batch, budget, packed=True)
+    assert packed[0].size == 2 and all(int(m.attention_mask.sum()) <= budget or m.size == 1 for m in packed)
+    assert sum(m.size for m in packed) == batch.size
+
+
+def test_packing_needs_an_attention_that_reads_packed_rows():
+    from pydantic import ValidationError
+
+    from rollflow.tasks.train.settings import MegatronSettings
+
+    with pytest.raises(ValidationError, match=r"packing='thd' needs .* layer_spec 'sdpa'"):
+        MegatronSettings(packing="thd", layer_spec="local")

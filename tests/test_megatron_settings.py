@@ -46,6 +46,24 @@ def test_run_config_checks_layout_against_trainer_gpus():
                                   "resources": {"trainer_gpus": 3, "gpus_per_engine": 1, "num_gpus": 4}})
 
 
+def test_a_sharded_trainer_needs_disk_sync_and_a_shared_filesystem():
+    """tp / pp > 1 over several trainer ranks: weights are gathered by every rank and rank 0 hands them over, and
+    Megatron's distributed checkpoints go to a filesystem path every rank writes; refused before any worker starts."""
+    from rollflow.flows.config import RunConfig
+
+    base = {"train": {"backend": "megatron", "device": "cuda", "megatron": {"tp": 2}},
+            "resources": {"trainer_gpus": 2, "gpus_per_engine": 2, "num_gpus": 4, "num_engines": 1}}
+    sglang = {"engine": "sglang", "sglang": {"weight_sync": "distributed"}}
+    with pytest.raises(ValueError, match=r"tp=2 .*rollout\.sglang\.weight_sync='distributed'.*weight_sync=disk"):
+        RunConfig.model_validate({**base, "rollout": sglang})
+    with pytest.raises(ValueError, match=r"store\.root='s3://bucket/runs' is an object store"):
+        RunConfig.model_validate({**base, "store": {"root": "s3://bucket/runs"}})
+    RunConfig.model_validate({**base, "rollout": {"engine": "sglang", "sglang": {"weight_sync": "disk"}}})
+    # data parallel only (tp = pp = 1, no distributed optimizer): every rank holds the whole state, anything goes
+    RunConfig.model_validate({**base, "train": {"backend": "megatron", "device": "cuda"},
+                              "store": {"root": "s3://bucket/runs"}})
+
+
 def test_schedule_loss_scale_undoes_megatrons_means():
     # Megatron divides each micro-batch loss by the micro-batch count and averages grads over DP ranks.
     assert schedule_loss_scale(4, 2) == 8.0

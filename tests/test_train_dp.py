@@ -100,15 +100,15 @@ def test_megatron_with_several_ranks_is_refused(tmp_path):
 
     optim = OptimConfig(backend="megatron")
     dp = DataParallel(rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port())
-    # On CPU (optimizer auto -> torch, one rank) and at tp / pp > 1 (checkpoints not distributed yet).
-    message = r"multi-rank Megatron through the train worker runs data parallel only, on CUDA"
+    # On CPU (megatron-core's DDP and optimizer allocate CUDA tensors), and with optimizer=torch anywhere.
+    message = r"multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer"
     with pytest.raises(NotImplementedError, match=message):
         build_backend(MODEL, optim, temperature=1.0, dp=dp)
     with pytest.raises(NotImplementedError, match="trainer_gpus=1"):
         TrainWorker(MODEL, optim, AlgoConfig(), store_root=f"file://{tmp_path}", run="r", dp=dp)
-    with pytest.raises(NotImplementedError, match="distributed checkpoint"):
-        build_backend(MODEL, OptimConfig(backend="megatron", device="cuda", megatron={"tp": 2}), temperature=1.0,
-                      dp=dp)
+    with pytest.raises(NotImplementedError, match=r"train\.megatron\.optimizer=auto\|megatron"):
+        build_backend(MODEL, OptimConfig(backend="megatron", device="cuda", megatron={"tp": 2, "optimizer": "torch"}),
+                      temperature=1.0, dp=dp)
     assert not torch.distributed.is_initialized()  # refused before joining any group
 
 

@@ -102,7 +102,8 @@ def test_trainer_fans_collectives_out_to_every_rank_and_the_rest_to_rank_0(no_ra
     from rollflow.infra.clients import TrainerClient
 
     log: list = []
-    trainer = TrainerClient([_Actor(0, log), _Actor(1, log)])
+    describe = {"backend": "torch", "rank": 0, "world_size": 2, "dp_backend": "gloo", "sharded": False}
+    trainer = TrainerClient([_Actor(0, log, describe=describe), _Actor(1, log, describe=describe)])
     ref = {"root": "r", "run": "t", "split": "train", "rollout_id": 0}
     assert trainer.train_on_artifact(ref, dump_uri="d") == ("train_on_artifact", 0)  # rank 0's result
     assert [(r, m, kw["dump_uri"]) for r, m, _, _, kw in log] == [(0, "train_on_artifact", "d"),
@@ -116,7 +117,18 @@ def test_trainer_fans_collectives_out_to_every_rank_and_the_rest_to_rank_0(no_ra
     trainer.save_checkpoint(3, extra={"data": {}})
     trainer.named_weights()
     trainer.weight_checksums("bfloat16")
-    assert [(r, m) for r, m, *_ in log] == [(0, "save_checkpoint"), (0, "named_weights"), (0, "weight_checksums")]
+    # checkpoints reach every rank (a sharded trainer writes from all; the others return at once); weights: rank 0
+    assert [(r, m) for r, m, *_ in log] == [(0, "save_checkpoint"), (1, "save_checkpoint"), (0, "describe"),
+                                           (0, "named_weights"), (0, "weight_checksums")]
+    # a sharded trainer (megatron tp / pp > 1): reading the weights is a collective, every rank is called
+    log.clear()
+    sharded = {**describe, "sharded": True}
+    trainer = TrainerClient([_Actor(0, log, describe=sharded, export_weights={"w": 1}),
+                             _Actor(1, log, describe=sharded, export_weights={})])
+    assert trainer.named_weights().ref == {"w": 1}  # rank 0's gathered dict goes on to the engine
+    assert trainer.weight_checksums(rank=1) == ("weight_checksums", 1)
+    assert [(r, m) for r, m, *_ in log] == [(0, "describe"), (0, "export_weights"), (1, "export_weights"),
+                                           (0, "weight_checksums"), (1, "weight_checksums")]
 
 
 def test_engine_control_calls_run_in_the_control_group_and_results_are_typed(no_ray):

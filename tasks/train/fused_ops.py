@@ -169,9 +169,30 @@ def rope_sbhd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: boo
     return _RoPE.apply(t, freqs)
 
 
+def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
+             interleaved: bool = False) -> torch.Tensor:
+    """Megatron's `fused_apply_rotary_pos_emb_thd` signature: RoPE of packed rows [t, h, d], each row from position 0.
+
+    Each token's position is found on the device (its row from `cu_seqlens` by searchsorted), so nothing is
+    read back to the host; megatron-core's own thd RoPE splits the rows with `.tolist()` / `.item()` in every
+    layer, two device syncs per call. Then the same compiled rotation as `rope_sbhd`.
+    """
+    if cp_size != 1:
+        raise NotImplementedError("rope_thd: context parallelism is not supported")
+    if interleaved:
+        raise NotImplementedError("rope_thd: interleaved RoPE is not implemented")
+    index = torch.arange(t.shape[0], device=t.device, dtype=cu_seqlens.dtype)
+    row = torch.searchsorted(cu_seqlens[1:], index, right=True)
+    positions = (index - cu_seqlens[row]).long()
+    return _RoPE.apply(t.unsqueeze(1), freqs[positions]).squeeze(1)
+
+
 def install_rope_fusion() -> None:
-    """Point megatron-core's fused-RoPE hook at `rope_sbhd` (it is Transformer Engine's when TE is present)."""
+    """Point megatron-core's fused-RoPE hooks (sbhd and packed thd) at `rope_sbhd` / `rope_thd` (they are
+    Transformer Engine's when TE is present)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     if rope_utils.fused_apply_rotary_pos_emb is None or rope_utils.fused_apply_rotary_pos_emb is rope_sbhd:
         rope_utils.fused_apply_rotary_pos_emb = rope_sbhd
+    if getattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None) in (None, rope_thd):
+        rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd

@@ -48,8 +48,9 @@ from rollflow.tasks.train.batch import TrainBatch
 from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
 from rollflow.tasks.train.data_parallel import sum_stats
 from rollflow.tasks.train.fused_ops import install_rope_fusion, token_log_probs
-from rollflow.tasks.train.megatron_schedule import (ModelInput, model_inputs, run_schedule, schedule_loss_scale,
-                                                     token_budget_micro_batches)
+from rollflow.tasks.train.megatron_schedule import (ModelInput, model_inputs, packed_model_inputs, run_schedule,
+                                                     schedule_loss_scale, token_budget_micro_batches,
+                                                     unpack_token_values)
 from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
 from rollflow.tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.torch_backend import split_rows
@@ -197,16 +198,9 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
 
                 self._kernel = [getattr(SDPBackend, _SDPA_BACKENDS[n]) for n in backends]
 
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **_unused):
-            if packed_seq_params is not None:
-                raise ValueError("SDPACoreAttention: packed sequences are not supported")
-            if attention_bias is not None:
-                raise ValueError("SDPACoreAttention: attention_bias is not supported")
-            sq, b, heads, dim = query.shape
-            q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
-            k = key.permute(1, 2, 0, 3)
-            v = value.permute(1, 2, 0, 3)
+        def _sdpa(self, q, k, v):
+            """Causal SDPA of [b, np, s, hn] q and [b, ng, s, hn] k / v."""
+            heads = q.shape[1]
             if k.shape[1] != heads:  # GQA: repeat the kv heads (portable across SDPA kernels)
                 k = k.repeat_interleave(heads // k.shape[1], dim=1)
                 v = v.repeat_interleave(heads // v.shape[1], dim=1)
@@ -216,9 +210,33 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
 
                 ctx = sdpa_kernel(self._kernel, set_priority=True)
             with ctx:
-                out = torch.nn.functional.scaled_dot_product_attention(
+                return torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0,
                     is_causal=True, scale=self.softmax_scale)
+
+        def _packed(self, query, key, value, packed_seq_params):
+            """THD: [t, np, hn] q/k/v holding the rows end to end -> [t, np * hn]; each row attends causally
+            to itself only (one SDPA call per row: no [t, t] mask, no padding)."""
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r}; only 'thd'")
+            bounds = getattr(packed_seq_params, "bounds", None) or packed_seq_params.cu_seqlens_q.tolist()
+            t, heads, dim = query.shape
+            pieces = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b > a:
+                    q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                    pieces.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [s, np, hn]
+            return torch.cat(pieces, dim=0).reshape(t, heads * dim)
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **_unused):
+            if attention_bias is not None:
+                raise ValueError("SDPACoreAttention: attention_bias is not supported")
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params)
+            sq, b, heads, dim = query.shape
+            # [s, b, n, hn] -> [b, n, s, hn]
+            out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
             return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
     return SDPACoreAttention
@@ -258,7 +276,8 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
 
     layout = mn.MegatronLayout.from_hf_config(hf_config)
     spec = resolve_layer_spec(settings.layer_spec)
-    if settings.rope_fusion == "compiled":
+    rope_fusion = settings.rope_fusion == "compiled"
+    if rope_fusion:
         install_rope_fusion()  # before TransformerConfig: it checks that a fused RoPE is available
     kwargs: dict[str, Any] = dict(
         num_layers=layout.num_layers,
@@ -294,7 +313,7 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
         perform_initialization=random_init,
         # Fusions that need TE or apex stay off; the torch.compile'd ones are opt-in (settings.fusions).
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=settings.rope_fusion == "compiled",
+        apply_rope_fusion=rope_fusion,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_activation_fusion=settings.fusions == "on",
@@ -533,6 +552,8 @@ class MegatronBackend:
                                                ("lr_warmup_steps", s.lr_warmup_steps > 0),
                                                ("lr_decay_style", s.lr_decay_style != "constant"),
                                                ("max_tokens_per_gpu", s.max_tokens_per_gpu is not None)) if on]
+        if s.packing != "off":
+            megatron_only.append("packing")
         if self.optimizer_kind == "torch" and megatron_only:
             raise ValueError(f"train.megatron.{megatron_only[0]} needs optimizer='megatron' (Megatron's DDP, optimizer "
                              "and scheduler); with optimizer='torch' it would do nothing")
@@ -564,7 +585,8 @@ class MegatronBackend:
                 load_hf_weights(chunk, hf_state, self.layout, vp_stage=vp)
             self.chunks.append(chunk)
         self.model = self.chunks[0]
-        self._host_weights: dict[tuple[int, str], torch.Tensor] | None = None  # set while offloaded
+        self._host_weights: dict[tuple, torch.Tensor] | None = None  # set while offloaded
+        self._offloaded_opt_params: dict[tuple, torch.Tensor] = {}
         # The reference is the starting policy, frozen: kept as a host copy (pinned on CUDA) and swapped into
         # the one model for the reference pass, so no second model sits in GPU memory (slime does the same).
         self._ref_state: dict[str, torch.Tensor] | None = None
@@ -682,9 +704,19 @@ class MegatronBackend:
         """Log-probs / entropy [rows, width - 1] of the real rows and columns of the last stage's logits."""
         n, width = item.n_real, item.width
         seq_first = bool(self._forward_kwargs())
+        if item.packed is not None:  # [T, 1, V] / [1, T, V]: every position scores the next packed token
+            flat = logits[:-1, 0] if seq_first else logits[0, :-1]
+            lp, ent = self._vocab_log_probs(flat, item.tokens[0, 1:], entropy_grad=entropy_grad)
+            return unpack_token_values(lp, item), unpack_token_values(ent, item)
         logits = logits[: width - 1, :n] if seq_first else logits[:n, : width - 1]
         target = item.tokens[:n, 1:width]
         target = target.t() if seq_first else target
+        lp, ent = self._vocab_log_probs(logits, target, entropy_grad=entropy_grad)
+        return (lp.t(), ent.t()) if seq_first else (lp, ent)
+
+    def _vocab_log_probs(self, logits: torch.Tensor, target: torch.Tensor, *, entropy_grad: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) and entropy over the real vocabulary, reduced over the TP group when it is split."""
         if self.tp_size > 1:
             from megatron.core import parallel_state as ps
 
@@ -695,11 +727,17 @@ class MegatronBackend:
             lp, ent = token_log_probs(logits, target, temperature=self.temperature, vocab_size=self.layout.vocab_size,
                                       chunk=self.settings.log_prob_chunk, impl=self.settings.log_prob_impl,
                                       entropy_grad=entropy_grad)
-        return (lp.t(), ent.t()) if seq_first else (lp, ent)
+        return lp, ent
 
     def _model_inputs(self, batch: TrainBatch, micros: list[TrainBatch]) -> list[ModelInput]:
         multiple = self.tp_size if self.settings.sequence_parallel else 1
         empty = batch.select(slice(0, 0))
+        if self.settings.packing == "thd":
+            if len(self.chunks) > 1 and len(micros) < self.pp_size:
+                micros = list(micros or [empty]) + [empty] * (self.pp_size - max(len(micros), 1))
+            multiple = math.lcm(multiple, self.settings.pack_multiple)
+            return packed_model_inputs(micros, width_multiple=multiple, device=self.device, empty=empty,
+                                       same_length=self.pp_size > 1)
         if self.pp_size == 1:  # no activations between stages: each micro-batch keeps its own rows and width
             return [item for m in (micros or [empty])
                     for item in model_inputs([m], rows=max(m.size, 1), device=self.device, empty=m,
@@ -794,7 +832,7 @@ class MegatronBackend:
         """This rank's rows as micro-batches: by token budget (`max_tokens_per_gpu`) or `micro_batch_size` rows."""
         budget = self.settings.max_tokens_per_gpu
         if budget is not None:
-            return token_budget_micro_batches(rows, budget)
+            return token_budget_micro_batches(rows, budget, packed=self.settings.packing == "thd")
         size = self.optim_cfg.micro_batch_size
         return [rows.select(slice(i, i + size)) for i in range(0, rows.size, size)]
 
@@ -848,47 +886,93 @@ class MegatronBackend:
 
     # -- colocated placement: free the GPU while the engine generates -----------------------------------
 
+    def _inner_optimizers(self) -> list:
+        """The torch optimizers inside Megatron's (chained) optimizer: they hold the Adam state and, in mixed
+        precision, the fp32 master copies."""
+        outer = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [o.optimizer for o in outer if getattr(o, "optimizer", None) is not None]
+
     def offload(self) -> None:
-        """Move this rank's weights, main grads and optimizer state to host memory (weights pinned) so a colocated
-        engine can use the GPU; `onload` brings them back. A no-op on CPU (nothing to free) and when offloaded."""
+        """Move this rank's weights, main grads and optimizer state to host memory (pinned) so a colocated
+        engine can use the GPU; `onload` brings them back, bit for bit. A no-op on CPU and when offloaded.
+
+        Megatron's own `optimizer.offload_to_cpu` is not used: it moves the optimizer's params by `p.data =
+        p.data.cpu()`, which reads freed storage when they are views into DDP's param buffer (distributed
+        optimizer: 'CUDA error: invalid argument' on the H200) and, for fp32 params, breaks that aliasing.
+        Here every tensor is moved once, by what owns its storage: DDP buffers resize their own storage
+        (views stay valid), other parameters and the optimizer's own tensors (Adam state, fp32 masters) are
+        copied to pinned host memory and their device storage released."""
         if self.device.type != "cuda" or self._host_weights is not None:
             return
         if self.ddp is None:
             raise NotImplementedError("offload needs train.megatron.optimizer='megatron' (Megatron's grad buffers "
                                       "and optimizer state know how to move); optimizer='torch' keeps its state")
         torch.cuda.synchronize()
-        for ddp in self.ddps:  # grad buffers, and the param buffer of the distributed optimizer
-            for buffer in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", [])):
-                buffer.offload_to_cpu(move_params=True, move_grads=True)
-        host: dict[tuple[int, str], torch.Tensor] = {}
-        for i, chunk in enumerate(self.chunks):  # parameters that live outside the param buffer
-            for name, param in chunk.named_parameters():
-                if param.is_cuda and param.data.untyped_storage().size() > 0:
-                    host[(i, name)] = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
-                    host[(i, name)].copy_(param.data, non_blocking=True)
+        buffers = [b for ddp in self.ddps for b in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", []))]
+        owned = {t.untyped_storage().data_ptr() for b in buffers for t in (b.param_data, b.grad_data)
+                 if t is not None and t.untyped_storage().size() > 0}
+        host: dict[tuple, torch.Tensor] = {}
+
+        def stash(key: tuple, tensor: torch.Tensor) -> None:
+            host[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host[key].copy_(tensor, non_blocking=True)
+
+        params = {(i, name): param for i, chunk in enumerate(self.chunks) for name, param in chunk.named_parameters()}
+        for key, param in params.items():  # parameters outside DDP's param buffer
+            if param.is_cuda and param.untyped_storage().data_ptr() not in owned:
+                stash(("param",) + key, param.data)
+        model_storages = {p.untyped_storage().data_ptr() for p in params.values()} | owned
+        extra: dict[tuple, torch.Tensor] = {}  # optimizer params that are its own tensors (fp32 masters)
+        for o, inner in enumerate(self._inner_optimizers()):
+            for g, group in enumerate(inner.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if p.is_cuda and p.untyped_storage().data_ptr() not in model_storages:
+                        stash(("opt_param", o, g, j), p.data)
+                        extra[("opt_param", o, g, j)] = p
+            for j, state in enumerate(inner.state.values()):
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.is_cuda:
+                        stash(("opt_state", o, j, k), v)
         torch.cuda.synchronize()
-        for i, chunk in enumerate(self.chunks):
-            for name, param in chunk.named_parameters():
-                if (i, name) in host:
-                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
-        self.optimizer.offload_to_cpu()
+        for b in buffers:  # grad buffers, and the param buffer of the distributed optimizer
+            b.offload_to_cpu(move_params=True, move_grads=True)
+        empty = {}
+        for key, param in params.items():
+            if ("param",) + key in host:
+                param.data = empty.setdefault(param.dtype, torch.empty(0, dtype=param.dtype, device=self.device))
+        for key, p in extra.items():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        for o, inner in enumerate(self._inner_optimizers()):
+            for j, state in enumerate(inner.state.values()):
+                for k in list(state):
+                    if ("opt_state", o, j, k) in host:
+                        state[k] = host[("opt_state", o, j, k)]
         self._host_weights = host
+        self._offloaded_opt_params = extra
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Undo `offload`: weights, (zeroed) grad buffers and optimizer state back on the GPU."""
         if self._host_weights is None:
             return
+        host = self._host_weights
         for ddp in self.ddps:
             for buffer in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", [])):
                 buffer.reload_from_cpu(move_params=True, move_grads=True)
         for i, chunk in enumerate(self.chunks):
             for name, param in chunk.named_parameters():
-                if (i, name) in self._host_weights:
-                    param.data = self._host_weights[(i, name)].to(self.device, non_blocking=True)
-        self.optimizer.restore_from_cpu()
+                if ("param", i, name) in host:
+                    param.data = host[("param", i, name)].to(self.device, non_blocking=True)
+        for key, p in self._offloaded_opt_params.items():
+            p.data = host[key].to(self.device, non_blocking=True)
+        for o, inner in enumerate(self._inner_optimizers()):
+            for j, state in enumerate(inner.state.values()):
+                for k in list(state):
+                    if ("opt_state", o, j, k) in host:
+                        state[k] = host[("opt_state", o, j, k)].to(self.device, non_blocking=True)
         torch.cuda.synchronize()
         self._host_weights = None
+        self._offloaded_opt_params = {}
 
     # -- weights and checkpoints -----------------------------------------------------------------------
 
@@ -977,6 +1061,20 @@ class MegatronBackend:
             self.optimizer.load_state_dict(loaded["optimizer"])
         if self.scheduler is not None and "scheduler" in loaded:
             self.scheduler.load_state_dict(loaded["scheduler"])
+
+    @property
+    def sharded(self) -> bool:
+        """True when no rank holds the whole state (tp / pp / cp > 1, virtual stages, or optimizer state sharded over
+        DP): checkpoints are then `save_distributed` on every rank, and reading the weights is a collective."""
+        return (self.settings.model_parallel_size > 1 or len(self.chunks) > 1
+                or (self.settings.use_distributed_optimizer and self.dp_size > 1))
+
+    def all_ranks_finite(self) -> bool:
+        """Whether every rank's weight shards are free of NaN / inf (a collective: call it on every rank)."""
+        local = all(bool(torch.isfinite(t).all()) for t in self._weights().values() if t.is_floating_point())
+        flag = torch.tensor([1.0 if local else 0.0], device=self._collective_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item() > 0)
 
     def _chunk_keys(self) -> list[tuple[str, torch.nn.Module]]:
         # Megatron-LM's names: "model", or "model0", "model1", ... with virtual pipeline stages.

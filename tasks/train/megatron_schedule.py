@@ -16,6 +16,13 @@ Every micro-batch of one call has the same [rows, width] (pipeline stages exchan
 activations): short micro-batches are padded with dummy rows and the width is padded to a multiple of
 the TP size under sequence parallelism; padding is right-side, so causal attention keeps the real
 positions' outputs unchanged, and the loss reads the real rows and columns only.
+
+Packed micro-batches (`train.megatron.packing='thd'`): the real tokens of a micro-batch's rows are laid
+end to end as one sequence [1, T] (no padding to the longest row), with `PackedSeqParams` (THD format:
+cumulative row lengths) telling attention and RoPE where each row starts, so no row sees another. T is
+rounded up to the width multiple; under pipeline parallelism every micro-batch of a call is padded to the
+same T. The padding is one extra segment that attends only to itself. The log-probs are gathered back
+into the rows' [rows, width - 1] target-aligned layout, so the loss code is the same for both layouts.
 """
 
 from __future__ import annotations
@@ -41,10 +48,13 @@ def schedule_loss_scale(num_microbatches: int, data_parallel_size: int) -> float
 class ModelInput:
     """One micro-batch as the model sees it: padded tokens / positions, and the real rows' TrainBatch."""
 
-    tokens: torch.Tensor  # [rows, width] long
-    position_ids: torch.Tensor  # [rows, width] long
+    tokens: torch.Tensor  # [rows, width] long; packed: [1, T]
+    position_ids: torch.Tensor  # [rows, width] long; packed: [1, T], restarting at 0 in every row
     micro: TrainBatch  # the real rows (may be empty: a rank with no rows still joins the collectives)
     width: int  # real width L of `micro`
+    packed: Any = None  # PackedRows (THD) when the rows are packed end to end, else None
+    row_starts: torch.Tensor | None = None  # packed: [rows] long, each real row's first index (device)
+    row_lengths: torch.Tensor | None = None  # packed: [rows] long, each real row's token count (device)
 
     @property
     def n_real(self) -> int:
@@ -63,19 +73,21 @@ def trim_width(micro: TrainBatch, width: int) -> TrainBatch:
     return TrainBatch(**out)
 
 
-def token_budget_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
-    """Consecutive rows grouped so that rows x (longest row of the group) <= max_tokens, each group cut to
-    its own longest row: no padding to the longest sample of the rollout. A row longer than the budget
-    is a micro-batch of its own."""
+def token_budget_micro_batches(batch: TrainBatch, max_tokens: int, *, packed: bool = False) -> list[TrainBatch]:
+    """Consecutive rows grouped so that rows x (longest row of the group) <= max_tokens (packed: the sum of
+    the rows' lengths <= max_tokens), each group cut to its own longest row: no padding to the longest
+    sample of the rollout. A row longer than the budget is a micro-batch of its own."""
     lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
     groups: list[tuple[int, int, int]] = []  # (start, stop, width)
-    start, width = 0, 0
+    start, width, total = 0, 0, 0
     for row, length in enumerate(lengths):
         wider = max(width, length)
-        if row > start and (row - start + 1) * wider > max_tokens:
+        cost = total + length if packed else (row - start + 1) * wider
+        if row > start and cost > max_tokens:
             groups.append((start, row, width))
-            start, wider = row, length
+            start, wider, total = row, length, 0
         width = wider
+        total += length
     if lengths:
         groups.append((start, len(lengths), width))
     return [trim_width(batch.select(slice(a, b)), max(w, 2)) for a, b, w in groups]
@@ -102,6 +114,60 @@ def model_inputs(micros: list[TrainBatch], *, rows: int, width_multiple: int, de
     return out
 
 
+def packed_rows_class():
+    """`PackedSeqParams` plus the row bounds as a Python tuple, so attention can split the packed sequence
+    without reading `cu_seqlens` back from the GPU in every layer."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclasses.dataclass
+    class PackedRows(PackedSeqParams):
+        bounds: tuple[int, ...] = ()
+
+    return PackedRows
+
+
+def packed_model_inputs(micros: list[TrainBatch], *, width_multiple: int, device: torch.device,
+                        empty: TrainBatch, same_length: bool) -> list[ModelInput]:
+    """Each micro-batch's real tokens packed end to end into [1, T] (THD), with the row bounds.
+
+    `same_length`: every micro-batch gets the same T (pipeline stages exchange fixed-shape activations).
+    """
+    PackedRows = packed_rows_class()
+    micros = micros or [empty]
+    sizes = [int(m.attention_mask.sum()) for m in micros]
+    common = max(sizes) if same_length else None
+    out = []
+    for micro, size in zip(micros, sizes):
+        total = -(-max(common if common is not None else size, 1) // width_multiple) * width_multiple
+        keep = micro.attention_mask.bool()  # right-padded rows: row-major order is the rows end to end
+        lengths = micro.attention_mask.sum(dim=1).long()
+        tokens = torch.zeros((1, total), dtype=torch.long)
+        positions = torch.zeros((1, total), dtype=torch.long)
+        tokens[0, :size] = micro.tokens[keep]
+        positions[0, :size] = micro.position_ids[keep]
+        bounds = [0] + torch.cumsum(lengths, dim=0).tolist()
+        if total > size:  # the padding: one more segment, attending only to itself
+            positions[0, size:] = torch.arange(total - size)
+            bounds.append(total)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        packed = PackedRows(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                            max_seqlen_kv=longest, bounds=tuple(bounds))
+        starts = torch.tensor(bounds[: micro.size], dtype=torch.long)
+        out.append(ModelInput(tokens.to(device), positions.to(device), micro, micro.tokens.shape[1], packed,
+                              starts.to(device), lengths.to(device)))
+    return out
+
+
+def unpack_token_values(values: torch.Tensor, item: ModelInput) -> torch.Tensor:
+    """Per-position values of a packed sequence ([T - 1]: position p scores token p + 1) in the rows'
+    target-aligned [rows, width - 1] layout; columns past a row's end are 0 (the loss masks them)."""
+    cols = torch.arange(item.width - 1, device=values.device)
+    index = (item.row_starts[:, None] + cols[None, :]).clamp(max=values.shape[0] - 1)
+    inside = cols[None, :] < (item.row_lengths - 1)[:, None]
+    return torch.where(inside, values[index], values.new_zeros(()))
+
+
 def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
                  loss_fn: Callable[[ModelInput, torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]], *,
                  forward_only: bool, forward_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -118,7 +184,9 @@ def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
-        output = model(input_ids=item.tokens, position_ids=item.position_ids, attention_mask=None, **extra)
+        packed = {"packed_seq_params": item.packed} if item.packed is not None else {}
+        output = model(input_ids=item.tokens, position_ids=item.position_ids, attention_mask=None, **packed,
+                       **extra)
 
         def loss_func(output_tensor):
             return loss_fn(item, output_tensor, num_microbatches)

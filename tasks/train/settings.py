@@ -178,8 +178,14 @@ class MegatronSettings(_Strict):
     lr_decay_steps: Optional[int] = Field(None, ge=1, description="steps of decay after warmup (non-constant styles)")
     min_lr: float = Field(0.0, ge=0, description="the LR the decay ends at")
     max_tokens_per_gpu: Optional[int] = Field(
-        None, ge=1, description="token budget of a micro-batch (rows x its own padded width) instead of "
-                                "micro_batch_size rows; optimizer=megatron, pp = 1")
+        None, ge=1, description="token budget of a micro-batch (rows x its own padded width; packed: the sum of "
+                                "its rows' lengths) instead of micro_batch_size rows; optimizer=megatron, pp = 1")
+    packing: Literal["off", "thd"] = Field(
+        "off", description="thd: a micro-batch's rows packed end to end (PackedSeqParams, no padding to the "
+                           "longest row); sdpa or te layer spec, optimizer=megatron. off: right-padded rows")
+    pack_multiple: int = Field(
+        1, ge=1, description="packing='thd': each packed micro-batch's length rounded up to a multiple of this "
+                             "(fewer distinct shapes for compiled kernels; the padding is its own segment)")
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> "MegatronSettings":
@@ -203,6 +209,10 @@ class MegatronSettings(_Strict):
         if self.max_tokens_per_gpu is not None and self.pp > 1:
             raise ValueError("train.megatron.max_tokens_per_gpu needs pp = 1 (pipeline stages exchange fixed-shape "
                              "activations); use micro_batch_size with pp > 1, or unset max_tokens_per_gpu")
+        if self.packing == "thd" and self.layer_spec == "local":
+            raise ValueError("train.megatron.packing='thd' needs an attention that reads PackedSeqParams: "
+                             "layer_spec 'sdpa' (per-row torch SDPA) or 'te'; Megatron's local attention cannot. "
+                             "Set layer_spec=sdpa or packing=off")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("train.megatron.overlap_param_gather needs use_distributed_optimizer=true")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:

@@ -80,6 +80,44 @@ class TorchBackend:
     def rank(self) -> int:
         return self.dp.rank if self.group is not None else 0
 
+    # -- colocated placement: free the GPU while the engine generates -----------------------------------
+
+    def offload(self) -> None:
+        """Policy and reference weights and the AdamW state to pinned host memory (grads dropped: every train
+        call starts from zeroed grads) while a colocated engine generates; `onload` brings them back bit for
+        bit. A no-op off CUDA and when already offloaded."""
+        if torch.device(self.optim_cfg.device).type != "cuda" or getattr(self, "_offloaded", False):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        for t in self._movable():
+            t.data = _pinned_copy(t.data)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    state[k] = _pinned_copy(v)
+        torch.cuda.synchronize()
+        self._offloaded, self._resident = True, None  # the resident views pointed at the GPU storage
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Undo `offload`."""
+        if not getattr(self, "_offloaded", False):
+            return
+        device = torch.device(self.optim_cfg.device)
+        for t in self._movable():
+            t.data = t.data.to(device, non_blocking=True)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                # AdamW keeps `step` on the host unless capturable / fused: only what was on the GPU goes back
+                if isinstance(v, torch.Tensor) and v.is_pinned():
+                    state[k] = v.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        self._offloaded = False
+
+    def _movable(self) -> list[torch.Tensor]:
+        models = [m for m in (self.model, self.ref_model) if m is not None]
+        return [t for m in models for t in (*m.parameters(), *m.buffers())]
+
     @property
     def world_size(self) -> int:
         return self.dp.world_size if self.group is not None else 1
@@ -152,3 +190,10 @@ class TorchBackend:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t` in pinned memory (the copy back to the GPU is then asynchronous)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

@@ -28,17 +28,16 @@ from rollflow.tasks.train.step import train_on_samples
 from rollflow.tasks.train.torch_backend import TorchBackend
 
 
-MEGATRON_DP_REFUSED = ("multi-rank Megatron through the train worker runs data parallel only, on CUDA, with "
-                       "Megatron's optimizer and no distributed optimizer (its checkpoints are rank 0's bytes); "
-                       "tp / pp / cp > 1 need the distributed checkpoint (MegatronBackend.save_distributed), which "
-                       "rl_train does not call yet: use train.backend=torch for data parallel, or trainer_gpus=1")
+MEGATRON_DP_REFUSED = ("multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer "
+                       "(train.device=cuda, train.megatron.optimizer=auto|megatron): megatron-core's DDP, schedule and "
+                       "optimizer allocate CUDA tensors; use train.backend=torch for data parallel on CPU, or trainer_gpus=1")
+DIST_CHECKPOINT_FORMAT = "rollflow-megatron-dist-1"
 
 
 def megatron_multi_rank_refusal(optim: OptimConfig) -> str | None:
     """Why this megatron config cannot run as several TrainWorker ranks, or None if it can."""
     m = optim.megatron
-    on_cuda = str(optim.device).startswith("cuda") and m.optimizer in ("auto", "megatron")
-    if not on_cuda or m.model_parallel_size > 1 or m.use_distributed_optimizer:
+    if not (str(optim.device).startswith("cuda") and m.optimizer in ("auto", "megatron")):
         return MEGATRON_DP_REFUSED
     return None
 
@@ -77,13 +76,18 @@ class TrainWorker:
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
         self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp)
+        # No rank holds the whole state (megatron tp / pp > 1, ...): checkpoints are distributed, weight reads collective.
+        self.sharded = bool(getattr(self.backend, "sharded", False))
         self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call
         self._consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
         # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
-        self._initial_state = self.backend.checkpoint_bytes()
+        self._initial_state = None if self.sharded else self.backend.checkpoint_bytes()
         if resume_iteration is not None:
-            self.backend.load_checkpoint_bytes(
-                load_checkpoint(store_root, run, resume_iteration, storage_options=storage_options))
+            payload = load_checkpoint(store_root, run, resume_iteration, storage_options=storage_options)
+            if self.sharded:
+                self._load_distributed(resume_iteration, payload)
+            else:
+                self.backend.load_checkpoint_bytes(payload)
 
     def ping(self) -> bool:
         return True
@@ -97,7 +101,7 @@ class TrainWorker:
         """Backend and data-parallel placement of this worker (small JSON, for logs and checks)."""
         return {"backend": self.backend.name, "rank": self.dp.rank if self.dp else 0,
                 "world_size": self.dp.world_size if self.dp else 1,
-                "dp_backend": self.dp.backend if self.dp and self.dp.enabled else None}
+                "dp_backend": self.dp.backend if self.dp and self.dp.enabled else None, "sharded": self.sharded}
 
     def load_artifact(self, ref: dict) -> int:
         """Load (and checksum) a rollout artifact ahead of `train_on_artifact`; returns its sample count.
@@ -196,6 +200,10 @@ class TrainWorker:
                     subsample: float | None = None, dump_uri: str | None = None,
                     reward_key: str | None = None) -> dict[str, float]:
         """Train on one pinned artifact from a given state, and save the resulting state."""
+        if self.sharded:
+            raise NotImplementedError(
+                "replay with a sharded megatron trainer (tp / pp > 1, virtual stages or a distributed optimizer over "
+                "several ranks) is not built: its states are distributed checkpoints; replay at tp = pp = 1")
         start = load_state(start_state_uri, storage_options=self.storage_options) if start_state_uri \
             else self._initial_state
         self.backend.load_checkpoint_bytes(start)
@@ -220,6 +228,8 @@ class TrainWorker:
         Data parallel: rank 0 writes; the other ranks hold the same state and only return the folder.
         No collective, so calling it on rank 0 alone or on every rank are both fine.
         """
+        if self.sharded:  # every rank writes its shards: call it on every rank at once
+            return self._save_distributed(iteration, extra)
         if not self.is_primary:
             from rollflow.artifacts.storage import open_fs
 
@@ -232,8 +242,79 @@ class TrainWorker:
         return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
                                extra=extra, storage_options=self.storage_options)
 
+    def _dist_dir(self, iteration: int) -> str:
+        import os
+
+        from rollflow.artifacts.storage import open_fs
+
+        fs, base = open_fs(self.store_root, self.storage_options)
+        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            raise ValueError(f"store.root={self.store_root!r}: a sharded megatron trainer writes Megatron's distributed "
+                             "checkpoints with every rank on a filesystem path all ranks share (local disk on one "
+                             "host, NFS / Lustre across hosts); object stores are not supported for them yet")
+        return os.path.join(checkpoint_dir(base, self.run, iteration), "dist")
+
+    def _save_distributed(self, iteration: int, extra: dict | None) -> str:
+        """Megatron's distributed checkpoint in the checkpoint folder (every rank its shards), then rank 0 commits
+        the folder as for any checkpoint: a small payload naming the format, the marker last."""
+        import json
+        import shutil
+
+        path = self._dist_dir(iteration)
+        # The NaN guard of the single-file path, over every rank's shards: all ranks refuse together.
+        if not self.backend.all_ranks_finite():
+            raise FloatingPointError(f"not writing checkpoint {iteration}: a trainer rank's weights hold NaN/inf; the "
+                                     "last good checkpoint is kept")
+        if self.is_primary:  # a checkpoint being redone (--resume-from an earlier one): withdraw the old shards
+            shutil.rmtree(path, ignore_errors=True)
+        torch.distributed.barrier()
+        self.backend.save_distributed(path)
+        if not self.is_primary:
+            return str(path.rsplit("/", 1)[0])
+        payload = json.dumps({"format": DIST_CHECKPOINT_FORMAT, "dir": "dist"}).encode()
+        return save_checkpoint(self.store_root, self.run, iteration, payload, extra=extra,
+                               storage_options=self.storage_options)
+
+    def _load_distributed(self, iteration: int, payload: bytes) -> None:
+        import json
+
+        try:
+            meta = json.loads(payload)
+        except ValueError:
+            meta = {}
+        if not isinstance(meta, dict) or meta.get("format") != DIST_CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint {iteration} of run {self.run!r} was written by a trainer that held the whole "
+                             "state (one file); this trainer is sharded and loads Megatron's distributed checkpoints: "
+                             "resume it with the layout that wrote it, or start a new run from the HF model")
+        self.backend.load_distributed(self._dist_dir(iteration))
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.named_weights()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The HF-named weights from rank 0 ({} from the others). A sharded trainer gathers them over its model-
+        parallel groups, so every rank must call this at once; the others do nothing."""
+        if self.sharded:
+            named = self.backend.named_weights()
+            return named if self.is_primary else {}
+        return self.backend.named_weights() if self.is_primary else {}
+
+    # -- colocated placement (offload=true): the engine generates while the trainer's state is on the host ----
+    def offload(self) -> bool:
+        """Weights, grads and optimizer state of this rank to host memory; False when the backend keeps them
+        (it has no offload). Nothing that reads the weights may run until `onload`."""
+        move = getattr(self.backend, "offload", None)
+        if move is None:
+            return False
+        move()
+        return True
+
+    def onload(self) -> bool:
+        move = getattr(self.backend, "onload", None)
+        if move is None:
+            return False
+        move()
+        return True
 
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
         """First `n` values of every tensor (cast like the engine holds them), for prefix parity."""
