@@ -93,9 +93,7 @@ def _batch(n: int, seq: int, vocab: int, ragged: bool = False):
     tokens = torch.randint(0, vocab, (n, seq), generator=g) * attention
     # target-aligned (column j scores token j + 1): a quarter of each row prompt, the rest response
     resp = ((cols[None, 1:] >= (lengths // 4)[:, None]) & (cols[None, 1:] < lengths[:, None])).float()
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    return TrainBatch(tokens=tokens, attention_mask=attention,
-                      position_ids=position_ids, response_mask=resp,
+    return TrainBatch(tokens=tokens, lengths=lengths, response_mask=resp,
                       rewards=torch.zeros(n, dtype=torch.float64), rollout_log_probs=torch.zeros(n, seq - 1),
                       group_size=n, truncated=torch.zeros(n, dtype=torch.bool),
                       advantages=torch.randn(n, seq - 1, generator=g) * resp)

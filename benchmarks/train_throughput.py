@@ -68,10 +68,9 @@ def make_batch(shape: dict, rows: int, seed: int = 0) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
     s = shape["seq"]
     tokens = torch.randint(3, shape["vocab"], (rows, s), generator=g)
-    attn = torch.ones(rows, s, dtype=torch.long)
     resp = torch.zeros(rows, s - 1)
     resp[:, 511:] = 1.0  # 512-token prompt, 1536-token response
-    return TrainBatch(tokens=tokens, attention_mask=attn, position_ids=attn.cumsum(1) - 1, response_mask=resp,
+    return TrainBatch(tokens=tokens, lengths=torch.full((rows,), s), response_mask=resp,
                       rewards=torch.randn(rows, generator=g).double(), rollout_log_probs=torch.full((rows, s - 1), -10.0) * resp,
                       group_size=rows, truncated=torch.zeros(rows, dtype=torch.bool),
                       advantages=torch.randn(rows, 1, generator=g).expand(rows, s - 1) * resp)

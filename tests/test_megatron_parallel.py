@@ -193,6 +193,12 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
             except (FileNotFoundError, FileExistsError) as exc:
                 refusals.append(type(exc).__name__)
         results["ckpt_refusals"] = refusals
+        # the checkpoint NaN guard of a sharded trainer: a NaN in rank 1's shard is seen by rank 0 too
+        results["finite_before"] = be.all_ranks_finite()
+        if rank == 1:
+            with torch.no_grad():
+                next(be.model.parameters()).view(-1)[0] = float("nan")
+        results["finite_after"] = be.all_ranks_finite()
         parallel_state.destroy_model_parallel()
         results["vocab_parallel"] = _vocab_parallel_check(
             rank, torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu"))
@@ -273,6 +279,12 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(parallel_run):
                                    msg=lambda m: f"second step {key}: {m}")
     moved = max(float((results["ckpt_tp2_step2"][k] - saved[k]).abs().max()) for k in saved)
     assert moved > 0.5 * LR  # the second step did update the weights
+
+
+def test_every_rank_learns_of_a_nan_in_any_rank_shard(parallel_run):
+    """The guard before a distributed checkpoint: all ranks refuse together (no rank waits in the save alone)."""
+    results = parallel_run[1]
+    assert results["finite_before"] is True and results["finite_after"] is False
 
 
 def test_vocab_parallel_equals_one_rank(parallel_run):

@@ -81,7 +81,7 @@ def test_token_budget_micro_batches_cut_by_rows_times_longest_row():
     lengths, width = [5, 3, 8, 2, 2, 2, 9], 10
     mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
     tokens = torch.arange(7 * width).reshape(7, width) * mask
-    batch = TrainBatch(tokens=tokens, attention_mask=mask, position_ids=mask.cumsum(1) - 1,
+    batch = TrainBatch(tokens=tokens, lengths=torch.tensor(lengths),
                        response_mask=torch.ones(7, width - 1), rewards=torch.zeros(7),
                        rollout_log_probs=torch.zeros(7, width - 1), group_size=1,
                        truncated=torch.zeros(7, dtype=torch.bool))

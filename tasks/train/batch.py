@@ -17,9 +17,11 @@ from rollflow.tasks.model.teacher_forced import right_padded
 
 @dataclasses.dataclass
 class TrainBatch:
-    tokens: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
-    position_ids: torch.Tensor  # [B, L] long, cumsum(mask) - 1
+    tokens: torch.Tensor  # [B, L] long, right-padded
+    # [B] long: real tokens per row. The [B, L] attention mask and position ids follow from it (rows are
+    # right-padded), so they are computed when asked for, per micro-batch, instead of held for the whole
+    # rollout: two int64 [B, L] tensors were 16 of the batch's 33 bytes per token.
+    lengths: torch.Tensor
     response_mask: torch.Tensor  # [B, L-1] float: response tokens that count in the loss
     rewards: torch.Tensor  # [B] float64, the scalar training reward
     rollout_log_probs: torch.Tensor  # [B, L-1] float32, 0 outside response_mask
@@ -39,6 +41,18 @@ class TrainBatch:
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[B, L] long: 1 on each row's first `lengths` tokens (right padding)."""
+        cols = torch.arange(self.tokens.shape[1], device=self.lengths.device)
+        return (cols[None, :] < self.lengths[:, None]).long()
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """[B, L] long: `teacher_forced.right_padded`'s (cumsum(mask) - 1).clamp(min=0), i.e. min(j, length - 1)."""
+        cols = torch.arange(self.tokens.shape[1], device=self.lengths.device)
+        return torch.minimum(cols[None, :], (self.lengths - 1).clamp(min=0)[:, None])
 
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
@@ -81,8 +95,7 @@ def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
         truncated[row] = s.status == Status.TRUNCATED
     return TrainBatch(
         tokens=padded.tokens,
-        attention_mask=padded.attention_mask,
-        position_ids=padded.position_ids,
+        lengths=padded.attention_mask.sum(dim=1),
         response_mask=resp_mask,
         rewards=rewards,
         rollout_log_probs=rollout_lp,

@@ -38,7 +38,6 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
     width = int(lengths.max())
     cols = np.arange(width)
     ids = np.zeros((n, width), dtype=np.int64)
-    attention = np.zeros((n, width), dtype=np.int64)
     # Target-aligned [n, L-1]: column j scores token j + 1, so a row's response is scored at columns
     # prompt_length - 1 ... length - 2.
     response_mask = np.zeros((n, width - 1), dtype=np.float32)
@@ -51,7 +50,6 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
         length, r = lengths[rows], resp[rows]
         valid = cols[None, :] < length[:, None]
         ids[rows][valid] = chunk.list_column("tokens").values
-        attention[rows] = valid
         start = length - r - 1
         target = cols[None, :-1]
         in_span = (target >= start[:, None]) & (target < (start + r)[:, None])
@@ -59,13 +57,9 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
         response_mask[rows][in_span] = chunk.list_column("loss_mask").values
         # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
         rollout_lp[rows][in_span] = chunk.list_column("rollout_log_probs").values
-    attention_mask = torch.from_numpy(attention)
-    position_ids = attention_mask.cumsum(dim=1)
-    position_ids.sub_(1).clamp_(min=0)  # right_padded's (cumsum - 1).clamp(min=0), in place
     return TrainBatch(
         tokens=torch.from_numpy(ids),
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        lengths=torch.from_numpy(lengths.astype(np.int64)),  # mask and positions follow (TrainBatch properties)
         response_mask=torch.from_numpy(response_mask),
         rewards=torch.from_numpy(columns.scalar_rewards(reward_key)),
         rollout_log_probs=torch.from_numpy(rollout_lp),

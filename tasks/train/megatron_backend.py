@@ -453,14 +453,6 @@ def _accepts_output_processor(model) -> bool:
     return cached
 
 
-def _check_right_padded(mask: torch.Tensor) -> None:
-    lengths = mask.sum(dim=1, keepdim=True)
-    expected = (torch.arange(mask.shape[1]).unsqueeze(0) < lengths).to(mask.dtype)
-    if not torch.equal(mask.cpu(), expected):
-        raise ValueError("the megatron backend needs right-padded rows (tokens first, padding last): Megatron's "
-                         "rotary positions are 0..L-1 and its causal mask has no padding term")
-
-
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
     import dataclasses
 
@@ -784,7 +776,6 @@ class MegatronBackend:
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:
         if which != "policy" and self._ref_state is None:
             raise RuntimeError("reference log-probs requested but the trainer was built without a reference model")
-        _check_right_padded(batch.attention_mask)
         with self._weights_of(which):
             was_training = self.model.training
             for chunk in self.chunks:
@@ -862,7 +853,6 @@ class MegatronBackend:
     def train(self, batch: TrainBatch, algo: AlgoConfig, on_step=None) -> dict[str, float]:
         """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats
         (`on_step` gets each step's own: objective.minibatch_steps)."""
-        _check_right_padded(batch.attention_mask)
         # train(): Megatron's activation recompute runs only in training mode. Dropout is 0, so the training
         # forward is still the same function as the scoring forward (step-1 exactness).
         for chunk in self.chunks:

@@ -77,7 +77,7 @@ def token_budget_micro_batches(batch: TrainBatch, max_tokens: int, *, packed: bo
     """Consecutive rows grouped so that rows x (longest row of the group) <= max_tokens (packed: the sum of
     the rows' lengths <= max_tokens), each group cut to its own longest row: no padding to the longest
     sample of the rollout. A row longer than the budget is a micro-batch of its own."""
-    lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
+    lengths = batch.lengths.tolist()
     groups: list[tuple[int, int, int]] = []  # (start, stop, width)
     start, width, total = 0, 0, 0
     for row, length in enumerate(lengths):
@@ -134,13 +134,13 @@ def packed_model_inputs(micros: list[TrainBatch], *, width_multiple: int, device
     """
     PackedRows = packed_rows_class()
     micros = micros or [empty]
-    sizes = [int(m.attention_mask.sum()) for m in micros]
+    sizes = [int(m.lengths.sum()) for m in micros]
     common = max(sizes) if same_length else None
     out = []
     for micro, size in zip(micros, sizes):
         total = -(-max(common if common is not None else size, 1) // width_multiple) * width_multiple
         keep = micro.attention_mask.bool()  # right-padded rows: row-major order is the rows end to end
-        lengths = micro.attention_mask.sum(dim=1).long()
+        lengths = micro.lengths.long()
         tokens = torch.zeros((1, total), dtype=torch.long)
         positions = torch.zeros((1, total), dtype=torch.long)
         tokens[0, :size] = micro.tokens[keep]
