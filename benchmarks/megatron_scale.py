@@ -206,7 +206,8 @@ def main() -> None:
     parser.add_argument("--no-dist-opt", action="store_true")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1; needs the te layer spec)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: gloo ranks, fp32, sdpa spec (a smoke test of this script with --preset tiny)")
+                        help="cpu: gloo ranks, fp32, sdpa spec, --preset tiny; megatron-core's optimizer needs CUDA, so "
+                             "this runs only under the test suite's CPU shims (tests/test_megatron_scale_script.py)")
     parser.add_argument("--packing", default="off", choices=["off", "thd"], help="train.megatron.packing")
     parser.add_argument("--pack-multiple", type=int, default=1, help="train.megatron.pack_multiple")
     parser.add_argument("--ragged", action="store_true", help="row lengths uniform in [seq/4, seq] (else all seq)")
