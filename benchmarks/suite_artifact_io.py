@@ -192,9 +192,9 @@ def _big_rollout(ctx: BenchContext, res: SuiteResult, p: dict) -> None:
     res.ratio(f"{tag} load + batch peak / artifact", [loaded["load_batch_peak"] / cols], goal=MEMORY_GOAL, unit="x",
               note=f"peak {loaded['load_batch_peak'] / 1e6:.0f} MB; the TrainBatch's own tensors are "
                    f"{loaded['batch_bytes'] / 1e6:.0f} MB",
-              limit=f"TrainBatch holds {loaded['batch_bytes'] / tokens:.0f} bytes per token (tokens, attention_mask, "
-                    "position_ids as int64 [B, L]; masks and log-probs as float32 [B, L-1]): "
-                    f"{loaded['batch_bytes'] / cols:.1f}x the columns by itself")
+              limit=f"TrainBatch holds {loaded['batch_bytes'] / tokens:.0f} bytes per token (int64 tokens [B, L]; "
+                    "float32 loss mask and log-probs, bool span [B, L-1]; mask and positions follow from row "
+                    f"lengths): {loaded['batch_bytes'] / cols:.1f}x the columns, built while the columns are held")
     extra = loaded["load_batch_peak"] - cols - loaded["batch_bytes"]
     res.ratio(f"{tag} load + batch peak / (artifact + TrainBatch)",
               [loaded["load_batch_peak"] / (cols + loaded["batch_bytes"])], unit="x",
