@@ -156,7 +156,9 @@ class RunConfig(_Strict):
     ray: RayConfig = RayConfig()
     placement: Literal["colocate", "disaggregated"] = Field(
         "disaggregated", description="colocate: trainer and engines share GPUs; disaggregated: separate GPUs")
-    offload: bool = Field(False, description="colocate only: engines release memory while the trainer runs")
+    offload: bool = Field(False, description="colocate only: engines release memory while the trainer runs, and the "
+                                             "trainer's weights, grads and optimizer state go to host memory while "
+                                             "the engine generates")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig,
                                        description="GPU budget and layout (all 0 = CPU, no placement group)")
     debug: DebugConfig = DebugConfig()
