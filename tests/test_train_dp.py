@@ -266,3 +266,15 @@ def test_uneven_and_empty_shards_and_broadcast(tmp_path):
         assert dp_m.keys() == solo_m.keys()
         for key, value in solo_m.items():
             assert dp_m[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_a_whole_state_trainer_refuses_a_sharded_checkpoint(tmp_path):
+    """A distributed (sharded megatron) checkpoint resumed by a trainer that holds the whole state: one clear line
+    naming the fix, not an unpickling error."""
+    from rollflow.tasks.train.checkpoint import save_checkpoint
+    from rollflow.tasks.train.worker import DIST_CHECKPOINT_FORMAT, TrainWorker
+
+    payload = json.dumps({"format": DIST_CHECKPOINT_FORMAT, "dir": "dist"}).encode()
+    save_checkpoint(str(tmp_path), "r", 1, payload)
+    with pytest.raises(ValueError, match=r"checkpoint 1 of run 'r' is a sharded megatron trainer's .*trainer_gpus"):
+        TrainWorker(MODEL, OptimConfig(), AlgoConfig(), store_root=str(tmp_path), run="r", resume_iteration=1)

@@ -86,6 +86,10 @@ class TrainWorker:
             payload = load_checkpoint(store_root, run, resume_iteration, storage_options=storage_options)
             if self.sharded:
                 self._load_distributed(resume_iteration, payload)
+            elif payload.startswith(b"{"):
+                raise ValueError(f"checkpoint {resume_iteration} of run {run!r} is a sharded megatron trainer's "
+                                 "(Megatron's distributed format); this trainer holds the whole state and cannot read "
+                                 "it: resume with the train.megatron layout and trainer_gpus that wrote it")
             else:
                 self.backend.load_checkpoint_bytes(payload)
 
@@ -292,10 +296,10 @@ class TrainWorker:
         return self.backend.named_weights()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The HF-named weights from rank 0 ({} from the others). A sharded trainer gathers them over its model-
-        parallel groups, so every rank must call this at once; the others do nothing."""
+        """The HF-named weights from rank 0, {} from the others. A sharded trainer gathers them over its model-
+        parallel groups, so every rank must call this at once; other ranks of an unsharded one return at once."""
         if self.sharded:
-            named = self.backend.named_weights()
+            named = self.backend.named_weights()  # a collective
             return named if self.is_primary else {}
         return self.backend.named_weights() if self.is_primary else {}
 
