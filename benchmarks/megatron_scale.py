@@ -136,9 +136,6 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     be = MegatronBackend(config, None, optim, keep_ref=False,
                          dp=DataParallel(rank, world, "127.0.0.1", port, backend="nccl" if cuda else "gloo"))
     n_params = sum(p.numel() for chunk in be.chunks for p in chunk.parameters())
-    if cuda:
-        torch.cuda.synchronize()
-        state_gib = torch.cuda.memory_allocated() / 2 ** 30  # weights + grad buffers + optimizer state, built
     matmul = torch.tensor([_matmul_rate(be.device) if cuda else 1.0], device=be.device)
     torch.distributed.all_reduce(matmul, op=torch.distributed.ReduceOp.MIN)
     n = args.micro_batch * args.micro_batches * dp

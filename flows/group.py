@@ -368,8 +368,10 @@ def _checkpoint_weights(cfg: RunConfig, iteration: int):
 
     from rollflow.tasks.train.checkpoint import load_checkpoint
 
+    from rollflow.tasks.train.checkpoint import is_distributed_payload
+
     payload = load_checkpoint(cfg.store.root, cfg.run, iteration)
-    if payload.startswith(b"{"):
+    if is_distributed_payload(payload):
         raise ValueError(f"checkpoint {iteration} of run {cfg.run!r} is a sharded megatron trainer's (Megatron's "
                          "distributed format): only the trainer ranks read it; start the trainer first and take the "
                          "engine's weights from it")

@@ -272,7 +272,8 @@ def test_a_whole_state_trainer_refuses_a_sharded_checkpoint(tmp_path):
     """A distributed (sharded megatron) checkpoint resumed by a trainer that holds the whole state: one clear line
     naming the fix, not an unpickling error."""
     from rollflow.tasks.train.checkpoint import save_checkpoint
-    from rollflow.tasks.train.worker import DIST_CHECKPOINT_FORMAT, TrainWorker
+    from rollflow.tasks.train.checkpoint import DIST_CHECKPOINT_FORMAT
+    from rollflow.tasks.train.worker import TrainWorker
 
     payload = json.dumps({"format": DIST_CHECKPOINT_FORMAT, "dir": "dist"}).encode()
     save_checkpoint(str(tmp_path), "r", 1, payload)

@@ -62,6 +62,26 @@ def _fault(point: str, iteration: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# A sharded trainer's checkpoint payload: it only names the format; the state is Megatron's distributed checkpoint
+# in the folder's `dist/` (written by every rank), committed by the same marker as any payload.
+DIST_CHECKPOINT_FORMAT = "rollflow-megatron-dist-1"
+
+
+def distributed_payload() -> bytes:
+    return json.dumps({"format": DIST_CHECKPOINT_FORMAT, "dir": "dist"}).encode()
+
+
+def is_distributed_payload(payload: bytes) -> bool:
+    """Whether a checkpoint payload is a sharded trainer's (a JSON stub) rather than a whole state (torch.save)."""
+    if not payload.startswith(b"{"):
+        return False
+    try:
+        meta = json.loads(payload)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("format") == DIST_CHECKPOINT_FORMAT
+
+
 def _parse_marker(data: bytes, iteration: int) -> dict:
     """The marker's dict; CheckpointError (saying what is wrong) when it does not verify."""
     try:

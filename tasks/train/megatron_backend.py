@@ -51,6 +51,7 @@ from rollflow.tasks.train.fused_ops import install_rope_fusion, token_log_probs
 from rollflow.tasks.train.megatron_schedule import (ModelInput, model_inputs, packed_model_inputs, run_schedule,
                                                      schedule_loss_scale, token_budget_micro_batches,
                                                      unpack_token_values)
+from rollflow.tasks.train.pinned import pinned_copy
 from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
 from rollflow.tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.torch_backend import split_rows
@@ -904,8 +905,7 @@ class MegatronBackend:
         host: dict[tuple, torch.Tensor] = {}
 
         def stash(key: tuple, tensor: torch.Tensor) -> None:
-            host[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host[key].copy_(tensor, non_blocking=True)
+            host[key] = pinned_copy(tensor)
 
         params = {(i, name): param for i, chunk in enumerate(self.chunks) for name, param in chunk.named_parameters()}
         for key, param in params.items():  # parameters outside DDP's param buffer
@@ -926,10 +926,9 @@ class MegatronBackend:
         torch.cuda.synchronize()
         for b in buffers:  # grad buffers, and the param buffer of the distributed optimizer
             b.offload_to_cpu(move_params=True, move_grads=True)
-        empty = {}
         for key, param in params.items():
             if ("param",) + key in host:
-                param.data = empty.setdefault(param.dtype, torch.empty(0, dtype=param.dtype, device=self.device))
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         for key, p in extra.items():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         for o, inner in enumerate(self._inner_optimizers()):

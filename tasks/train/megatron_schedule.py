@@ -28,6 +28,7 @@ into the rows' [rows, width - 1] target-aligned layout, so the loss code is the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,7 @@ def model_inputs(micros: list[TrainBatch], *, rows: int, width_multiple: int, de
     return out
 
 
+@functools.cache  # one class: not a new one for every train call
 def packed_rows_class():
     """`PackedSeqParams` plus the row bounds as a Python tuple, so attention can split the packed sequence
     without reading `cu_seqlens` back from the GPU in every layer."""

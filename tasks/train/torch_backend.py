@@ -23,6 +23,7 @@ from rollflow.tasks.train.data_parallel import (
     sum_stats,
 )
 from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
+from rollflow.tasks.train.pinned import pinned_copy
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 
@@ -90,11 +91,11 @@ class TorchBackend:
             return
         self.optimizer.zero_grad(set_to_none=True)
         for t in self._movable():
-            t.data = _pinned_copy(t.data)
+            t.data = pinned_copy(t.data)
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.is_cuda:
-                    state[k] = _pinned_copy(v)
+                    state[k] = pinned_copy(v)
         torch.cuda.synchronize()
         self._offloaded, self._resident = True, None  # the resident views pointed at the GPU storage
         torch.cuda.empty_cache()
@@ -190,10 +191,3 @@ class TorchBackend:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t` in pinned memory (the copy back to the GPU is then asynchronous)."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out

@@ -18,7 +18,8 @@ from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.sync.parity import checksums
 from rollflow.tasks.train.critic import CriticEstimate
-from rollflow.tasks.train.checkpoint import checkpoint_dir, load_checkpoint, load_state, save_checkpoint, save_state
+from rollflow.tasks.train.checkpoint import (checkpoint_dir, distributed_payload, is_distributed_payload,
+                                             load_checkpoint, load_state, save_checkpoint, save_state)
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.dump import train_dump_bytes
 from rollflow.tasks.train.mismatch import corrects
@@ -31,7 +32,6 @@ from rollflow.tasks.train.torch_backend import TorchBackend
 MEGATRON_DP_REFUSED = ("multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer "
                        "(train.device=cuda, train.megatron.optimizer=auto|megatron): megatron-core's DDP, schedule and "
                        "optimizer allocate CUDA tensors; use train.backend=torch for data parallel on CPU, or trainer_gpus=1")
-DIST_CHECKPOINT_FORMAT = "rollflow-megatron-dist-1"
 
 
 def megatron_multi_rank_refusal(optim: OptimConfig) -> str | None:
@@ -86,7 +86,7 @@ class TrainWorker:
             payload = load_checkpoint(store_root, run, resume_iteration, storage_options=storage_options)
             if self.sharded:
                 self._load_distributed(resume_iteration, payload)
-            elif payload.startswith(b"{"):
+            elif is_distributed_payload(payload):
                 raise ValueError(f"checkpoint {resume_iteration} of run {run!r} is a sharded megatron trainer's "
                                  "(Megatron's distributed format); this trainer holds the whole state and cannot read "
                                  "it: resume with the train.megatron layout and trainer_gpus that wrote it")
@@ -261,7 +261,6 @@ class TrainWorker:
     def _save_distributed(self, iteration: int, extra: dict | None) -> str:
         """Megatron's distributed checkpoint in the checkpoint folder (every rank its shards), then rank 0 commits
         the folder as for any checkpoint: a small payload naming the format, the marker last."""
-        import json
         import shutil
 
         path = self._dist_dir(iteration)
@@ -275,18 +274,11 @@ class TrainWorker:
         self.backend.save_distributed(path)
         if not self.is_primary:
             return str(path.rsplit("/", 1)[0])
-        payload = json.dumps({"format": DIST_CHECKPOINT_FORMAT, "dir": "dist"}).encode()
-        return save_checkpoint(self.store_root, self.run, iteration, payload, extra=extra,
+        return save_checkpoint(self.store_root, self.run, iteration, distributed_payload(), extra=extra,
                                storage_options=self.storage_options)
 
     def _load_distributed(self, iteration: int, payload: bytes) -> None:
-        import json
-
-        try:
-            meta = json.loads(payload)
-        except ValueError:
-            meta = {}
-        if not isinstance(meta, dict) or meta.get("format") != DIST_CHECKPOINT_FORMAT:
+        if not is_distributed_payload(payload):
             raise ValueError(f"checkpoint {iteration} of run {self.run!r} was written by a trainer that held the whole "
                              "state (one file); this trainer is sharded and loads Megatron's distributed checkpoints: "
                              "resume it with the layout that wrote it, or start a new run from the HF model")
@@ -298,10 +290,10 @@ class TrainWorker:
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The HF-named weights from rank 0, {} from the others. A sharded trainer gathers them over its model-
         parallel groups, so every rank must call this at once; other ranks of an unsharded one return at once."""
-        if self.sharded:
-            named = self.backend.named_weights()  # a collective
-            return named if self.is_primary else {}
-        return self.backend.named_weights() if self.is_primary else {}
+        if not (self.sharded or self.is_primary):
+            return {}
+        named = self.backend.named_weights()  # sharded: a collective
+        return named if self.is_primary else {}
 
     # -- colocated placement (offload=true): the engine generates while the trainer's state is on the host ----
     def offload(self) -> bool:
