@@ -132,11 +132,13 @@ def init_parallel_state(device: torch.device, seed: int, *, settings: MegatronSe
         if dp is not None:
             dist.init_process_group(backend=backend, init_method=dp.init_method, rank=dp.rank,
                                     world_size=dp.world_size)
+        elif int(os.environ.get("WORLD_SIZE", 1)) > 1:  # launched by torchrun: its env rendezvous
+            dist.init_process_group(backend=backend)
         else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", 0)),
-                                    world_size=int(os.environ.get("WORLD_SIZE", 1)))
+            # One process: a fresh port every time. A MASTER_PORT inherited from the environment (e.g. set by an
+            # earlier backend in the process that started this one) may be in use by now.
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1)
     settings.data_parallel_size(dist.get_world_size())  # one clear error before any group is built
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
