@@ -731,6 +731,9 @@ class RolloutStore:
         # The encoded bytes are not needed once decoded: freeing them returns their pages to the OS at once
         # (they come from the system allocator), so what follows (a train batch, show's metrics) reuses them.
         del payload
+        # Arrow's allocator keeps the decoder's freed scratch buffers (hundreds of MB for a large rollout)
+        # for reuse by Arrow only; hand them back so numpy/torch (the train batch) can have those pages.
+        pa.default_memory_pool().release_unused()
         self._check_rows(manifest, len(columns), uri)
         return manifest, columns
 

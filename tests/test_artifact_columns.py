@@ -19,6 +19,7 @@ import torch
 from rollflow.artifacts import ArtifactCorrupt, ArtifactSchemaError, EngineInfo, RolloutStore, Sample, Status
 from rollflow.artifacts.codec import PAYLOAD_FORMAT, columns_from_parquet, columns_to_parquet
 from rollflow.artifacts.columns import ListColumn, SampleColumns
+from rollflow.tasks.train import batch_columns
 from rollflow.tasks.train.batch import batch_from_samples
 from rollflow.tasks.train.batch_columns import batch_from_columns
 from tests.test_artifacts_store import make_samples
@@ -223,6 +224,27 @@ def test_batch_from_columns_equals_batch_from_samples(tmp_path):
             s.reward_key = "fmt"
     assert_same_batch(batch_from_columns(artifact.columns, group_size=3, reward_key="fmt"),
                       batch_from_samples(samples, group_size=3))
+
+
+def test_batch_span_mask_and_ids_follow_each_sample(tmp_path, monkeypatch):
+    """The compact batch (int32 ids, bool loss mask, span from per-row lengths) against each sample's own
+    prompt / response split, with blocks of a few rows so one chunk is filled in several blocks."""
+    monkeypatch.setattr(batch_columns, "BLOCK_TOKENS", 8)
+    store = RolloutStore(str(tmp_path / "store"))
+    samples = rewarded_samples()
+    samples[4].loss_mask = [1, 0] * (samples[4].response_length // 2) + [1] * (samples[4].response_length % 2)
+    write(store, samples)
+    batch = batch_from_columns(store.load("run-c", "train", 0).columns, group_size=3)
+    assert batch.tokens.dtype == torch.int32 and batch.response_mask.dtype == torch.bool
+    span = batch.span()
+    for row, s in enumerate(samples):
+        first = len(s.tokens) - s.response_length - 1  # the column scoring the first response token
+        want_span = [first <= j < first + s.response_length for j in range(batch.tokens.shape[1] - 1)]
+        assert span[row].tolist() == want_span
+        assert batch.response_mask[row][span[row]].tolist() == [bool(m) for m in s.loss_mask]
+        assert not batch.response_mask[row][~span[row]].any()
+        assert batch.tokens[row, : len(s.tokens)].tolist() == s.tokens
+        assert not batch.tokens[row, len(s.tokens):].any()
 
 
 def test_batch_from_columns_errors_as_batch_from_samples():

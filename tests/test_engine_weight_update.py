@@ -76,3 +76,24 @@ def test_bad_updates_are_refused_before_anything_is_written():
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert engine.weight_version == 0
+
+
+def test_repeated_updates_from_resident_tensors_land_each_time():
+    """The trainer's own tensors, changed in place between updates (same addresses: the engine reuses its
+    copy plan), and a host-staged update in between (another plan) must not disturb that."""
+    engine = HFEngine(_model(1), pad_token_id=0, eos_token_id=2)
+    trainer = _model(2)
+    resident = dict(trainer.state_dict(keep_vars=True))
+    version = 0
+    for step in range(4):
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(0.5)
+        if step == 2:
+            version += 1
+            engine.update_weights(_state(_model(9)), version)  # a host copy, then the resident ones again
+        version += 1
+        engine.update_weights({k: v.detach() for k, v in resident.items()}, version)
+        for name, value in engine.model.state_dict().items():
+            assert torch.equal(value, resident[name].detach()), (version, name)
+    assert len(engine._copy_plans) == 2

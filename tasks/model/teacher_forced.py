@@ -62,7 +62,7 @@ def next_token_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     model's device. Column j scores tokens[:, j + 1]."""
     device = next(model.parameters()).device
     logits = model(
-        input_ids=tokens.to(device),
+        input_ids=tokens.to(device, torch.long),  # a TrainBatch may hold int32 ids
         attention_mask=attention_mask.to(device),
         position_ids=position_ids.to(device),
     ).logits[:, :-1].float()
@@ -71,7 +71,7 @@ def next_token_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
 
 def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits) at the next tokens: [B, L-1] (logits from `next_token_logits`)."""
-    targets = tokens[:, 1:].to(logits.device).unsqueeze(-1)
+    targets = tokens[:, 1:].to(logits.device, torch.long).unsqueeze(-1)
     return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
 
 

@@ -26,13 +26,17 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
+from rollflow.tasks.sync.copy_plan import MEMCPY_BYTES, CopyPlan, plan_key, run_plan
 from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from rollflow.tasks.rollout.static_decode import StaticDecoder
 
 
 StaticCache = Union[bool, Literal["auto"]]
-_MEMCPY_BYTES = 8 << 20  # tensors at least this large are copied one by one (docs/performance.md section 5)
+_MEMCPY_BYTES = MEMCPY_BYTES  # (a name the tests patch) tensors this large are copied one by one
+# Plans kept: a device-resident path keeps its plan while a host-staged update (new host copies each
+# time, so a new key) comes between two of its calls.
+_KEPT_PLANS = 4
 
 
 class _StepLogProbs:
@@ -88,6 +92,8 @@ class HFEngine:
         self.length_bucket = max(1, int(length_bucket))
         self.scoring = scoring
         self.resident = ResidentWeights(self.model)
+        # Recent updates' copies by key (sources / destinations / shapes), reused while a key holds.
+        self._copy_plans: dict[tuple, CopyPlan] = {}
         self._decoder: StaticDecoder | None = None
         if scoring is not None:
             check_scoring(self.model, scoring)
@@ -239,6 +245,17 @@ class HFEngine:
                 f"weight update does not match the engine's parameters: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]} (check the trainer->engine name mapping)"
             )
+        dst, src = list(targets.values()), [named_tensors[name] for name in targets]
+        key = plan_key(dst, src)
+        plan = self._copy_plans.pop(key, None) or self._plan_update(targets, named_tensors, key)
+        self._copy_plans[key] = plan  # most recent last
+        while len(self._copy_plans) > _KEPT_PLANS:
+            self._copy_plans.pop(next(iter(self._copy_plans)))
+        run_plan(plan, dst, src)  # the same sources at the same addresses as before: checks done then
+        self.weight_version = version
+
+    def _plan_update(self, targets: dict[str, torch.Tensor], named_tensors: dict[str, torch.Tensor],
+                     key: tuple) -> CopyPlan:
         for name, d in targets.items():
             if d.shape != named_tensors[name].shape:
                 raise ValueError(f"weight update: {name} has shape {tuple(named_tensors[name].shape)}, engine "
@@ -247,24 +264,7 @@ class HFEngine:
         skip = {name for name, first in self.resident.aliases().items()
                 if named_tensors[name] is named_tensors[first]
                 or named_tensors[name].data_ptr() == named_tensors[first].data_ptr()}
-        big, small_dst, small_src = [], [], []
-        for name, d in targets.items():
-            if name in skip:
-                continue
-            if d.numel() * d.element_size() >= _MEMCPY_BYTES:
-                big.append((d, named_tensors[name]))
-            else:
-                small_dst.append(d)
-                small_src.append(named_tensors[name])
-        with torch.no_grad():
-            # Large tensors as plain copies (a device memcpy runs at full bandwidth); the many small ones
-            # as one multi-tensor copy: a few kernel launches instead of one per tensor. Mixed devices
-            # or dtypes fall back to per-tensor copies inside `_foreach_copy_`.
-            for d, src in big:
-                d.copy_(src)
-            if small_dst:
-                torch._foreach_copy_(small_dst, small_src)
-        self.weight_version = version
+        return CopyPlan(key, tuple(i for i, name in enumerate(targets) if name not in skip), _MEMCPY_BYTES)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

@@ -17,12 +17,16 @@ from rollflow.tasks.model.teacher_forced import right_padded
 
 @dataclasses.dataclass
 class TrainBatch:
-    tokens: torch.Tensor  # [B, L] long, right-padded
+    # [B, L] int32 (or int64), right-padded. Token ids are vocabulary indices, far below 2**31, as in the
+    # artifact's columns; consumers widen a micro-batch to long where an op needs it (embedding, gather).
+    tokens: torch.Tensor
     # [B] long: real tokens per row. The [B, L] attention mask and position ids follow from it (rows are
     # right-padded), so they are computed when asked for, per micro-batch, instead of held for the whole
     # rollout: two int64 [B, L] tensors were 16 of the batch's 33 bytes per token.
     lengths: torch.Tensor
-    response_mask: torch.Tensor  # [B, L-1] float: response tokens that count in the loss
+    # [B, L-1] bool: response tokens that count in the loss (a nonzero loss_mask entry). Bool, not float:
+    # 1 byte per token instead of 4; every consumer converts (`mask.to(dtype)`) or compares (`mask > 0`).
+    response_mask: torch.Tensor
     rewards: torch.Tensor  # [B] float64, the scalar training reward
     rollout_log_probs: torch.Tensor  # [B, L-1] float32, 0 outside response_mask
     group_size: int
@@ -35,6 +39,10 @@ class TrainBatch:
     # The response's columns, loss tokens or not (multi-turn tool output is in the span, not in the
     # mask): returns are discounted over the span. None: the span is the mask.
     response_span: torch.Tensor | None = None  # [B, L-1] bool
+    # [B] long: response columns per row, the compact form of the span (a row's response is its last
+    # `span_lengths` scored columns, `lengths - 1 - span_lengths` .. `lengths - 2`). The builders set this
+    # instead of `response_span`; `span()` expands it when asked.
+    span_lengths: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # train/rollout importance weights (mismatch.py), [B, L-1]
     loss_keep: torch.Tensor | None = None  # response_mask minus rejected tokens (mismatch.py), [B, L-1]
 
@@ -55,10 +63,18 @@ class TrainBatch:
         return torch.minimum(cols[None, :], (self.lengths - 1).clamp(min=0)[:, None])
 
     def response_lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(dim=1)
+        """[B] float32: loss tokens per row."""
+        return self.response_mask.sum(dim=1, dtype=torch.float32)
 
     def span(self) -> torch.Tensor:
-        return self.response_span if self.response_span is not None else self.response_mask > 0
+        """[B, L-1] bool: the response's columns (`response_span`, else from `span_lengths`, else the mask)."""
+        if self.response_span is not None:
+            return self.response_span
+        if self.span_lengths is None:
+            return self.response_mask > 0
+        target = torch.arange(self.tokens.shape[1] - 1, device=self.lengths.device)[None, :]
+        end = (self.lengths - 1)[:, None]
+        return (target >= end - self.span_lengths[:, None]) & (target < end)
 
     def select(self, rows: slice) -> "TrainBatch":
         """A row slice; every tensor field is sliced, scalars are kept."""
@@ -78,8 +94,7 @@ def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
     padded = right_padded([s.tokens for s in samples])
     width = padded.tokens.shape[1]
     n = len(samples)
-    resp_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    span = torch.zeros((n, width - 1), dtype=torch.bool)
+    resp_mask = torch.zeros((n, width - 1), dtype=torch.bool)
     rollout_lp = torch.zeros((n, width - 1), dtype=torch.float32)
     rewards = torch.zeros(n, dtype=torch.float64)
     truncated = torch.zeros(n, dtype=torch.bool)
@@ -88,20 +103,19 @@ def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
         start = s.prompt_length - 1  # column that predicts the first response token
         if s.response_length:
             cols = slice(start, start + s.response_length)
-            resp_mask[row, cols] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            span[row, cols] = True
+            resp_mask[row, cols] = torch.tensor(s.loss_mask) != 0
             rollout_lp[row, cols] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
         rewards[row] = s.scalar_reward()
         truncated[row] = s.status == Status.TRUNCATED
     return TrainBatch(
-        tokens=padded.tokens,
+        tokens=padded.tokens.to(torch.int32),
         lengths=padded.attention_mask.sum(dim=1),
         response_mask=resp_mask,
         rewards=rewards,
         rollout_log_probs=rollout_lp,
         group_size=group_size,
         truncated=truncated,
-        response_span=span,
+        span_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long),
     )
 
 

@@ -15,6 +15,9 @@ from rollflow.artifacts.columns import SampleColumns
 from rollflow.artifacts.sample import Status
 from rollflow.tasks.train.batch import TrainBatch
 
+# Cells of the padded layout filled per block of rows in `batch_from_columns` (bounds its temporaries).
+BLOCK_TOKENS = 1 << 22
+
 
 def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: str | None = None) -> TrainBatch:
     """The train batch of a rollout held as columns. `reward_key`: the run's key for dict rewards (wins over
@@ -36,27 +39,30 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
         raise ValueError(f"samples[{row}]: a response needs at least one prompt token before it (tokens are "
                          "prompt + response; the first response token is scored from the last prompt token)")
     width = int(lengths.max())
-    cols = np.arange(width)
-    ids = np.zeros((n, width), dtype=np.int64)
+    ids = np.zeros((n, width), dtype=np.int32)  # the column's own dtype: no widening of the rollout
     # Target-aligned [n, L-1]: column j scores token j + 1, so a row's response is scored at columns
     # prompt_length - 1 ... length - 2.
-    response_mask = np.zeros((n, width - 1), dtype=np.float32)
+    response_mask = np.zeros((n, width - 1), dtype=bool)
     rollout_lp = np.zeros((n, width - 1), dtype=np.float32)
-    span = np.zeros((n, width - 1), dtype=bool)
-    # Chunk by chunk (parquet row groups), so the masks below stay small. A boolean mask's true cells in
-    # row-major order are the flat buffer's order: one masked assignment scatters a chunk's rows at once.
+    # Chunk by chunk (parquet row groups), a bounded block of rows at a time, so the masks and the
+    # boolean-index temporaries (numpy builds index arrays for a masked assignment) stay small beside the
+    # batch. A boolean mask's true cells in row-major order are the flat buffer's order: one masked
+    # assignment scatters a block's rows at once.
     for first, chunk in chunks:
-        rows = slice(first, first + len(chunk))
-        length, r = lengths[rows], resp[rows]
-        valid = cols[None, :] < length[:, None]
-        ids[rows][valid] = chunk.list_column("tokens").values
-        start = length - r - 1
-        target = cols[None, :-1]
-        in_span = (target >= start[:, None]) & (target < (start + r)[:, None])
-        span[rows] = in_span
-        response_mask[rows][in_span] = chunk.list_column("loss_mask").values
-        # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
-        rollout_lp[rows][in_span] = chunk.list_column("rollout_log_probs").values
+        tokens, loss_mask, log_probs = (chunk.list_column(k) for k in ("tokens", "loss_mask", "rollout_log_probs"))
+        block = max(1, BLOCK_TOKENS // width)
+        for lo in range(0, len(chunk), block):
+            hi = min(lo + block, len(chunk))
+            rows = slice(first + lo, first + hi)
+            length, r = lengths[rows], resp[rows]
+            cols = np.arange(width)
+            ids[rows][cols[None, :] < length[:, None]] = tokens.values[tokens.offsets[lo]:tokens.offsets[hi]]
+            start = length - r - 1
+            target = cols[None, :-1]
+            in_span = (target >= start[:, None]) & (target < (start + r)[:, None])
+            response_mask[rows][in_span] = loss_mask.values[loss_mask.offsets[lo]:loss_mask.offsets[hi]] != 0
+            # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
+            rollout_lp[rows][in_span] = log_probs.values[log_probs.offsets[lo]:log_probs.offsets[hi]]
     return TrainBatch(
         tokens=torch.from_numpy(ids),
         lengths=torch.from_numpy(lengths.astype(np.int64)),  # mask and positions follow (TrainBatch properties)
@@ -65,7 +71,7 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
         rollout_log_probs=torch.from_numpy(rollout_lp),
         group_size=group_size,
         truncated=torch.from_numpy(np.array(columns.status_is(Status.TRUNCATED), dtype=bool)),
-        response_span=torch.from_numpy(span),
+        span_lengths=torch.from_numpy(resp),  # the span follows (TrainBatch.span)
     )
 
 

@@ -89,7 +89,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, batch: TrainBatch) -> torch.Tensor:
         """Target-aligned values [B, L-1], float32, on the model's device."""
         device = self.value_head.weight.device
-        hidden = self.backbone(input_ids=batch.tokens.to(device), attention_mask=batch.attention_mask.to(device),
+        hidden = self.backbone(input_ids=batch.tokens.to(device, torch.long), attention_mask=batch.attention_mask.to(device),
                                position_ids=batch.position_ids.to(device)).last_hidden_state
         return self.value_head(hidden[:, :-1]).squeeze(-1).float()
 

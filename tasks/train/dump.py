@@ -19,7 +19,7 @@ def train_dump_bytes(batch: TrainBatch, rollout_id: int) -> bytes:
         "rollout_id": [rollout_id] * batch.size,
         "row": list(range(batch.size)),
         "reward": batch.rewards.tolist(),
-        "loss_mask": [m[m > 0].tolist() for m in mask],
+        "loss_mask": [m[m > 0].float().tolist() for m in mask],  # float, as written before masks were bool
     }
     for name in DUMP_COLUMNS:
         values = getattr(batch, name)

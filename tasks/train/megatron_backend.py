@@ -672,7 +672,7 @@ class MegatronBackend:
 
     def _log_probs(self, model, micro: TrainBatch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced log-prob (and entropy) of every next token, target aligned [B, L-1], fp32, on device."""
-        tokens = micro.tokens.to(self.device, non_blocking=True)
+        tokens = micro.tokens.to(self.device, torch.long, non_blocking=True)
         position_ids = micro.position_ids.to(self.device, non_blocking=True)
         kwargs = dict(temperature=self.temperature, vocab_size=self.layout.vocab_size,
                       chunk=self.settings.log_prob_chunk, impl=self.settings.log_prob_impl, entropy_grad=entropy_grad)
