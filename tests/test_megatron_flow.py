@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (pip install 'rollflow[megatron]')")]
 
 
-def _config(tmp_path, run: str, iterations: int, tp: int = 2):
+def _config(tmp_path, run: str, iterations: int, tp: int = 2, **extra):
     return small_config(
-        tmp_path, run=run, iterations=iterations, eval_every=0, data={"prompts_per_rollout": 8},
+        tmp_path, run=run, iterations=iterations, eval_every=0, data={"prompts_per_rollout": 8}, **extra,
         placement="colocate",
         resources={"num_gpus": tp, "trainer_gpus": tp, "num_engines": 1, "gpus_per_engine": tp, "gpu_resource": FAKE},
         train={"backend": "megatron", "num_steps_per_rollout": 2, "micro_batch_size": 8,
@@ -60,6 +60,7 @@ def test_tensor_parallel_trainer_trains_syncs_checkpoints_and_resumes(tmp_path, 
     for key in ("train/loss", "train/grad_norm", "rollout/log_probs", "train/ppo_kl"):
         assert rows[0][key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
     assert list_checkpoints(str(tmp_path), run) == [1, 2]
+    _replay_equals_the_run(tmp_path, run, rows)
     folder = checkpoint_dir(str(tmp_path), run, 2)
     with open(os.path.join(folder, "dist", "rollflow_commit.json")) as fh:
         assert json.load(fh)["layout"] == {"tp": 2, "pp": 1, "dp": 1}
@@ -69,3 +70,22 @@ def test_tensor_parallel_trainer_trains_syncs_checkpoints_and_resumes(tmp_path, 
     assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[-1]["sync/parity_ok"] == 1.0
     assert list_checkpoints(str(tmp_path), run) == [1, 2, 3]
     assert WorkerGroup.for_run(cfg).any_running() is False
+
+
+def _replay_equals_the_run(tmp_path, run: str, rows: list[dict]) -> None:
+    """Replay of the run's rollouts 0 and 1 with the same TP=2 trainer: the states between steps are Megatron
+    distributed checkpoints; each step equals the run's iteration on that rollout (same start, same inputs)."""
+    from rollflow.flows.debug import replay_train
+
+    replay_cfg = _config(tmp_path, f"{run}-replay", iterations=1, debug={"train_only": True})
+    first = replay_train(replay_cfg, rollout_ids=[0, 1], source_run=run)
+    steps = first["steps"]
+    assert [s["rollout_id"] for s in steps] == [0, 1] and not any(s["cached"] for s in steps)
+    for step, row in zip(steps, rows):
+        for key in ("train/loss", "train/grad_norm", "train/ppo_kl", "rollout/log_probs"):
+            assert step[key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), (step["rollout_id"], key)
+    shards = os.path.join(os.path.dirname(first["final_state"]), "dist")
+    with open(os.path.join(shards, "rollflow_commit.json")) as fh:
+        assert json.load(fh)["layout"] == {"tp": 2, "pp": 1, "dp": 1}
+    again = replay_train(replay_cfg, rollout_ids=[0, 1], source_run=run)
+    assert all(s["cached"] for s in again["steps"]) and again["workers_started"] is False

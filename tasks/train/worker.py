@@ -10,6 +10,8 @@ arguments; everything else is local (and the ranks' weights are identical, so ra
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from rollflow.artifacts.pipeline_meta import trained_rows
@@ -80,6 +82,7 @@ class TrainWorker:
         self.sharded = bool(getattr(self.backend, "sharded", False))
         self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call
         self._consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
+        self._trained = False  # a train call ran (a sharded trainer's initial state is then gone)
         # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
         self._initial_state = None if self.sharded else self.backend.checkpoint_bytes()
         if resume_iteration is not None:
@@ -139,6 +142,7 @@ class TrainWorker:
         if critic is not None and subsample is not None:
             raise ValueError("a critic estimate covers the whole rollout; it cannot be combined with subsample")
 
+        self._trained = True
         artifact = self._artifact(ref)
         samples = artifact.columns  # the batch is built from the columns: no Python object per token
         # An id >= the vocab would be an IndexError deep in the forward (a device-side assert on GPU).
@@ -205,15 +209,45 @@ class TrainWorker:
                     reward_key: str | None = None) -> dict[str, float]:
         """Train on one pinned artifact from a given state, and save the resulting state."""
         if self.sharded:
-            raise NotImplementedError(
-                "replay with a sharded megatron trainer (tp / pp > 1, virtual stages or a distributed optimizer over "
-                "several ranks) is not built: its states are distributed checkpoints; replay at tp = pp = 1")
+            return self._replay_step_distributed(ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
+                                                 subsample=subsample, dump_uri=dump_uri, reward_key=reward_key)
         start = load_state(start_state_uri, storage_options=self.storage_options) if start_state_uri \
             else self._initial_state
+        if is_distributed_payload(start):
+            raise ValueError(f"trainer state {start_state_uri} is a sharded trainer's (Megatron distributed checkpoint); "
+                             "this trainer holds the whole state: replay with the layout that wrote it")
         self.backend.load_checkpoint_bytes(start)
         metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri, reward_key=reward_key)
         if self.is_primary:  # every rank holds the same state after the step
             save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
+        return metrics
+
+    def _replay_step_distributed(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
+                                 **train_kwargs) -> dict[str, float]:
+        """`replay_step` of a sharded trainer: the states are Megatron distributed checkpoints in a `dist/` folder
+        beside the state file, which holds the format's stub and is committed (sidecar) after every rank wrote."""
+        if start_state_uri:
+            payload = load_state(start_state_uri, storage_options=self.storage_options)
+            if not is_distributed_payload(payload):
+                raise ValueError(f"trainer state {start_state_uri} holds a whole (single-rank) state; this trainer is "
+                                 "sharded and loads Megatron's distributed checkpoints: replay with the layout that "
+                                 "wrote it, or without the cache (--no-cache)")
+            self.backend.load_distributed(self._state_dist_dir(start_state_uri))
+        elif self._trained:
+            # The initial state of a sharded trainer is the model it started from, not a copy kept in memory.
+            raise RuntimeError("a sharded trainer replays from its initial state only before it has trained: start "
+                               "a new replay (its workers start from the model)")
+        metrics = self.train_on_artifact(ref, **train_kwargs)
+        path = self._state_dist_dir(out_state_uri)
+        if not self.backend.all_ranks_finite():
+            raise FloatingPointError(f"not writing replay state {out_state_uri}: a trainer rank's weights hold NaN/inf")
+        if self.is_primary:
+            shutil.rmtree(path, ignore_errors=True)  # a state being redone (refresh of the cache)
+        torch.distributed.barrier()
+        self.backend.save_distributed(path)
+        torch.distributed.barrier()  # every rank's shards are written before the state is committed
+        if self.is_primary:
+            save_state(out_state_uri, distributed_payload(), storage_options=self.storage_options)
         return metrics
 
     def _write(self, uri: str, data: bytes) -> None:
@@ -251,18 +285,29 @@ class TrainWorker:
 
         from rollflow.artifacts.storage import open_fs
 
-        fs, base = open_fs(self.store_root, self.storage_options)
+        base = open_fs(self.store_root, self.storage_options)[1]
+        return os.path.join(self._local_path(checkpoint_dir(base, self.run, iteration)), "dist")
+
+    def _state_dist_dir(self, state_uri: str) -> str:
+        """A sharded replay state's shards: `dist/` beside the state file."""
+        import os
+
+        return os.path.join(os.path.dirname(self._local_path(state_uri)), "dist")
+
+    def _local_path(self, uri: str) -> str:
+        """`uri` as a local path every rank can write (distributed checkpoints), or one line naming the fix."""
+        from rollflow.artifacts.storage import open_fs
+
+        fs, path = open_fs(uri, self.storage_options)
         if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
             raise ValueError(f"store.root={self.store_root!r}: a sharded megatron trainer writes Megatron's distributed "
                              "checkpoints with every rank on a filesystem path all ranks share (local disk on one "
                              "host, NFS / Lustre across hosts); object stores are not supported for them yet")
-        return os.path.join(checkpoint_dir(base, self.run, iteration), "dist")
+        return path
 
     def _save_distributed(self, iteration: int, extra: dict | None) -> str:
         """Megatron's distributed checkpoint in the checkpoint folder (every rank its shards), then rank 0 commits
         the folder as for any checkpoint: a small payload naming the format, the marker last."""
-        import shutil
-
         path = self._dist_dir(iteration)
         # The NaN guard of the single-file path, over every rank's shards: all ranks refuse together.
         if not self.backend.all_ranks_finite():
