@@ -292,10 +292,6 @@ class RunConfig(_Strict):
             sharded = world > 1 and (m.model_parallel_size > 1 or m.vpp is not None
                                      or (m.use_distributed_optimizer and dp > 1))
             layout = f"train.megatron tp={m.tp} pp={m.pp} cp={m.cp} vpp={m.vpp} over {world} trainer GPUs"
-            if sharded and self.rollout.engine == "sglang" and self.rollout.sglang.weight_sync != "disk":
-                raise ValueError(f"{layout} shards the weights over ranks; rollout.sglang.weight_sync="
-                                 f"{self.rollout.sglang.weight_sync!r} sends from one trainer rank's own tensors. Set "
-                                 "rollout.sglang.weight_sync=disk (the ranks gather, rank 0 writes) or tp=pp=1")
             if sharded and "://" in self.store.root and not self.store.root.startswith("file://"):
                 raise ValueError(f"{layout} writes Megatron's distributed checkpoints from every rank to a shared "
                                  f"filesystem; store.root={self.store.root!r} is an object store. Use a path every "

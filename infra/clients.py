@@ -273,8 +273,13 @@ class TrainerClient:
     def ipc_begin_ranks(self, bucket_bytes: int, copies: dict[int, int], dtype: str | None = None,
                         flattened: bool = True) -> int:
         """`ipc_begin` on each rank in `copies` (rank -> payload copies it makes per bucket); the number
-        of buckets, the same on every rank (their weights are identical)."""
-        counts = _get([self.ranks[r].ipc_begin.remote(bucket_bytes, n, dtype, flattened) for r, n in copies.items()])
+        of buckets, the same on every rank (their weights are identical). A sharded trainer's other ranks take
+        part in the weight gathers at the same time."""
+        refs = [self.ranks[r].ipc_begin.remote(bucket_bytes, n, dtype, flattened) for r, n in copies.items()]
+        others = [a.join_weight_export.remote() for r, a in enumerate(self.ranks) if r not in copies] \
+            if self.sharded else []
+        counts = _get(refs)
+        _get(others)
         if len(set(counts)) > 1:
             raise RuntimeError(f"trainer ranks planned different bucket counts {dict(zip(copies, counts))}")
         return int(counts[0])
@@ -295,8 +300,9 @@ class TrainerClient:
         _get(self.actor.join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
 
     def weight_bucket_plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict[str, Any]]]:
-        """Per bucket, the metadata (name, dtype, shape) of its tensors in broadcast order."""
-        return _get(self.actor.weight_bucket_plan.remote(bucket_bytes, dtype))
+        """Per bucket, the metadata (name, dtype, shape) of its tensors in broadcast order (rank 0 broadcasts; a
+        sharded trainer's ranks gather the weights together)."""
+        return self._on(0, "weight_bucket_plan", bucket_bytes, dtype)
 
     def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
         """Broadcast bucket `index` to the weight-update group; bytes sent."""

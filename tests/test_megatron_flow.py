@@ -89,3 +89,36 @@ def _replay_equals_the_run(tmp_path, run: str, rows: list[dict]) -> None:
         assert json.load(fh)["layout"] == {"tp": 2, "pp": 1, "dp": 1}
     again = replay_train(replay_cfg, rollout_ids=[0, 1], source_run=run)
     assert all(s["cached"] for s in again["steps"]) and again["workers_started"] is False
+
+
+@pytest.mark.parametrize("mode", ["distributed", "tensor"])
+def test_tensor_parallel_trainer_syncs_sglang_engines_by_tensor_and_broadcast(mode, tmp_path, prefect_api, ray_local,
+                                                                             monkeypatch):
+    """The TP=2 trainer into two SGLang-protocol engines (fake servers): `distributed` - both trainer ranks gather
+    the weights, rank 0 broadcasts every bucket to the engines' group (gloo); `tensor` - trainer rank r feeds engine
+    r, each from its own gathered copy. The startup weight check and the parity after each sync read every tensor
+    back from both servers."""
+    import rollflow.tasks.train.worker as train_module
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
+    from tests.drill_workers import CpuMegatronTrainWorker
+    from tests.test_sglang_contract import fake_launcher
+
+    monkeypatch.setattr(train_module, "TrainWorker", CpuMegatronTrainWorker)
+    run = f"mtp-sg-{mode}-{uuid.uuid4().hex[:6]}"
+    cfg = small_config(
+        tmp_path, run=run, iterations=2, eval_every=0, data={"prompts_per_rollout": 4},
+        # tensor: colocated (each engine on a trainer rank's GPU); distributed: engines on GPUs of their own
+        placement="colocate" if mode == "tensor" else "disaggregated",
+        resources={"num_gpus": 2 if mode == "tensor" else 4, "trainer_gpus": 2, "num_engines": 2,
+                   "gpus_per_engine": 1, "gpu_resource": FAKE},
+        debug={"check_weight_update_equal": True},
+        rollout={"engine": "sglang", "n_samples_per_prompt": 2,
+                 "sglang": {"launcher": fake_launcher(), "startup_timeout_s": 60, "weight_sync": mode,
+                            "weight_sync_backend": "gloo", "bucket_mb": 1}},
+        train={"backend": "megatron", "num_steps_per_rollout": 1, "micro_batch_size": 8, "lr": 1e-2,
+               "megatron": {"tp": 2, "layer_spec": "sdpa", "optimizer": "megatron"}})
+    rl_train(cfg)
+    rows = read_metrics(cfg)
+    assert [r["sync/weight_version"] for r in rows] == [1, 2]
+    assert all(r["sync/parity_ok"] == 1.0 for r in rows), rows

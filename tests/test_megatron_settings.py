@@ -46,16 +46,16 @@ def test_run_config_checks_layout_against_trainer_gpus():
                                   "resources": {"trainer_gpus": 3, "gpus_per_engine": 1, "num_gpus": 4}})
 
 
-def test_a_sharded_trainer_needs_disk_sync_and_a_shared_filesystem():
-    """tp / pp > 1 over several trainer ranks: weights are gathered by every rank and rank 0 hands them over, and
-    Megatron's distributed checkpoints go to a filesystem path every rank writes; refused before any worker starts."""
+def test_a_sharded_trainer_needs_a_shared_filesystem():
+    """tp / pp > 1 over several trainer ranks: Megatron's distributed checkpoints go to a filesystem path every
+    rank writes; an object store is refused before any worker starts. Every SGLang sync path is accepted (the
+    ranks gather the weights together for each)."""
     from rollflow.flows.config import RunConfig
 
     base = {"train": {"backend": "megatron", "device": "cuda", "megatron": {"tp": 2}},
             "resources": {"trainer_gpus": 2, "gpus_per_engine": 2, "num_gpus": 4, "num_engines": 1}}
-    sglang = {"engine": "sglang", "sglang": {"weight_sync": "distributed"}}
-    with pytest.raises(ValueError, match=r"tp=2 .*rollout\.sglang\.weight_sync='distributed'.*weight_sync=disk"):
-        RunConfig.model_validate({**base, "rollout": sglang})
+    for mode in ("distributed", "tensor"):
+        RunConfig.model_validate({**base, "rollout": {"engine": "sglang", "sglang": {"weight_sync": mode}}})
     with pytest.raises(ValueError, match=r"store\.root='s3://bucket/runs' is an object store"):
         RunConfig.model_validate({**base, "store": {"root": "s3://bucket/runs"}})
     RunConfig.model_validate({**base, "rollout": {"engine": "sglang", "sglang": {"weight_sync": "disk"}}})

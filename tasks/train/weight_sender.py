@@ -119,6 +119,10 @@ class WeightSender:
         self._plan_dtype = dtype
         return [[dataclasses.asdict(m) for m in bucket] for bucket in self._plan]
 
+    def drop_snapshot(self) -> None:
+        """Forget the last `plan`'s tensors (a rank that only took part in a sharded trainer's gathers)."""
+        self._plan_tensors = None
+
     def broadcast_bucket(self, index: int, device: str | None = None) -> int:
         """Broadcast bucket `index` of the last `plan` (the engines are receiving it); returns bytes sent."""
         import torch.distributed as dist

@@ -416,7 +416,18 @@ class TrainWorker:
         self._sender().join_group(master_address, master_port, world_size, group_name, backend)
 
     def weight_bucket_plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict]]:
-        return self._sender().plan(bucket_bytes, dtype)
+        """Rank 0 broadcasts the buckets; a sharded trainer's other ranks are called too, for the gathers, and
+        keep nothing."""
+        plan = self._sender().plan(bucket_bytes, dtype)
+        if not self.is_primary:
+            self._sender().drop_snapshot()
+        return plan
+
+    def join_weight_export(self) -> None:
+        """A sharded trainer's rank that no engine reads from takes part in the weight gathers of the ranks that
+        do (`ipc_begin`), and keeps nothing."""
+        if self.sharded:
+            self.backend.named_weights()
 
     def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
         return self._sender().broadcast_bucket(index, device)
