@@ -107,19 +107,22 @@ def push_ipc(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weigh
 
     sources = payload_sources(engine.payloads_per_bucket(), trainer.gpu_ids(), engine_gpus(cfg))
     copies = {r: sources.count(r) for r in sorted(set(sources))}
-    n = trainer.ipc_begin_ranks(bucket_bytes(cfg), copies, engine_dtype(cfg), flattened=True)
-    version, nbytes = weight_version - 1, 0
+    trainer.ipc_begin_ranks(bucket_bytes(cfg), copies, engine_dtype(cfg), flattened=True)
+    version, nbytes, n = weight_version - 1, 0, 0
     try:
         engine.begin_weight_update()
-        for i in range(n):
+        last = False
+        while not last:
             made = trainer.ipc_next_ranks(list(copies))
+            last = made[sources[0]].last
             nbytes += made[sources[0]].nbytes
             taken = {r: 0 for r in copies}
             payloads = []
             for r in sources:
                 payloads.append(made[r].payloads[taken[r]])
                 taken[r] += 1
-            version = engine.apply_serialized_bucket(payloads, i == n - 1, weight_version, FLATTENED_BUCKET)
+            version = engine.apply_serialized_bucket(payloads, last, weight_version, FLATTENED_BUCKET)
+            n += 1
         engine.end_weight_update()
     finally:
         trainer.ipc_end_ranks(list(copies))
@@ -139,12 +142,15 @@ def push_distributed(cfg: RunConfig, trainer: TrainerClient, engine: EngineClien
         trainer.join_weight_group(address, port, world, name, backend)
         joining.result()
         joined = True
-    plan = trainer.weight_bucket_plan(bucket_bytes(cfg), engine_dtype(cfg))
-    version, nbytes = weight_version - 1, 0
+    trainer.weight_buckets_begin(bucket_bytes(cfg), engine_dtype(cfg))
+    version, nbytes, n = weight_version - 1, 0, 0
     engine.begin_weight_update()
-    for i, metas in enumerate(plan):
-        receiving = engine.receive_weight_bucket(metas, i == len(plan) - 1, weight_version, name)
-        nbytes += trainer.broadcast_weight_bucket(i, "cuda" if backend == "nccl" else None)
+    last = False
+    while not last:  # the trainer makes each bucket as it is sent (a sharded trainer: its ranks together)
+        metas, last = trainer.next_weight_bucket()
+        receiving = engine.receive_weight_bucket(metas, last, weight_version, name)
+        nbytes += trainer.broadcast_weight_bucket("cuda" if backend == "nccl" else None)
         version = receiving.result()
+        n += 1
     engine.end_weight_update()
-    return SyncResult("distributed", version, len(plan), nbytes, joined)
+    return SyncResult("distributed", version, n, nbytes, joined)

@@ -133,6 +133,7 @@ class IpcBucket:
     names: list[str]
     nbytes: int
     gpu: str | None = None  # the GPU the trainer rank made it on (its CUDA_VISIBLE_DEVICES), None without
+    last: bool = False  # the sync's last bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,42 +255,31 @@ class TrainerClient:
         return self._on(rank, "weight_checksums", as_dtype)
 
     # weight sync into SGLang engines (flows/weight_sync.py)
-    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None) -> int:
-        """Start the tensor (IPC) path; the number of buckets."""
-        return _get(self.actor.ipc_begin.remote(bucket_bytes, tp_size, dtype))
-
-    def ipc_next(self) -> IpcBucket:
-        out = _get(self.actor.ipc_next.remote())
-        return _ipc_bucket(out)
-
-    def ipc_end(self) -> None:
-        _get(self.actor.ipc_end.remote())
-
     # per-GPU tensor path: every engine TP rank takes the payload of the trainer rank on its own GPU
     def gpu_ids(self) -> list[str | None]:
         """Each rank's GPU as the Ray cluster numbers them (None on CPU)."""
         return list(_get([a.visible_gpu.remote() for a in self.ranks]))
 
+    def _stepping(self, ranks: Sequence[int]) -> list[int]:
+        """The ranks a bucket-by-bucket sync calls: `ranks`, or every rank when the trainer is sharded (its ranks
+        make each bucket together)."""
+        return list(range(len(self.ranks))) if self.sharded else list(ranks)
+
     def ipc_begin_ranks(self, bucket_bytes: int, copies: dict[int, int], dtype: str | None = None,
-                        flattened: bool = True) -> int:
-        """`ipc_begin` on each rank in `copies` (rank -> payload copies it makes per bucket); the number
-        of buckets, the same on every rank (their weights are identical). A sharded trainer's other ranks take
-        part in the weight gathers at the same time."""
-        refs = [self.ranks[r].ipc_begin.remote(bucket_bytes, n, dtype, flattened) for r, n in copies.items()]
-        others = [a.join_weight_export.remote() for r, a in enumerate(self.ranks) if r not in copies] \
-            if self.sharded else []
-        counts = _get(refs)
-        _get(others)
-        if len(set(counts)) > 1:
-            raise RuntimeError(f"trainer ranks planned different bucket counts {dict(zip(copies, counts))}")
-        return int(counts[0])
+                        flattened: bool = True) -> None:
+        """Start the tensor path on each rank in `copies` (rank -> payload copies it makes per bucket); a sharded
+        trainer's other ranks step along with no copies."""
+        _get([self.ranks[r].ipc_begin.remote(bucket_bytes, copies.get(r, 0), dtype, flattened)
+              for r in self._stepping(list(copies))])
 
     def ipc_next_ranks(self, ranks: Sequence[int]) -> dict[int, IpcBucket]:
-        outs = _get([self.ranks[r].ipc_next.remote() for r in ranks])
-        return {r: _ipc_bucket(out) for r, out in zip(ranks, outs)}
+        """The next bucket of each rank in `ranks` (every rank steps when sharded); `IpcBucket.last` on the last."""
+        stepping = self._stepping(ranks)
+        outs = dict(zip(stepping, _get([self.ranks[r].ipc_next.remote() for r in stepping])))
+        return {r: _ipc_bucket(outs[r]) for r in ranks}
 
     def ipc_end_ranks(self, ranks: Sequence[int]) -> None:
-        _get([self.ranks[r].ipc_end.remote() for r in ranks])
+        _get([self.ranks[r].ipc_end.remote() for r in self._stepping(ranks)])
 
     def weight_group_address(self) -> tuple[str, int]:
         address, port = _get(self.actor.weight_group_address.remote())
@@ -299,19 +289,23 @@ class TrainerClient:
                           backend: str = "nccl") -> None:
         _get(self.actor.join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
 
-    def weight_bucket_plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict[str, Any]]]:
-        """Per bucket, the metadata (name, dtype, shape) of its tensors in broadcast order (rank 0 broadcasts; a
-        sharded trainer's ranks gather the weights together)."""
-        return self._on(0, "weight_bucket_plan", bucket_bytes, dtype)
+    def weight_buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
+        """Start the broadcast path (rank 0 broadcasts; a sharded trainer's ranks make each bucket together)."""
+        self._on(0, "weight_buckets_begin", bucket_bytes, dtype)
 
-    def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
-        """Broadcast bucket `index` to the weight-update group; bytes sent."""
-        return _get(self.actor.broadcast_weight_bucket.remote(index, device))
+    def next_weight_bucket(self) -> tuple[list[dict[str, Any]], bool]:
+        """The next bucket's tensors' metadata (name, dtype, shape) in broadcast order, and whether it is the last."""
+        out = self._on(0, "next_weight_bucket")
+        return list(out["metas"]), bool(out["last"])
+
+    def broadcast_weight_bucket(self, device: str | None = None) -> int:
+        """Broadcast the bucket `next_weight_bucket` described to the weight-update group; bytes sent."""
+        return _get(self.actor.broadcast_weight_bucket.remote(device))
 
 
 def _ipc_bucket(out: dict[str, Any]) -> IpcBucket:
     return IpcBucket(payloads=list(out["payloads"]), names=list(out["names"]), nbytes=int(out["nbytes"]),
-                     gpu=out.get("gpu"))
+                     gpu=out.get("gpu"), last=bool(out.get("last", False)))
 
 
 # -- critic (advantage_estimator="ppo") ------------------------------------------------------------------

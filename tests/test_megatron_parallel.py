@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (
 N_SAMPLES = 8
 LR = 1e-3
 # (name, tp, pp, micro-batches per data-parallel rank, other train.megatron settings); dp = 2 / (tp * pp)
+BUCKET_BYTES = 32 << 10  # the streamed export's bucket size in the layouts below (a layer's tensors are 8-64 KB)
 LAYOUTS = {
     "llama": [("tp2_mb1", 2, 1, 1, {}), ("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}),
               ("pp2_vpp2_mb4", 1, 2, 4, {"vpp": 2}), ("dp2_mb1", 1, 1, 1, {}), ("dp2_mb4", 1, 1, 4, {}),
@@ -166,9 +167,13 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
             for name, tp, pp, n_micro, extra in LAYOUTS[kind]:
                 be = backend(ref, tp, pp, n_micro, extra)
                 exported = be.named_weights()
+                buckets = [[(n, t.to("cpu", copy=True)) for n, t in b] for b in be.export_buckets(BUCKET_BYTES)]
+                names_by_rank: list = [None] * world
+                torch.distributed.all_gather_object(names_by_rank, [[n for n, _ in b] for b in buckets])
                 log_probs = be.compute_log_probs(ref["batch"])
                 stats = be.train(ref["batch"], _algo())
-                results[(kind, name)] = dict(exported=exported, log_probs=log_probs, loss=stats["train/loss"],
+                results[(kind, name)] = dict(exported=exported, buckets=buckets, bucket_names_by_rank=names_by_rank,
+                                             log_probs=log_probs, loss=stats["train/loss"],
                                              grad_norm=stats["train/grad_norm"], weights=be.named_weights(),
                                              lr=be.current_lr)
                 if kind == "llama" and name == "tp2_mb4":  # saved at TP=2 after one step, then a second step
@@ -251,6 +256,15 @@ def _check_layouts(kind: str, refs: dict, results: dict, atol: float = 2e-5, rel
         assert set(got["exported"]) == set(ref["state"]), name
         for key, expected in ref["state"].items():
             assert torch.equal(got["exported"][key], expected), f"{kind} {name} export {key}"
+        # The streamed export: the same tensors, in buckets within the byte budget (a larger tensor alone), the
+        # same buckets on every rank (each stage's buckets broadcast over the pipeline group).
+        buckets = got["buckets"]
+        assert len(buckets) > 2 and got["bucket_names_by_rank"][0] == got["bucket_names_by_rank"][1], name
+        assert all(len(b) == 1 or sum(t.numel() * t.element_size() for _, t in b) <= BUCKET_BYTES for b in buckets)
+        streamed = [(n, t) for b in buckets for n, t in b]
+        assert sorted(n for n, _ in streamed) == sorted(ref["state"]), name
+        for key, tensor in streamed:
+            assert torch.equal(tensor, ref["state"][key]), f"{kind} {name} streamed {key}"
         torch.testing.assert_close(got["log_probs"][mask], ref["log_probs"][mask], rtol=0, atol=atol,
                                    msg=lambda m: f"{kind} {name} log-probs: {m}")
         assert got["loss"] == pytest.approx(ref["loss"], rel=rel, abs=1e-7), name

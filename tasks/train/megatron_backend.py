@@ -38,6 +38,7 @@ import io
 import math
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -432,6 +433,33 @@ def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], l
 
 def _chunk_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def _layer_groups(weights: dict[str, torch.Tensor]) -> Iterator[list[str]]:
+    """Consecutive names of one decoder layer together; every other tensor alone (the export's unit)."""
+    group: list[str] = []
+    key = None
+    for name in weights:
+        match = mn._LAYER.match(name)
+        this = match.group(1) if match else name
+        if group and this != key:
+            yield group
+            group = []
+        group.append(name)
+        key = this
+    if group:
+        yield group
+
+
+def _gather_shards(part: dict[str, torch.Tensor], tp_size: int, group) -> list[dict[str, torch.Tensor]]:
+    """Every TP rank's shard of each tensor in `part`, all-gathered on the device."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+    for name, tensor in part.items():
+        parts = [torch.empty_like(tensor) for _ in range(tp_size)]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+        for rank, piece in enumerate(parts):
+            shards[rank][name] = piece
+    return shards
 
 
 
@@ -968,35 +996,67 @@ class MegatronBackend:
     # -- weights and checkpoints -----------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named tensors of the whole model (vocab padding removed), for the engine sync and
-        `rollflow.tasks.sync.parity`. TP shards are all-gathered per parameter on the device; each pipeline
-        stage converts its own layers (with its layer offset), and the stages' HF tensors are then shared
-        over the pipeline group, so every rank returns the same full dict."""
+        """HF-named tensors of the whole model (vocab padding removed), host copies, for the engine sync and
+        `rollflow.tasks.sync.parity`: `export_buckets` collected. Every rank returns the same full dict (a
+        collective when the model is sharded)."""
+        return {name: t.to("cpu", copy=True) for bucket in self.export_buckets(1 << 30) for name, t in bucket}
+
+    def export_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The whole model's HF-named tensors on this rank's device, about `bucket_bytes` (in `dtype`, when given)
+        at a time, for the sync paths: no whole-model copy and no host round trip.
+
+        Each pipeline stage converts its own layers, one layer at a time: the layer's TP shards all-gathered on
+        the device, merged and renamed with the stage's layer offset. Each bucket is then broadcast over the
+        pipeline group from its stage, so every rank gets the same buckets in the same order. Every rank of the
+        model must iterate this to the end together (the gathers and broadcasts are collectives); a bucket's
+        tensors may be views of the live weights: read them before the next optimizer step."""
+        from rollflow.tasks.sync.buckets import buckets_by_bytes
+
+        for stage in range(self.pp_size):
+            if stage == self.pp_rank:
+                for bucket in buckets_by_bytes(self._stage_hf_tensors(dtype), bucket_bytes):
+                    yield self._share_bucket(bucket, stage)
+                if self.pp_size > 1:
+                    self._share_bucket(None, stage)  # the stage's end
+            else:
+                while (bucket := self._share_bucket(None, stage)) is not None:
+                    yield bucket
+
+    def _stage_hf_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron.core import parallel_state as ps
 
-        stage: dict[str, torch.Tensor] = {}
+        group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
         for vp, chunk in enumerate(self.chunks):
-            local = {k: v.detach() for k, v in _chunk_weights(chunk).items()}
-            if self.tp_size > 1:
-                group = ps.get_tensor_model_parallel_group()
-                shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
-                for name, tensor in local.items():
-                    parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
-                    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-                    for rank, part in enumerate(parts):
-                        shards[rank][name] = part
-            else:
-                shards = [local]
             index = virtual_stage(self.pp_rank, self.pp_size, vp if self.settings.vpp else None)
-            stage.update({k: v.cpu().clone() for k, v in mn.export_stage_to_hf(shards, self.layout, index).items()})
+            local = _chunk_weights(chunk)
+            for names in _layer_groups(local):
+                part = {name: local[name].detach() for name in names}
+                shards = [part] if group is None else _gather_shards(part, self.tp_size, group)
+                for name, tensor in mn.export_stage_to_hf(shards, self.layout, index).items():
+                    yield name, tensor if dtype is None else tensor.to(dtype)
+
+    def _share_bucket(self, bucket: list[tuple[str, torch.Tensor]] | None, stage: int
+                      ) -> list[tuple[str, torch.Tensor]] | None:
+        """`stage`'s bucket on every rank of the pipeline group (None from the stage: its end)."""
         if self.pp_size == 1:
-            return stage
-        stages: list = [None] * self.pp_size
-        torch.distributed.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
-        out: dict[str, torch.Tensor] = {}
-        for part in stages:
-            out.update(part)
-        return out
+            return bucket
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        src = torch.distributed.get_global_rank(group, stage)
+        owner = stage == self.pp_rank
+        meta: list = [None if not owner or bucket is None
+                      else [(name, tuple(t.shape), t.dtype) for name, t in bucket]]
+        torch.distributed.broadcast_object_list(meta, src=src, group=group,
+                                                device=self.device if self.device.type == "cuda" else None)
+        if meta[0] is None:
+            return None
+        tensors = [t.contiguous() for _, t in bucket] if owner else \
+            [torch.empty(shape, dtype=dt, device=self.device) for _, shape, dt in meta[0]]
+        for tensor in tensors:
+            torch.distributed.broadcast(tensor, src=src, group=group)
+        return [(name, tensor) for (name, _, _), tensor in zip(meta[0], tensors)]
 
     def save_distributed(self, directory: str) -> None:
         """Megatron's distributed checkpoint (torch_dist): every rank writes its own shards of the model and

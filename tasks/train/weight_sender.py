@@ -7,15 +7,18 @@
   of every engine (NCCL on GPUs, gloo on CPU) and broadcasts each bucket's tensors while the engines
   receive them (`/update_weights_from_distributed`).
 
-A plain class over a callable giving the HF-named tensors; `TrainWorker` owns one and exposes its
-methods to the sync task (flows/weight_sync.py), which drives both actors in SGLang's call order.
+A plain class over a source of buckets (a whole dict cut into buckets, or the megatron backend's per-layer
+export, which a sharded trainer's ranks make together); `TrainWorker` owns one and exposes its methods to
+the sync task (flows/weight_sync.py), which drives both actors in SGLang's call order, bucket by bucket until
+the one marked last. A bucket is made when it is asked for (one bucket of look-ahead), so a sync holds a
+bucket or two beside the weights, never a second copy of the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -41,56 +44,82 @@ def _cast(t: torch.Tensor, dtype: str | None, device: str | None) -> torch.Tenso
     return t.contiguous()
 
 
-def bucket_plan(named: dict[str, torch.Tensor], bucket_bytes: int, dtype: str | None = None) -> list[list[TensorMeta]]:
-    """The buckets as sent (sizes in the sent dtype; meta tensors: nothing is allocated)."""
+BucketSource = Callable[[int, "str | None"], Iterable[list[tuple[str, torch.Tensor]]]]
+
+
+def dict_buckets(named_tensors: NamedTensors) -> BucketSource:
+    """Buckets of a callable's whole dict (one snapshot per sync), sized in the sent dtype."""
     from rollflow.tasks.sync.buckets import buckets_by_bytes
 
-    sent = ((name, torch.empty(t.shape, dtype=DTYPES[dtype] if dtype else t.dtype, device="meta"))
-            for name, t in named.items())
-    return [[TensorMeta(name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for name, m in bucket]
-            for bucket in buckets_by_bytes(sent, bucket_bytes)]
+    def source(bucket_bytes: int, dtype: str | None):
+        named = named_tensors()
+        sent = ((name, t if dtype is None else t.to(DTYPES[dtype])) for name, t in named.items())
+        return buckets_by_bytes(sent, bucket_bytes)
+
+    return source
+
+
+def _with_last(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[list, bool]]:
+    """(bucket, is_last): one bucket of look-ahead (a sharded trainer's ranks all look ahead together)."""
+    it = iter(buckets)
+    current = next(it, None)
+    if current is None:
+        yield [], True
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
 
 
 class WeightSender:
-    def __init__(self, named_tensors: NamedTensors):
-        self._named_tensors = named_tensors
-        self._ipc: Iterator | None = None
+    """Streams the trainer's HF-named tensors bucket by bucket. `source(bucket_bytes, dtype)` gives the buckets:
+    a whole dict cut into buckets (torch backend), or the megatron backend's `export_buckets`, which every rank of
+    a sharded model must step through together; so every rank is stepped, and only the feeding ones send."""
+
+    def __init__(self, source: BucketSource):
+        self._source = source
+        self._stream: Iterator[tuple[list, bool]] | None = None
         self._held = None  # the current IPC bucket: its tensors must outlive the engine's load
+        self._ipc_args: tuple = ()
         self._group = None
-        self._plan: list[list[TensorMeta]] | None = None
-        self._plan_dtype: str | None = None
-        self._plan_tensors: dict[str, torch.Tensor] | None = None
+        self._dtype: str | None = None
+        self._current: list[tuple[str, torch.Tensor]] | None = None
 
     # -- tensor path (CUDA IPC) -------------------------------------------------------------------
     def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None,
-                  device: str | None = None, flattened: bool = False) -> int:
-        """Plan the buckets; returns how many `ipc_next` calls follow. `tp_size`: payload copies per
-        bucket (1 when every engine TP rank takes the payload of the trainer rank on its own GPU);
-        `flattened`: SGLang's load_format="flattened_bucket"."""
-        from rollflow.tasks.sync.ipc import ipc_buckets
-
-        named = self._named_tensors()
-        n = len(bucket_plan(named, bucket_bytes, dtype))
-        self._ipc = ipc_buckets(named.items(), bucket_bytes, tp_size=tp_size, device=device, dtype=
-                                DTYPES[dtype] if dtype else None, flattened=flattened)
+                  device: str | None = None, flattened: bool = False) -> None:
+        """Start a sync: `ipc_next` then gives the buckets until one says it is the last. `tp_size`: payload
+        copies per bucket (1 when every engine TP rank takes the payload of the trainer rank on its own GPU; 0 for
+        a rank no engine reads from, which only steps along); `flattened`: SGLang's load_format="flattened_bucket"."""
+        self._stream = _with_last(self._source(bucket_bytes, dtype))
+        self._ipc_args = (tp_size, device, DTYPES[dtype] if dtype else None, flattened)
         self._held = None
-        return n
 
     def ipc_next(self) -> dict:
-        """The next bucket's payloads (one base64 string per copy), its tensor names and the GPU they
-        were made on (this process's CUDA_VISIBLE_DEVICES, as the scheduler numbers GPUs; None without);
-        the previous bucket's tensors are released (the engine has loaded them by now)."""
-        if self._ipc is None:
+        """The next bucket's payloads (one base64 string per copy), its tensor names, whether it is the last, and
+        the GPU they were made on (this process's CUDA_VISIBLE_DEVICES, as the scheduler numbers GPUs; None
+        without); the previous bucket's tensors are released (the engine has loaded them by now)."""
+        from rollflow.tasks.sync.ipc import ipc_buckets
+
+        if self._stream is None:
             raise RuntimeError("ipc_next before ipc_begin")
         self._held = None
-        bucket = next(self._ipc)
-        self._held = bucket
+        pairs, last = next(self._stream)
+        tp_size, device, dtype, flattened = self._ipc_args
         visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
-        return {"payloads": list(bucket.payloads), "names": list(bucket.names), "nbytes": int(bucket.nbytes),
-                "gpu": visible.split(",")[0] if visible else None}
+        out = {"payloads": [], "names": [n for n, _ in pairs], "last": last,
+               "nbytes": sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for _, t in pairs),
+               "gpu": visible.split(",")[0] if visible else None}
+        if tp_size and pairs:
+            bucket = next(ipc_buckets(pairs, 1 << 62, tp_size=tp_size, device=device, dtype=dtype,
+                                      flattened=flattened))  # the source's bucket, as one IPC bucket
+            self._held = bucket
+            out.update(payloads=list(bucket.payloads), nbytes=int(bucket.nbytes))
+        return out
 
     def ipc_end(self) -> None:
-        self._ipc = None
+        self._stream = None
         self._held = None
 
     # -- distributed path (NCCL / gloo broadcast) ----------------------------------------------------
@@ -112,31 +141,37 @@ class WeightSender:
         self._group = init_weight_group(master_address, master_port, rank=0, world_size=world_size,
                                         group_name=group_name, backend=backend, timeout_s=timeout_s)
 
-    def plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict]]:
-        """The buckets' (name, dtype, shape) lists, in the order `broadcast_bucket` sends them."""
-        self._plan_tensors = self._named_tensors()  # one snapshot for all buckets of this sync
-        self._plan = bucket_plan(self._plan_tensors, bucket_bytes, dtype)
-        self._plan_dtype = dtype
-        return [[dataclasses.asdict(m) for m in bucket] for bucket in self._plan]
+    def buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
+        """Start a broadcast sync: `next_bucket` / `broadcast_current` then go bucket by bucket."""
+        self._stream = _with_last(self._source(bucket_bytes, dtype))
+        self._dtype = dtype
+        self._current = None
 
-    def drop_snapshot(self) -> None:
-        """Forget the last `plan`'s tensors (a rank that only took part in a sharded trainer's gathers)."""
-        self._plan_tensors = None
+    def next_bucket(self, keep: bool = True) -> dict:
+        """The next bucket's metadata (name, dtype, shape of each tensor, in broadcast order) and whether it is
+        the last; kept for `broadcast_current` unless `keep` is false (a rank that only steps along)."""
+        if self._stream is None:
+            raise RuntimeError("next_bucket before buckets_begin")
+        pairs, last = next(self._stream)
+        sent = [(n, t.to(DTYPES[self._dtype]) if self._dtype else t) for n, t in pairs]
+        self._current = sent if keep else None
+        if last:
+            self._stream = None
+        metas = [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in sent]
+        return {"metas": [dataclasses.asdict(m) for m in metas], "last": last}
 
-    def broadcast_bucket(self, index: int, device: str | None = None) -> int:
-        """Broadcast bucket `index` of the last `plan` (the engines are receiving it); returns bytes sent."""
+    def broadcast_current(self, device: str | None = None) -> int:
+        """Broadcast the bucket `next_bucket` gave (the engines are receiving it); bytes sent."""
         import torch.distributed as dist
 
-        if self._group is None or self._plan is None or self._plan_tensors is None:
-            raise RuntimeError("broadcast_bucket needs join_group and plan first")
-        named = self._plan_tensors
+        if self._group is None or self._current is None:
+            raise RuntimeError("broadcast_current needs join_group and next_bucket first")
         sent = 0
-        for meta in self._plan[index]:
-            t = _cast(named[meta.name], self._plan_dtype, device)
+        for _, tensor in self._current:
+            t = _cast(tensor, None, device)
             dist.broadcast(t, src=0, group=self._group)
             sent += t.numel() * t.element_size()
-        if index == len(self._plan) - 1:
-            self._plan_tensors = None  # the sync is complete: drop the snapshot
+        self._current = None
         return sent
 
     def leave_group(self) -> None:

@@ -378,10 +378,18 @@ class TrainWorker:
 
     # -- weight sync into SGLang engines, driven by flows/weight_sync.py (rank 0 only) -------------------
     def _sender(self):
-        from rollflow.tasks.train.weight_sender import WeightSender
+        from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
 
         if getattr(self, "_weight_sender", None) is None:
-            self._weight_sender = WeightSender(self._device_weights)
+            export = getattr(self.backend, "export_buckets", None)
+            if export is not None:  # megatron: streamed per layer, no whole-model copy (collective when sharded)
+                def source(size: int, dtype: str | None):
+                    from rollflow.tasks.model.dtypes import DTYPES
+
+                    return export(size, DTYPES[dtype] if dtype else None)
+            else:
+                source = dict_buckets(self._device_weights)
+            self._weight_sender = WeightSender(source)
         return self._weight_sender
 
     def _device_weights(self) -> dict[str, torch.Tensor]:
@@ -391,9 +399,11 @@ class TrainWorker:
             return {k: v.detach() for k, v in model.state_dict().items()}
         return self.backend.named_weights()
 
-    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None, flattened: bool = False) -> int:
+    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None, flattened: bool = False) -> None:
+        """`tp_size` 0: a sharded trainer's rank that no engine reads from; it steps along (`ipc_next`) and sends
+        nothing."""
         device = self.optim.device if str(self.optim.device).startswith("cuda") else None
-        return self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device, flattened)
+        self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device, flattened)
 
     def ipc_next(self) -> dict:
         return self._sender().ipc_next()
@@ -415,19 +425,13 @@ class TrainWorker:
                           backend: str = "nccl") -> None:
         self._sender().join_group(master_address, master_port, world_size, group_name, backend)
 
-    def weight_bucket_plan(self, bucket_bytes: int, dtype: str | None = None) -> list[list[dict]]:
-        """Rank 0 broadcasts the buckets; a sharded trainer's other ranks are called too, for the gathers, and
-        keep nothing."""
-        plan = self._sender().plan(bucket_bytes, dtype)
-        if not self.is_primary:
-            self._sender().drop_snapshot()
-        return plan
+    def weight_buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
+        self._sender().buckets_begin(bucket_bytes, dtype)
 
-    def join_weight_export(self) -> None:
-        """A sharded trainer's rank that no engine reads from takes part in the weight gathers of the ranks that
-        do (`ipc_begin`), and keeps nothing."""
-        if self.sharded:
-            self.backend.named_weights()
+    def next_weight_bucket(self) -> dict:
+        """The next bucket's metadata; rank 0 keeps its tensors to broadcast, a sharded trainer's other ranks only
+        take part in making it."""
+        return self._sender().next_bucket(keep=self.is_primary)
 
-    def broadcast_weight_bucket(self, index: int, device: str | None = None) -> int:
-        return self._sender().broadcast_bucket(index, device)
+    def broadcast_weight_bucket(self, device: str | None = None) -> int:
+        return self._sender().broadcast_current(device)
