@@ -320,3 +320,35 @@ def test_packed_rope_equals_megatrons_per_row_rope():
     (ref_g,) = torch.autograd.grad((ref * w).sum(), t)
     assert torch.allclose(g, ref_g)
     assert torch.allclose(out[5], t[5].detach())  # a one-token row sits at position 0: unrotated
+
+
+@needs_megatron
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_varlen_attention_equals_per_row_sdpa_in_bf16():
+    """The packed layout's one variable-length flash call against one causal SDPA per row (bf16, GQA, rows of
+    uneven length and a padding segment): outputs and gradients to bf16 round-off."""
+    from rollflow.tasks.train.megatron_backend import varlen_causal_attention
+
+    attend = varlen_causal_attention()
+    if attend is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    torch.manual_seed(0)
+    bounds = [0, 37, 38, 101, 160, 192]
+    t, heads, groups, dim = bounds[-1], 8, 2, 64
+    q, k, v = (torch.randn(t, h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (heads, groups, groups))
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    out = attend(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), dim ** -0.5)
+    ref = []
+    for a, b in zip(bounds, bounds[1:]):
+        qa, ka, va = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        ka, va = (x.repeat_interleave(heads // groups, dim=1) for x in (ka, va))
+        ref.append(torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True,
+                                                                    scale=dim ** -0.5)[0].transpose(0, 1))
+    ref = torch.cat(ref)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2e-2)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)

@@ -169,6 +169,38 @@ _SDPA_BACKENDS = {
 }
 
 
+def varlen_causal_attention():
+    """torch's variable-length flash attention as `f(q, k, v, cu_seqlens, max_len, scale)` -> [t, np, hn], causal,
+    for [t, np, hn] q and [t, ng, hn] k / v in fp16 / bf16 on CUDA; None where this torch has none. One call for
+    all rows of a packed micro-batch, instead of one SDPA launch per row per layer (the packed layout's host cost,
+    docs/megatron.md). Its keyword for causality changed across releases (is_causal, then window_size)."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    gqa = "enable_gqa" in params
+
+    def attend(q, k, v, cu_seqlens, max_len: int, scale: float):
+        if k.shape[1] != q.shape[1]:
+            if gqa:
+                causal_gqa = {**causal, "enable_gqa": True}
+                return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **causal_gqa)
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **causal)
+
+    return attend
+
+
 def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
     """A core-attention module class for Megatron layer specs that calls torch SDPA (causal).
 
@@ -197,6 +229,7 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
             self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
             self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
             self._kernel = None
+            self._varlen = varlen_causal_attention()
             if backends:
                 from torch.nn.attention import SDPBackend
 
@@ -220,11 +253,17 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
 
         def _packed(self, query, key, value, packed_seq_params):
             """THD: [t, np, hn] q/k/v holding the rows end to end -> [t, np * hn]; each row attends causally
-            to itself only (one SDPA call per row: no [t, t] mask, no padding)."""
+            to itself only: one variable-length flash call (CUDA, fp16 / bf16, no dropout), else one SDPA call per
+            row (no [t, t] mask, no padding)."""
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r}; only 'thd'")
-            bounds = getattr(packed_seq_params, "bounds", None) or packed_seq_params.cu_seqlens_q.tolist()
             t, heads, dim = query.shape
+            if (self._varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                    and not (self.training and self.dropout)):
+                out = self._varlen(query, key, value, packed_seq_params.cu_seqlens_q,
+                                   int(packed_seq_params.max_seqlen_q), self.softmax_scale)
+                return out.reshape(t, heads * dim)
+            bounds = getattr(packed_seq_params, "bounds", None) or packed_seq_params.cu_seqlens_q.tolist()
             pieces = []
             for a, b in zip(bounds[:-1], bounds[1:]):
                 if b > a:
