@@ -26,7 +26,7 @@ demo: setup
 	$(VENV)/bin/rollflow demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
