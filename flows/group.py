@@ -362,17 +362,11 @@ class WorkerGroup:
 
 
 def _checkpoint_weights(cfg: RunConfig, iteration: int):
-    import io
-
-    import torch
-
-    from rollflow.tasks.train.checkpoint import load_checkpoint
-
-    from rollflow.tasks.train.checkpoint import is_distributed_payload
+    from rollflow.tasks.model.source import resolve_model_path
+    from rollflow.tasks.train.checkpoint import hf_weights_of_checkpoint, load_checkpoint
 
     payload = load_checkpoint(cfg.store.root, cfg.run, iteration)
-    if is_distributed_payload(payload):
-        raise ValueError(f"checkpoint {iteration} of run {cfg.run!r} is a sharded megatron trainer's (Megatron's "
-                         "distributed format): only the trainer ranks read it; start the trainer first and take the "
-                         "engine's weights from it")
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)["model"]
+    try:
+        return hf_weights_of_checkpoint(payload, resolve_model_path(cfg.model.path))
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {iteration} of run {cfg.run!r}: {exc}") from None
