@@ -44,3 +44,23 @@ def test_megatron_checkpoint_is_converted_to_hf_names():
 def test_sharded_checkpoint_names_the_fix():
     with pytest.raises(ValueError, match="sharded megatron trainer.*start the trainer first"):
         hf_weights_of_checkpoint(distributed_payload(), resolve_model_path(MODEL))
+
+
+def test_alignment_drills_reach_a_megatron_trainers_reference():
+    """The perturbed-reference drill moves the megatron backend's reference (a host copy, no second model), and
+    the gibberish-weights drill keeps the reference equal to the scrambled policy (KL 0 at step 1 stays true)."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core")
+    from rollflow.tasks.debug.alignment import trainer_perturb_ref, trainer_scramble
+    from rollflow.tasks.train.batch import TrainBatch
+
+    backend = build_backend(MODEL, OptimConfig(backend="megatron", device="cpu", dtype="float32",
+                                               megatron={"optimizer": "torch"}), temperature=1.0)
+    tokens = torch.randint(3, 12, (4, 10), generator=torch.Generator().manual_seed(0))
+    batch = TrainBatch(tokens=tokens, lengths=torch.full((4,), 10), response_mask=torch.ones(4, 9, dtype=torch.bool),
+                       rewards=torch.zeros(4), rollout_log_probs=torch.zeros(4, 9), group_size=4,
+                       truncated=torch.zeros(4, dtype=torch.bool))
+    assert torch.equal(backend.compute_log_probs(batch, "ref"), backend.compute_log_probs(batch, "policy"))
+    trainer_perturb_ref(backend, 0.05, seed=1)
+    assert not torch.equal(backend.compute_log_probs(batch, "ref"), backend.compute_log_probs(batch, "policy"))
+    trainer_scramble(backend, "random", seed=2)
+    assert torch.equal(backend.compute_log_probs(batch, "ref"), backend.compute_log_probs(batch, "policy"))

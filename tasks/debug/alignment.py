@@ -33,7 +33,8 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
-from rollflow.tasks.debug.faults import AlignmentFaults, apply_sync_fault, perturb_module, scramble_module
+from rollflow.tasks.debug.faults import (AlignmentFaults, apply_sync_fault, perturb_module, perturb_tensors,
+                                         scramble_module)
 from rollflow.tasks.debug.memory import peak_memory
 from rollflow.tasks.debug.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
 from rollflow.tasks.rollout.generate import generate_samples
@@ -125,10 +126,17 @@ def trainer_scramble(worker: Any, mode: str, seed: int) -> None:
     ref = getattr(backend, "ref_model", None)
     if ref is not None:  # the reference is the starting policy: gibberish too
         scramble_module(ref, mode, seed)  # type: ignore[arg-type]
+    elif hasattr(backend, "reset_reference"):  # megatron: the reference is a host copy of the weights
+        backend.reset_reference()
 
 
 def trainer_perturb_ref(worker: Any, std: float, seed: int) -> None:
-    perturb_module(_torch_model(backend_of(worker), "ref_model", "perturb_ref_std"), std, seed)
+    backend = backend_of(worker)
+    tensors = backend.reference_tensors() if hasattr(backend, "reference_tensors") else None
+    if tensors is not None:  # megatron: the reference's host copies
+        perturb_tensors(tensors.values(), std, seed)
+        return
+    perturb_module(_torch_model(backend, "ref_model", "perturb_ref_std"), std, seed)
 
 
 def engine_rollout(worker: Any, rollout_id: int, temperature: float | None = None

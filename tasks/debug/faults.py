@@ -7,6 +7,7 @@ them, tests and users reproducing a failure do too. Each one breaks exactly what
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Literal, Optional
 
 import torch
@@ -62,7 +63,7 @@ def scramble_module(module: torch.nn.Module, mode: GibberishMode, seed: int = 0)
     """Replace every tensor by a permutation of its values ("shuffle") or by fresh init-scale noise
     ("random"). Deterministic per (seed, tensor name), so two copies of a model scramble alike."""
     for index, (name, tensor) in enumerate(sorted(module.state_dict().items())):
-        if not tensor.is_floating_point():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():  # megatron's _extra_state: None
             continue
         g = _generator(seed * 1_000_003 + index)
         if mode == "shuffle":
@@ -81,11 +82,17 @@ def scramble_module(module: torch.nn.Module, mode: GibberishMode, seed: int = 0)
 @torch.no_grad()
 def perturb_module(module: torch.nn.Module, std: float, seed: int = 0) -> None:
     """Add N(0, std^2) noise to every floating-point parameter (in place)."""
+    perturb_tensors(module.parameters(), std, seed)
+
+
+def perturb_tensors(tensors: Iterable[torch.Tensor], std: float, seed: int = 0) -> None:
+    """Add N(0, std^2) noise to every floating-point tensor (in place), in the order given."""
     g = _generator(seed)
-    for param in module.parameters():
-        if param.is_floating_point():
-            noise = torch.randn(param.shape, generator=g, dtype=torch.float32) * std
-            param.add_(noise.to(device=param.device, dtype=param.dtype))
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.is_floating_point():
+                noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32) * std
+                tensor.add_(noise.to(device=tensor.device, dtype=tensor.dtype))
 
 
 _LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.(\d+)\.")

@@ -843,6 +843,18 @@ class MegatronBackend:
         return self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 
     @torch.no_grad()
+    def reference_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The frozen reference's host copies by the model's own names (None without a reference): what the
+        alignment drills perturb in place."""
+        return self._ref_state
+
+    def reset_reference(self) -> None:
+        """The reference becomes the current weights (a drill that replaced the starting weights)."""
+        if self._ref_state is not None:
+            with torch.no_grad():
+                for name, tensor in self._weights().items():
+                    self._ref_state[name].copy_(tensor.detach())
+
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:
         if which != "policy" and self._ref_state is None:
             raise RuntimeError("reference log-probs requested but the trainer was built without a reference model")
