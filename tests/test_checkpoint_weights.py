@@ -60,6 +60,7 @@ def test_alignment_drills_reach_a_megatron_trainers_reference():
                        rewards=torch.zeros(4), rollout_log_probs=torch.zeros(4, 9), group_size=4,
                        truncated=torch.zeros(4, dtype=torch.bool))
     assert torch.equal(backend.compute_log_probs(batch, "ref"), backend.compute_log_probs(batch, "policy"))
+    assert not backend.compute_log_probs(batch).requires_grad  # scoring keeps no graph (old log-probs are data)
     trainer_perturb_ref(backend, 0.05, seed=1)
     assert not torch.equal(backend.compute_log_probs(batch, "ref"), backend.compute_log_probs(batch, "policy"))
     trainer_scramble(backend, "random", seed=2)

@@ -842,7 +842,6 @@ class MegatronBackend:
     def _collective_device(self) -> torch.device:
         return self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 
-    @torch.no_grad()
     def reference_tensors(self) -> dict[str, torch.Tensor] | None:
         """The frozen reference's host copies by the model's own names (None without a reference): what the
         alignment drills perturb in place."""
@@ -855,6 +854,7 @@ class MegatronBackend:
                 for name, tensor in self._weights().items():
                     self._ref_state[name].copy_(tensor.detach())
 
+    @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor:
         if which != "policy" and self._ref_state is None:
             raise RuntimeError("reference log-probs requested but the trainer was built without a reference model")
