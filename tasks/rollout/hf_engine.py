@@ -245,7 +245,7 @@ class HFEngine:
                 f"weight update does not match the engine's parameters: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]} (check the trainer->engine name mapping)"
             )
-        dst, src = list(targets.values()), [named_tensors[name] for name in targets]
+        dst, src = list(targets.values()), list(map(named_tensors.__getitem__, targets))
         key = plan_key(dst, src)
         plan = self._copy_plans.pop(key, None) or self._plan_update(targets, named_tensors, key)
         self._copy_plans[key] = plan  # most recent last
