@@ -209,7 +209,8 @@ def main() -> None:
     parser.add_argument("--pack-multiple", type=int, default=1, help="train.megatron.pack_multiple")
     parser.add_argument("--ragged", action="store_true", help="row lengths uniform in [seq/4, seq] (else all seq)")
     parser.add_argument("--estimate", action="store_true", help="print the memory table and exit")
-    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--out", default=os.environ.get("OUT"),
+                        help="directory for the result JSON (named after the layout; default: $OUT)")
     args = parser.parse_args()
     if args.estimate:
         for preset in PRESETS:
