@@ -95,14 +95,11 @@ def run_plan(plan: CopyPlan, dst: list[torch.Tensor], src: list[torch.Tensor]) -
     """Copy `src` into `dst` (the lists `plan.key` was made from): replay the plan's graph, capture it on the
     second run, or copy eagerly (CPU, mixed devices, a capture the driver refused)."""
     plan.runs += 1
-    if plan.graph:
-        plan.graph.replay()
-        return
-    kept_dst, kept_src = [dst[i] for i in plan.keep], [src[i] for i in plan.keep]
     if plan.graph is None and plan.runs >= 2:
+        kept_dst, kept_src = [dst[i] for i in plan.keep], [src[i] for i in plan.keep]
         device = _one_cuda_device(kept_dst + kept_src)
         plan.graph = (_capture(kept_dst, kept_src, plan.memcpy_bytes, device) if device is not None else None) or False
-        if plan.graph:
-            plan.graph.replay()
-            return
-    copy_eagerly(kept_dst, kept_src, plan.memcpy_bytes)
+    if plan.graph:
+        plan.graph.replay()
+    else:
+        copy_eagerly([dst[i] for i in plan.keep], [src[i] for i in plan.keep], plan.memcpy_bytes)

@@ -39,6 +39,7 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
         raise ValueError(f"samples[{row}]: a response needs at least one prompt token before it (tokens are "
                          "prompt + response; the first response token is scored from the last prompt token)")
     width = int(lengths.max())
+    cols = np.arange(width)
     ids = np.zeros((n, width), dtype=np.int32)  # the column's own dtype: no widening of the rollout
     # Target-aligned [n, L-1]: column j scores token j + 1, so a row's response is scored at columns
     # prompt_length - 1 ... length - 2.
@@ -55,7 +56,6 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
             hi = min(lo + block, len(chunk))
             rows = slice(first + lo, first + hi)
             length, r = lengths[rows], resp[rows]
-            cols = np.arange(width)
             ids[rows][cols[None, :] < length[:, None]] = tokens.values[tokens.offsets[lo]:tokens.offsets[hi]]
             start = length - r - 1
             target = cols[None, :-1]

@@ -35,15 +35,13 @@ class TensorMeta:
     shape: tuple[int, ...]
 
 
-def _cast(t: torch.Tensor, dtype: str | None, device: str | None) -> torch.Tensor:
+def _on_device(t: torch.Tensor, device: str | None) -> torch.Tensor:
     t = t.detach()
-    if device is not None:
-        t = t.to(device)
-    if dtype is not None:
-        t = t.to(DTYPES[dtype])
-    return t.contiguous()
+    return (t.to(device) if device is not None else t).contiguous()
 
 
+# `source(bucket_bytes, dtype)`: the HF-named tensors in buckets of about `bucket_bytes`, already in `dtype` (the
+# engine's, None: as they are), so the sender only moves and sends them.
 BucketSource = Callable[[int, "str | None"], Iterable[list[tuple[str, torch.Tensor]]]]
 
 
@@ -83,7 +81,6 @@ class WeightSender:
         self._held = None  # the current IPC bucket: its tensors must outlive the engine's load
         self._ipc_args: tuple = ()
         self._group = None
-        self._dtype: str | None = None
         self._current: list[tuple[str, torch.Tensor]] | None = None
 
     # -- tensor path (CUDA IPC) -------------------------------------------------------------------
@@ -93,7 +90,7 @@ class WeightSender:
         copies per bucket (1 when every engine TP rank takes the payload of the trainer rank on its own GPU; 0 for
         a rank no engine reads from, which only steps along); `flattened`: SGLang's load_format="flattened_bucket"."""
         self._stream = _with_last(self._source(bucket_bytes, dtype))
-        self._ipc_args = (tp_size, device, DTYPES[dtype] if dtype else None, flattened)
+        self._ipc_args = (tp_size, device, flattened)
         self._held = None
 
     def ipc_next(self) -> dict:
@@ -106,13 +103,13 @@ class WeightSender:
             raise RuntimeError("ipc_next before ipc_begin")
         self._held = None
         pairs, last = next(self._stream)
-        tp_size, device, dtype, flattened = self._ipc_args
+        tp_size, device, flattened = self._ipc_args
         visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
         out = {"payloads": [], "names": [n for n, _ in pairs], "last": last,
-               "nbytes": sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for _, t in pairs),
+               "nbytes": sum(t.numel() * t.element_size() for _, t in pairs),
                "gpu": visible.split(",")[0] if visible else None}
         if tp_size and pairs:
-            bucket = next(ipc_buckets(pairs, 1 << 62, tp_size=tp_size, device=device, dtype=dtype,
+            bucket = next(ipc_buckets(pairs, 1 << 62, tp_size=tp_size, device=device,
                                       flattened=flattened))  # the source's bucket, as one IPC bucket
             self._held = bucket
             out.update(payloads=list(bucket.payloads), nbytes=int(bucket.nbytes))
@@ -144,7 +141,6 @@ class WeightSender:
     def buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
         """Start a broadcast sync: `next_bucket` / `broadcast_current` then go bucket by bucket."""
         self._stream = _with_last(self._source(bucket_bytes, dtype))
-        self._dtype = dtype
         self._current = None
 
     def next_bucket(self, keep: bool = True) -> dict:
@@ -153,11 +149,10 @@ class WeightSender:
         if self._stream is None:
             raise RuntimeError("next_bucket before buckets_begin")
         pairs, last = next(self._stream)
-        sent = [(n, t.to(DTYPES[self._dtype]) if self._dtype else t) for n, t in pairs]
-        self._current = sent if keep else None
+        self._current = pairs if keep else None
         if last:
             self._stream = None
-        metas = [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in sent]
+        metas = [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in pairs]
         return {"metas": [dataclasses.asdict(m) for m in metas], "last": last}
 
     def broadcast_current(self, device: str | None = None) -> int:
@@ -168,7 +163,7 @@ class WeightSender:
             raise RuntimeError("broadcast_current needs join_group and next_bucket first")
         sent = 0
         for _, tensor in self._current:
-            t = _cast(tensor, None, device)
+            t = _on_device(tensor, device)
             dist.broadcast(t, src=0, group=self._group)
             sent += t.numel() * t.element_size()
         self._current = None

@@ -238,14 +238,7 @@ class TrainWorker:
             raise RuntimeError("a sharded trainer replays from its initial state only before it has trained: start "
                                "a new replay (its workers start from the model)")
         metrics = self.train_on_artifact(ref, **train_kwargs)
-        path = self._state_dist_dir(out_state_uri)
-        if not self.backend.all_ranks_finite():
-            raise FloatingPointError(f"not writing replay state {out_state_uri}: a trainer rank's weights hold NaN/inf")
-        if self.is_primary:
-            shutil.rmtree(path, ignore_errors=True)  # a state being redone (refresh of the cache)
-        torch.distributed.barrier()
-        self.backend.save_distributed(path)
-        torch.distributed.barrier()  # every rank's shards are written before the state is committed
+        self._write_shards(self._state_dist_dir(out_state_uri), f"replay state {out_state_uri}")
         if self.is_primary:
             save_state(out_state_uri, distributed_payload(), storage_options=self.storage_options)
         return metrics
@@ -309,18 +302,22 @@ class TrainWorker:
         """Megatron's distributed checkpoint in the checkpoint folder (every rank its shards), then rank 0 commits
         the folder as for any checkpoint: a small payload naming the format, the marker last."""
         path = self._dist_dir(iteration)
-        # The NaN guard of the single-file path, over every rank's shards: all ranks refuse together.
-        if not self.backend.all_ranks_finite():
-            raise FloatingPointError(f"not writing checkpoint {iteration}: a trainer rank's weights hold NaN/inf; the "
-                                     "last good checkpoint is kept")
-        if self.is_primary:  # a checkpoint being redone (--resume-from an earlier one): withdraw the old shards
-            shutil.rmtree(path, ignore_errors=True)
-        torch.distributed.barrier()
-        self.backend.save_distributed(path)
+        self._write_shards(path, f"checkpoint {iteration}", "; the last good checkpoint is kept")
         if not self.is_primary:
             return str(path.rsplit("/", 1)[0])
         return save_checkpoint(self.store_root, self.run, iteration, distributed_payload(), extra=extra,
                                storage_options=self.storage_options)
+
+    def _write_shards(self, path: str, what: str, kept: str = "") -> None:
+        """Every rank's shards into `path` (Megatron's own commit marker last, rank 0 after a barrier), an earlier
+        write there withdrawn first (a checkpoint redone by --resume-from, a refreshed replay state). The NaN guard
+        of the single-file path, over every rank's shards: all ranks refuse together."""
+        if not self.backend.all_ranks_finite():
+            raise FloatingPointError(f"not writing {what}: a trainer rank's weights hold NaN/inf{kept}")
+        if self.is_primary:
+            shutil.rmtree(path, ignore_errors=True)
+        torch.distributed.barrier()
+        self.backend.save_distributed(path)
 
     def _load_distributed(self, iteration: int, payload: bytes) -> None:
         if not is_distributed_payload(payload):
