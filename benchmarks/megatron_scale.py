@@ -120,12 +120,12 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    megatron = {"tp": args.tp, "pp": args.pp, "sequence_parallel": args.sp, "packing": args.packing,
+    megatron = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "sequence_parallel": args.sp, "packing": args.packing,
                 "pack_multiple": args.pack_multiple,
                 "use_distributed_optimizer": not args.no_dist_opt, "layer_spec": args.spec}
     if not args.no_recompute:
         megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    dp = world // (args.tp * args.pp)
+    dp = world // (args.tp * args.pp * args.cp)
     megatron["optimizer"] = "megatron"
     if not cuda:
         megatron.update(layer_spec="sdpa", fusions="off", log_prob_impl="chunked", rope_fusion="none")
@@ -166,7 +166,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         model_flops = 6 * params(args.preset)["matmul"] * tokens + 6 * layers * h * float((lengths ** 2).sum())
         step = sorted(times)[len(times) // 2]
         rate = model_flops / step / world
-        result = {"preset": args.preset, "packing": args.packing, "ragged": args.ragged, "real_tokens": tokens, "world": world, "tp": args.tp, "pp": args.pp, "dp": dp,
+        result = {"preset": args.preset, "packing": args.packing, "ragged": args.ragged, "real_tokens": tokens, "world": world, "tp": args.tp, "pp": args.pp, "cp": args.cp, "dp": dp,
                   "micro_batch": args.micro_batch, "micro_batches_per_rank": args.micro_batches, "seq": args.seq,
                   "settings": megatron, "train_call_s_median": step, "tokens_per_s": tokens / step,
                   "tokens_per_s_per_gpu": tokens / step / world, "model_tflops_per_gpu": rate / 1e12,
@@ -183,7 +183,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             layout = ("-ragged" if args.ragged else "") + ("-thd" if args.packing == "thd" else "")
-            name = f"megatron-scale-{args.preset}-tp{args.tp}-pp{args.pp}-dp{dp}{layout}.json"
+            cp = f"-cp{args.cp}" if args.cp > 1 else ""
+            name = f"megatron-scale-{args.preset}-tp{args.tp}-pp{args.pp}{cp}-dp{dp}{layout}.json"
             (Path(args.out) / name).write_text(json.dumps(result, indent=1))
     destroy_parallel_state()
 
@@ -194,6 +195,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=None, help="ranks (default: all visible GPUs)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel: each sequence split over cp ranks")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per data-parallel rank")
@@ -201,7 +203,7 @@ def main() -> None:
     parser.add_argument("--spec", default="auto", choices=["auto", "te", "sdpa", "local"])
     parser.add_argument("--no-recompute", action="store_true")
     parser.add_argument("--no-dist-opt", action="store_true")
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1; needs the te layer spec)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: gloo ranks, fp32, sdpa spec, --preset tiny; megatron-core's optimizer needs CUDA, so "
                              "this runs only under the test suite's CPU shims (tests/test_megatron_scale_script.py)")

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The multi-GPU run of the megatron backend in one command, on one host with 2-8 GPUs, from the checkout's root:
 #   bash scripts/megatron_multi_gpu.sh
-# 1. tests/test_megatron_parallel.py on 2 GPUs (NCCL, no CPU shims): TP=2, PP=2, DP=2 (also with the distributed
-#    optimizer) against single-rank HF, a checkpoint saved at TP=2 loaded at TP=1, vocab-parallel log-probs;
+# 1. tests/test_megatron_parallel.py on 2 GPUs (NCCL, no CPU shims): TP=2 (also sequence parallel), PP=2, CP=2,
+#    DP=2 (also with the distributed optimizer) against single-rank HF, a checkpoint saved at TP=2 loaded at TP=1,
+#    vocab-parallel log-probs;
 # 2. benchmarks/megatron_scale.py: the full train() of a 7B Llama shape at TP=2 x PP=2 x DP (all GPUs; full
-#    recompute + distributed optimizer), and the ~0.9B shape at TP=1 / DP = all GPUs; JSON + logs under $OUT.
+#    recompute + distributed optimizer), the ~0.9B shape at TP=1 / DP = all GPUs, and at CP=2 with 8k-token rows;
+#    JSON + logs under $OUT.
 # rollflow need not be installed: scripts/use_checkout.sh maps the checkout (see docs/megatron.md for the wheels).
 # Knobs (env): GPUS (default: all visible), SCALE_ARGS (extra benchmark flags, e.g. "--spec te --sp"), *_TIMEOUT.
 set -uo pipefail
@@ -26,4 +28,7 @@ fi
 timeout "${SCALE_TIMEOUT:-600}" python3 benchmarks/megatron_scale.py --preset 0.9b --gpus "$GPUS" --seq 2048 \
   --micro-batch 4 --out "$OUT" ${SCALE_ARGS:-} > "$OUT/scale_0.9b.log" 2>&1 || rc=1
 tail -25 "$OUT/scale_0.9b.log"
+timeout "${SCALE_TIMEOUT:-600}" python3 benchmarks/megatron_scale.py --preset 0.9b --gpus "$GPUS" --cp 2 --seq 8192 \
+  --micro-batch 1 --out "$OUT" ${SCALE_ARGS:-} > "$OUT/scale_0.9b_cp2.log" 2>&1 || rc=1
+tail -25 "$OUT/scale_0.9b_cp2.log"
 exit $rc

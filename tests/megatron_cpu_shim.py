@@ -43,6 +43,7 @@ def cpu_megatron():
         def inner(*args, **kwargs):
             if "device" in kwargs:
                 kwargs["device"] = _to_cpu_device(kwargs["device"])
+            kwargs.pop("pin_memory", None)  # context parallel's RoPE slice stages its index in pinned memory
             return fn(*args, **kwargs)
         return inner
 
@@ -59,6 +60,10 @@ def cpu_megatron():
     saved_rng = (mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state)
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda *a, **k: None
+    # Sequence parallelism forks the model-parallel CUDA RNG around the embedding's dropout (0 here); the
+    # tracker's states are CUDA generators, which a CPU run has none of.
+    saved_fork = mp_random.CudaRNGStatesTracker.fork
+    mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     try:
         yield
     finally:
@@ -66,3 +71,4 @@ def cpu_megatron():
             setattr(torch, name, fn)
         torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type = saved_cuda
         mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state = saved_rng
+        mp_random.CudaRNGStatesTracker.fork = saved_fork

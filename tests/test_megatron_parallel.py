@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (
 
 N_SAMPLES = 8
 LR = 1e-3
-# (name, tp, pp, micro-batches per data-parallel rank, other train.megatron settings); dp = 2 / (tp * pp)
+# (name, tp, pp, micro-batches per data-parallel rank, other train.megatron settings); dp = 2 / (tp * pp * cp)
 BUCKET_BYTES = 32 << 10  # the streamed export's bucket size in the layouts below (a layer's tensors are 8-64 KB)
 LAYOUTS = {
     "llama": [("tp2_mb1", 2, 1, 1, {}), ("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}),
@@ -38,11 +38,18 @@ LAYOUTS = {
               ("tp2_tokens48", 2, 1, 1, {"max_tokens_per_gpu": 48}),
               # packed rows (THD): per-row attention and RoPE, log-probs gathered back to the rows
               ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}), ("pp2_packed_mb4", 1, 2, 4, {"packing": "thd"}),
-              ("dp2_packed_tokens60", 1, 1, 1, {"packing": "thd", "max_tokens_per_gpu": 60})],
+              ("dp2_packed_tokens60", 1, 1, 1, {"packing": "thd", "max_tokens_per_gpu": 60}),
+              # context parallel: each sequence split over 2 ranks (zigzag chunks), keys / values all-gathered
+              ("cp2_mb4", 1, 1, 4, {"cp": 2}), ("cp2_packed_mb4", 1, 1, 4, {"cp": 2, "packing": "thd"}),
+              ("cp2_packed_tokens30", 1, 1, 1, {"cp": 2, "packing": "thd", "max_tokens_per_gpu": 30}),
+              # sequence parallel: norms on each TP rank's part of the sequence, their grads summed over TP
+              ("tp2_sp_mb4", 2, 1, 4, {"sequence_parallel": True}),
+              ("tp2_sp_packed_mb1", 2, 1, 1, {"sequence_parallel": True, "packing": "thd"})],
     "qwen2": [("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}), ("pp2_vpp2_mb1", 1, 2, 1, {"vpp": 2}),
               ("dp2_mb4", 1, 1, 4, {}), ("tp2_packed_mb1", 2, 1, 1, {"packing": "thd"})],
     # q/k norms are replicated over TP but each rank sees its own heads: their grads must be summed over TP
-    "qwen3": [("tp2_mb4", 2, 1, 4, {}), ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"})],
+    "qwen3": [("tp2_mb4", 2, 1, 4, {}), ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}),
+              ("tp2_sp_mb1", 2, 1, 1, {"sequence_parallel": True}), ("cp2_packed_mb1", 1, 1, 1, {"cp": 2, "packing": "thd"})],
 }
 
 
@@ -150,7 +157,7 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
     from tests.megatron_cpu_shim import cpu_megatron
 
     def backend(ref, tp, pp, n_micro, extra=None):
-        dp_size = world // (tp * pp)
+        dp_size = world // (tp * pp * (extra or {}).get("cp", 1))
         device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
         optim = OptimConfig(backend="megatron", device=device, dtype="float32", lr=LR, num_steps_per_rollout=1,
                             micro_batch_size=N_SAMPLES // dp_size // n_micro,

@@ -1,5 +1,5 @@
 """`benchmarks/megatron_scale.py` (the multi-GPU benchmark and the one-GPU fit sweep) runs end to end: two gloo
-ranks at TP=2 on a tiny preset, ragged rows packed, under the test-only CPU shims; it writes its JSON with real
+ranks at TP=2 with sequence parallelism and at CP=2 on a tiny preset, ragged rows packed, under the test-only CPU shims; it writes its JSON with real
 token counts, a finite loss and the memory estimate."""
 
 from __future__ import annotations
@@ -28,20 +28,22 @@ def _shimmed_rank(rank, world, port, args):
         megatron_scale._rank(rank, world, port, args)
 
 
-def test_scale_benchmark_runs_tp2_packed_on_cpu(tmp_path):
+@pytest.mark.parametrize("tp,cp,sp,name", [(2, 1, True, "tiny-tp2-pp1-dp1"), (1, 2, False, "tiny-tp1-pp1-cp2-dp1")])
+def test_scale_benchmark_runs_packed_on_cpu(tmp_path, tp, cp, sp, name):
     import torch.multiprocessing as mp
 
     from benchmarks import megatron_scale
 
-    args = argparse.Namespace(preset="tiny", tp=2, pp=1, sp=False, packing="thd", pack_multiple=1, ragged=True,
+    args = argparse.Namespace(preset="tiny", tp=tp, pp=1, cp=cp, sp=sp, packing="thd", pack_multiple=1, ragged=True,
                               seq=64, micro_batch=1, micro_batches=2, iters=1, spec="sdpa", no_recompute=False,
                               no_dist_opt=False, device="cpu", out=str(tmp_path))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_shimmed_rank, args=(2, port, args), nprocs=2, join=True)
-    result = json.loads((tmp_path / "megatron-scale-tiny-tp2-pp1-dp1-ragged-thd.json").read_text())
+    result = json.loads((tmp_path / f"megatron-scale-{name}-ragged-thd.json").read_text())
     lengths = megatron_scale._lengths(2, 64, True)
     assert result["real_tokens"] == int(lengths.sum()) < 2 * 64  # padding is not counted as work
-    assert result["tp"] == 2 and result["packing"] == "thd" and result["settings"]["use_distributed_optimizer"]
+    assert (result["tp"], result["cp"], result["packing"]) == (tp, cp, "thd")
+    assert result["settings"]["use_distributed_optimizer"] and result["settings"]["sequence_parallel"] is sp
     assert result["loss"] == result["loss"] and result["grad_norm"] > 0  # finite, and it trained

@@ -10,9 +10,8 @@ from rollflow.tasks.train.settings import MegatronSettings
 
 @pytest.mark.parametrize("fields,match", [
     ({"sequence_parallel": True}, r"sequence_parallel=true needs train\.megatron\.tp > 1"),
-    ({"sequence_parallel": True, "tp": 2, "layer_spec": "sdpa"}, r"sequence_parallel=true needs the te layer spec"),
     ({"vpp": 2}, r"vpp=2 needs train\.megatron\.pp > 1"),
-    ({"cp": 2, "layer_spec": "sdpa"}, r"cp=2 needs the te layer spec"),
+    ({"cp": 2, "layer_spec": "local"}, r"cp=2 needs an attention that sees the other cp ranks' keys.*layer_spec=sdpa"),
     ({"recompute_granularity": "full"}, r"needs recompute_method"),
     ({"recompute_method": "uniform"}, r"apply to recompute_granularity='full' only"),
     ({"overlap_param_gather": True}, r"needs use_distributed_optimizer=true"),
@@ -21,6 +20,12 @@ from rollflow.tasks.train.settings import MegatronSettings
 def test_bad_layouts_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         MegatronSettings(**fields)
+
+
+def test_torch_spec_takes_sequence_and_context_parallelism():
+    """The sdpa spec builds both (its own norms and an all-gather attention; tests/test_megatron_parallel.py)."""
+    s = MegatronSettings(tp=2, cp=2, sequence_parallel=True, layer_spec="sdpa")
+    assert s.model_parallel_size == 4 and s.data_parallel_size(8) == 2
 
 
 def test_data_parallel_size_and_model_checks():

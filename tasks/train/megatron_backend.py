@@ -50,8 +50,8 @@ from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
 from rollflow.tasks.train.data_parallel import sum_stats
 from rollflow.tasks.train.fused_ops import install_rope_fusion, token_log_probs
 from rollflow.tasks.train.megatron_schedule import (ModelInput, model_inputs, packed_model_inputs, run_schedule,
-                                                     schedule_loss_scale, token_budget_micro_batches,
-                                                     unpack_token_values)
+                                                     schedule_loss_scale, split_context,
+                                                     token_budget_micro_batches, unpack_token_values)
 from rollflow.tasks.train.pinned import pinned_copy
 from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
 from rollflow.tasks.train.objective import Denominators, micro_batch_objective, minibatch_steps
@@ -221,8 +221,8 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                      attention_dropout: float | None = None, softmax_scale: float | None = None,
                      cp_comm_type: str | None = None, pg_collection=None, **_unused):
             super().__init__(config=config)
-            if getattr(config, "context_parallel_size", 1) != 1:
-                raise ValueError("SDPACoreAttention does not support context parallelism")
+            self.cp_size = getattr(config, "context_parallel_size", 1)
+            self._cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
             if getattr(config, "softmax_type", "vanilla") != "vanilla":
                 raise ValueError("SDPACoreAttention supports only softmax_type='vanilla'")
             self.attn_mask_type = attn_mask_type
@@ -251,6 +251,52 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                     q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0,
                     is_causal=True, scale=self.softmax_scale)
 
+        def _attend(self, q, k, v, mask):
+            """SDPA of [b, np, sq, hn] q and [b, ng, sk, hn] k / v under `mask` (a torch attention bias)."""
+            heads = q.shape[1]
+            if k.shape[1] != heads:
+                k = k.repeat_interleave(heads // k.shape[1], dim=1)
+                v = v.repeat_interleave(heads // v.shape[1], dim=1)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale)
+
+        def _cp(self):
+            """(group, rank) of the context-parallel group."""
+            from megatron.core import parallel_state
+
+            group = self._cp_group or parallel_state.get_context_parallel_group()
+            return group, torch.distributed.get_rank(group)
+
+        def _context_parallel(self, query, key, value, packed_seq_params):
+            """This rank's queries (its two chunks of every row, context_parallel.py) against every rank's keys
+            and values, gathered in sequence order. Padded: [s/cp, b, n, hn]; packed: [t/cp, n, hn] with the
+            whole sequence's row bounds in `packed_seq_params`."""
+            from rollflow.tasks.train import context_parallel as cpl
+
+            group, rank = self._cp()
+            cp = self.cp_size
+            if packed_seq_params is None:
+                s_local, b, heads, dim = query.shape
+                _positions, order = cpl.padded_layout(s_local * cp, cp, rank)
+                k, v = (cpl.gather_context(x, order, group) for x in (key, value))
+                out = cpl.chunk_attention(self._attend, query.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
+                                          v.permute(1, 2, 0, 3), cp=cp, rank=rank)
+                return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * dim)
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r}; only 'thd'")
+            bounds = packed_seq_params.bounds
+            order = packed_seq_params.cp_order
+            k, v = (cpl.gather_context(x, order, group) for x in (key, value))
+            mine = cpl.local_bounds(bounds, cp)
+            t, heads, dim = query.shape
+            pieces = []
+            for (a, b), (la, lb) in zip(zip(bounds[:-1], bounds[1:]), zip(mine[:-1], mine[1:])):
+                if b > a:
+                    q_row, k_row, v_row = (x.transpose(0, 1).unsqueeze(0) for x in (query[la:lb], k[a:b], v[a:b]))
+                    out = cpl.chunk_attention(self._attend, q_row, k_row, v_row, cp=cp, rank=rank)
+                    pieces.append(out[0].transpose(0, 1))
+            return torch.cat(pieces, dim=0).reshape(t, heads * dim)
+
         def _packed(self, query, key, value, packed_seq_params):
             """THD: [t, np, hn] q/k/v holding the rows end to end -> [t, np * hn]; each row attends causally
             to itself only: one variable-length flash call (CUDA, fp16 / bf16, no dropout), else one SDPA call per
@@ -275,6 +321,8 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                     packed_seq_params=None, **_unused):
             if attention_bias is not None:
                 raise ValueError("SDPACoreAttention: attention_bias is not supported")
+            if self.cp_size > 1:
+                return self._context_parallel(query, key, value, packed_seq_params)
             if packed_seq_params is not None:
                 return self._packed(query, key, value, packed_seq_params)
             sq, b, heads, dim = query.shape
@@ -384,7 +432,52 @@ def build_layer_spec(spec: str, settings: MegatronSettings, *, qk_layernorm: boo
         layer.submodules.self_attention.submodules.core_attention = make_sdpa_core_attention(settings.sdpa_backends)
     elif spec != "local":
         raise ValueError(f"train.megatron.layer_spec={spec!r}: expected auto, te, sdpa or local")
+    # torch norms that allow sequence parallelism (megatron-core's refuse it)
+    layer.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attention = layer.submodules.self_attention.submodules
+    if qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     return layer
+
+
+def build_block_spec(spec: str, settings: MegatronSettings, config, *, qk_layernorm: bool = False,
+                     vp_stage: int | None = None):
+    """The layer spec, or for the torch specs the whole block's (its layers and the final norm: Megatron
+    would build that one with its own torch norm, which refuses sequence parallelism)."""
+    layer = build_layer_spec(spec, settings, qk_layernorm=qk_layernorm)
+    if spec == "te":
+        return layer
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    count = get_num_layers_to_build(config, vp_stage=vp_stage,
+                                    pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelRMSNorm)
+
+
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm for the hidden states (what megatron-core's WrappedTorchNorm builds), tagged
+    `sequence_parallel` as Megatron's own norms tag theirs: under sequence parallelism each TP rank normalises
+    its part of the sequence, and `finalize_model_grads` sums the norm weights' grads over TP by that tag.
+    A class whose construction returns the module: Megatron's build_module calls classes, not functions."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"normalization={config.normalization!r}: the torch layer specs build RMSNorm only")
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+class HeadRMSNorm:
+    """The q / k norms (per head): they see the whole sequence, so no sequence-parallel tag (Megatron sums
+    their grads over TP by `qk_layernorm` instead: each rank's copy sees its own heads)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"normalization={config.normalization!r}: the torch layer specs build RMSNorm only")
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
 
 
 def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype, device: torch.device,
@@ -398,15 +491,16 @@ def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype
     settings.check_model(hf_config.num_hidden_layers,
                          getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     config, spec = build_transformer_config(hf_config, settings, dtype=dtype, device=device, random_init=random_init)
-    if spec != "te" and (settings.sequence_parallel or settings.cp > 1):  # layer_spec=auto resolved without TE
-        raise ValueError(f"train.megatron.sequence_parallel / cp > 1 need the te layer spec (transformer-engine); "
-                         f"layer_spec resolved to {spec!r}: install transformer-engine or turn them off")
+    if spec == "local" and settings.cp > 1:
+        raise ValueError("train.megatron.cp > 1 needs layer_spec 'sdpa' or 'te': Megatron's local attention refuses "
+                         "context parallelism")
     layout = mn.MegatronLayout.from_hf_config(hf_config, spec="te" if spec == "te" else "local", tp_size=settings.tp,
                                               pp_size=settings.pp * (settings.vpp or 1),
                                               make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(spec, settings, qk_layernorm=layout.qk_layernorm),
+        transformer_layer_spec=build_block_spec(spec, settings, config, qk_layernorm=layout.qk_layernorm,
+                                                vp_stage=vp_stage),
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
@@ -628,11 +722,6 @@ class MegatronBackend:
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.cp_rank = ps.get_context_parallel_rank()
-        if self.settings.cp > 1:
-            # TE's attention expects each cp rank's share of the sequence; splitting the batch (and the loss)
-            # over cp ranks is not built, and feeding every rank the whole sequence would be silently wrong.
-            raise NotImplementedError(f"train.megatron.cp={self.settings.cp}: context parallelism (the sequence split "
-                                      "over cp ranks) is not built yet; set cp=1")
         random_init = hf_state is None
         if self.device.type != "cuda" and resolve_layer_spec(self.settings.layer_spec) != "sdpa":
             raise ValueError("on CPU the megatron backend runs only train.megatron.layer_spec='sdpa' (the local "
@@ -766,6 +855,8 @@ class MegatronBackend:
         """Log-probs / entropy [rows, width - 1] of the real rows and columns of the last stage's logits."""
         n, width = item.n_real, item.width
         seq_first = bool(self._forward_kwargs())
+        if item.cp > 1:
+            return self._context_log_probs(item, logits, seq_first=seq_first, entropy_grad=entropy_grad)
         if item.packed is not None:  # [T, 1, V] / [1, T, V]: every position scores the next packed token
             flat = logits[:-1, 0] if seq_first else logits[0, :-1]
             lp, ent = self._vocab_log_probs(flat, item.tokens[0, 1:], entropy_grad=entropy_grad)
@@ -775,6 +866,27 @@ class MegatronBackend:
         target = target.t() if seq_first else target
         lp, ent = self._vocab_log_probs(logits, target, entropy_grad=entropy_grad)
         return (lp.t(), ent.t()) if seq_first else (lp, ent)
+
+    def _context_log_probs(self, item: ModelInput, logits: torch.Tensor, *, seq_first: bool, entropy_grad: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallel: this rank's positions scored against their next tokens, then every cp rank's values
+        gathered back into sequence order (context_parallel.py: each rank's backward keeps its own positions)."""
+        from megatron.core import parallel_state as ps
+
+        from rollflow.tasks.train.context_parallel import gather_context
+
+        targets = item.cp_targets.t() if seq_first or item.packed is not None else item.cp_targets
+        if item.packed is not None:  # [t, 1, V] / [1, t, V] -> [t, V]
+            logits = logits[:, 0] if seq_first else logits[0]
+            targets = targets[:, 0]
+        lp, ent = self._vocab_log_probs(logits, targets, entropy_grad=entropy_grad)
+        if not seq_first and item.packed is None:  # [b, s] -> [s, b]: the gather runs along dim 0
+            lp, ent = lp.t(), ent.t()
+        group = ps.get_context_parallel_group()
+        lp, ent = (gather_context(x, item.cp_order, group, backward="slice") for x in (lp, ent))
+        if item.packed is not None:
+            return unpack_token_values(lp[:-1], item), unpack_token_values(ent[:-1], item)
+        return lp[: item.width - 1, : item.n_real].t(), ent[: item.width - 1, : item.n_real].t()
 
     def _vocab_log_probs(self, logits: torch.Tensor, target: torch.Tensor, *, entropy_grad: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -792,14 +904,22 @@ class MegatronBackend:
         return lp, ent
 
     def _model_inputs(self, batch: TrainBatch, micros: list[TrainBatch]) -> list[ModelInput]:
-        multiple = self.tp_size if self.settings.sequence_parallel else 1
+        items = self._whole_model_inputs(batch, micros)
+        cp = self.settings.cp
+        return items if cp == 1 else [split_context(item, cp, self.cp_rank) for item in items]
+
+    def _whole_model_inputs(self, batch: TrainBatch, micros: list[TrainBatch]) -> list[ModelInput]:
+        """The micro-batches as the whole model sees them (before a context-parallel split)."""
+        cp = self.settings.cp
+        # Sequence parallel: each cp rank's share a multiple of tp; context parallel: 2 x cp chunks per sequence.
+        multiple = cp * math.lcm(self.tp_size if self.settings.sequence_parallel else 1, 2 if cp > 1 else 1)
         empty = batch.select(slice(0, 0))
         if self.settings.packing == "thd":
             if len(self.chunks) > 1 and len(micros) < self.pp_size:
                 micros = list(micros or [empty]) + [empty] * (self.pp_size - max(len(micros), 1))
             multiple = math.lcm(multiple, self.settings.pack_multiple)
             return packed_model_inputs(micros, width_multiple=multiple, device=self.device, empty=empty,
-                                       same_length=self.pp_size > 1)
+                                       same_length=self.pp_size > 1, row_multiple=2 * cp if cp > 1 else 1)
         if self.pp_size == 1:  # no activations between stages: each micro-batch keeps its own rows and width
             return [item for m in (micros or [empty])
                     for item in model_inputs([m], rows=max(m.size, 1), device=self.device, empty=m,
@@ -904,8 +1024,8 @@ class MegatronBackend:
     def _micro_batches(self, rows: TrainBatch) -> list[TrainBatch]:
         """This rank's rows as micro-batches: by token budget (`max_tokens_per_gpu`) or `micro_batch_size` rows."""
         budget = self.settings.max_tokens_per_gpu
-        if budget is not None:
-            return token_budget_micro_batches(rows, budget, packed=self.settings.packing == "thd")
+        if budget is not None:  # per GPU: a context-parallel group holds cp times as many tokens
+            return token_budget_micro_batches(rows, budget * self.settings.cp, packed=self.settings.packing == "thd")
         size = self.optim_cfg.micro_batch_size
         return [rows.select(slice(i, i + size)) for i in range(0, rows.size, size)]
 

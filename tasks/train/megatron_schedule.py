@@ -56,10 +56,19 @@ class ModelInput:
     packed: Any = None  # PackedRows (THD) when the rows are packed end to end, else None
     row_starts: torch.Tensor | None = None  # packed: [rows] long, each real row's first index (device)
     row_lengths: torch.Tensor | None = None  # packed: [rows] long, each real row's token count (device)
+    # context parallel (`split_context`): `tokens` / `position_ids` are this cp rank's positions only;
+    cp_targets: torch.Tensor | None = None  # the next token of each of those positions, from the whole sequence
+    cp_order: torch.Tensor | None = None  # whole-sequence order of the cp ranks' positions laid end to end
+    cp: int = 1
 
     @property
     def n_real(self) -> int:
         return self.micro.size
+
+    @property
+    def seq_length(self) -> int:
+        """The whole sequence's length (the schedule divides it by cp for the activations' shape)."""
+        return self.tokens.shape[1] * self.cp
 
 
 def trim_width(micro: TrainBatch, width: int) -> TrainBatch:
@@ -124,30 +133,39 @@ def packed_rows_class():
     @dataclasses.dataclass
     class PackedRows(PackedSeqParams):
         bounds: tuple[int, ...] = ()
+        cp_order: Any = None  # context parallel: the keys' gather order (context_parallel.gather_order)
 
     return PackedRows
 
 
 def packed_model_inputs(micros: list[TrainBatch], *, width_multiple: int, device: torch.device,
-                        empty: TrainBatch, same_length: bool) -> list[ModelInput]:
+                        empty: TrainBatch, same_length: bool, row_multiple: int = 1) -> list[ModelInput]:
     """Each micro-batch's real tokens packed end to end into [1, T] (THD), with the row bounds.
 
     `same_length`: every micro-batch gets the same T (pipeline stages exchange fixed-shape activations).
+    `row_multiple`: each row's segment rounded up to a multiple of it (context parallel: 2 x cp), the extra
+    tokens after the row's own (causal attention keeps the real positions' outputs unchanged).
     """
     PackedRows = packed_rows_class()
     micros = micros or [empty]
-    sizes = [int(m.lengths.sum()) for m in micros]
+    segments = [-(-m.lengths.long() // row_multiple) * row_multiple for m in micros]
+    sizes = [int(seg.sum()) for seg in segments]
     common = max(sizes) if same_length else None
     out = []
-    for micro, size in zip(micros, sizes):
+    for micro, size, segment in zip(micros, sizes, segments):
         total = -(-max(common if common is not None else size, 1) // width_multiple) * width_multiple
-        keep = micro.attention_mask.bool()  # right-padded rows: row-major order is the rows end to end
         lengths = micro.lengths.long()
         tokens = torch.zeros((1, total), dtype=torch.long)
         positions = torch.zeros((1, total), dtype=torch.long)
-        tokens[0, :size] = micro.tokens[keep]
-        positions[0, :size] = micro.position_ids[keep]
-        bounds = [0] + torch.cumsum(lengths, dim=0).tolist()
+        bounds = [0] + torch.cumsum(segment, dim=0).tolist()
+        if row_multiple == 1:
+            keep = micro.attention_mask.bool()  # right-padded rows: row-major order is the rows end to end
+            tokens[0, :size] = micro.tokens[keep]
+            positions[0, :size] = micro.position_ids[keep]
+        else:
+            for row, (start, length, seg) in enumerate(zip(bounds, lengths.tolist(), segment.tolist())):
+                tokens[0, start:start + length] = micro.tokens[row, :length]
+                positions[0, start:start + seg] = torch.arange(seg) + int(micro.position_ids[row, 0])
         if total > size:  # the padding: one more segment, attending only to itself
             positions[0, size:] = torch.arange(total - size)
             bounds.append(total)
@@ -159,6 +177,26 @@ def packed_model_inputs(micros: list[TrainBatch], *, width_multiple: int, device
         out.append(ModelInput(tokens.to(device), positions.to(device), micro, micro.tokens.shape[1], packed,
                               starts.to(device), lengths.to(device)))
     return out
+
+
+def split_context(item: ModelInput, cp: int, rank: int) -> ModelInput:
+    """This cp rank's share of a whole micro-batch (context_parallel.py's layout): its positions' tokens, and
+    the next token of each from the whole sequence (the last position has none; it is never scored). A packed
+    micro-batch keeps the whole sequence's row bounds: attention and RoPE read them."""
+    from rollflow.tasks.train import context_parallel as cpl
+
+    tokens = item.tokens
+    following = torch.cat([tokens[:, 1:], tokens.new_zeros((tokens.shape[0], 1))], dim=1)
+    if item.packed is None:
+        positions, order = cpl.padded_layout(tokens.shape[1], cp, rank)
+        packed = None
+    else:
+        by_rank = [cpl.packed_zigzag_positions(item.packed.bounds, cp, r) for r in range(cp)]
+        positions, order = by_rank[rank], cpl.gather_order(by_rank)
+        packed = dataclasses.replace(item.packed, cp_order=order.to(tokens.device))
+    index, order = positions.to(tokens.device), order.to(tokens.device)
+    return dataclasses.replace(item, tokens=tokens[:, index], position_ids=item.position_ids[:, index],
+                               packed=packed, cp_targets=following[:, index], cp_order=order, cp=cp)
 
 
 def unpack_token_values(values: torch.Tensor, item: ModelInput) -> torch.Tensor:
@@ -195,7 +233,7 @@ def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
 
         return output, loss_func
 
-    rows, width = inputs[0].tokens.shape
+    rows, width = inputs[0].tokens.shape[0], inputs[0].seq_length
     # Interleaved stages: one iterator per model chunk, each over the same micro-batches.
     data = iter(inputs) if len(model_chunks) == 1 else [iter(inputs) for _ in model_chunks]
     return get_forward_backward_func()(

@@ -162,7 +162,7 @@ class MegatronSettings(_Strict):
     # Parallel layout: data parallel = world / (tp * pp * cp) (`data_parallel_size`).
     tp: int = Field(1, ge=1, description="tensor-parallel size (divides the KV heads and the FFN width)")
     pp: int = Field(1, ge=1, description="pipeline-parallel size (stages; divides the layers)")
-    cp: int = Field(1, ge=1, description="context-parallel size (needs the te layer spec's attention)")
+    cp: int = Field(1, ge=1, description="context-parallel size: each sequence split over cp ranks (sdpa or te spec)")
     vpp: Optional[int] = Field(None, ge=2, description="virtual pipeline stages per rank (interleaved 1F1B); pp > 1")
     sequence_parallel: bool = Field(False, description="shard norms / dropout activations over the TP group; tp > 1")
     recompute_granularity: Optional[Literal["full", "selective"]] = Field(
@@ -193,13 +193,10 @@ class MegatronSettings(_Strict):
             raise ValueError("train.megatron.sequence_parallel=true needs train.megatron.tp > 1; set it false at tp=1")
         if self.vpp is not None and self.pp == 1:
             raise ValueError(f"train.megatron.vpp={self.vpp} needs train.megatron.pp > 1; unset vpp")
-        if self.sequence_parallel and self.layer_spec in ("sdpa", "local"):
-            raise ValueError(f"train.megatron.sequence_parallel=true needs the te layer spec: megatron-core's torch "
-                             f"norms (layer_spec={self.layer_spec!r}) refuse sequence parallelism; set "
-                             "sequence_parallel=false or layer_spec=te")
-        if self.cp > 1 and self.layer_spec in ("sdpa", "local"):
-            raise ValueError(f"train.megatron.cp={self.cp} needs the te layer spec (TE attention splits the sequence "
-                             f"over cp ranks); layer_spec={self.layer_spec!r} cannot: set cp=1 or layer_spec=te")
+        if self.cp > 1 and self.layer_spec == "local":
+            raise ValueError(f"train.megatron.cp={self.cp} needs an attention that sees the other cp ranks' keys: "
+                             "layer_spec 'sdpa' (all-gathered keys / values) or 'te'; Megatron's local attention "
+                             "refuses it. Set layer_spec=sdpa or cp=1")
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
             raise ValueError("train.megatron.recompute_method / recompute_num_layers apply to "
                              "recompute_granularity='full' only; set recompute_granularity=full or unset them")
