@@ -187,7 +187,14 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
                     be.save_distributed(ckpt)
                     be.train(ref["batch"], _algo())
                     results["ckpt_tp2_step2"] = be.named_weights()
+                if kind == "llama" and name == "cp2_mb4":  # saved at CP=2 (two replicas of every shard)
+                    be.save_distributed(os.path.join(out_dir, "ckpt_cp2"))
                 parallel_state.destroy_model_parallel()
+        if ("llama", "cp2_mb4") in results:  # the CP=2 checkpoint at DP=2
+            be = backend(refs["llama"], 1, 1, 1)
+            be.load_distributed(os.path.join(out_dir, "ckpt_cp2"))
+            results["ckpt_cp2_loaded_at_dp2"] = be.named_weights()
+            parallel_state.destroy_model_parallel()
         # Loaded at TP=1 (DP=2): the weights, then a second step that needs the resharded optimizer state.
         be = backend(refs["llama"], 1, 1, 1)
         be.load_distributed(ckpt)
@@ -292,6 +299,8 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(parallel_run):
     for key, expected in saved.items():
         assert torch.equal(results["ckpt_tp1_loaded"][key], expected), key
         assert torch.equal(results["ckpt_pp2_loaded"][key], expected), key
+    for key, expected in results[("llama", "cp2_mb4")]["weights"].items():  # saved at CP=2, loaded at DP=2
+        assert torch.equal(results["ckpt_cp2_loaded_at_dp2"][key], expected), key
     # No commit marker: not a checkpoint. A committed checkpoint is never overwritten.
     assert results["ckpt_refusals"] == ["FileNotFoundError", "FileExistsError"]
     # The second step from the loaded state (Adam moments resharded from TP=2 to TP=1) equals the TP=2 run's.
