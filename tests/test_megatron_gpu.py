@@ -323,6 +323,38 @@ def test_packed_rope_equals_megatrons_per_row_rope():
 
 
 @needs_megatron
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_packed_rope_under_context_parallel_equals_megatrons(cp_rank):
+    """The same at cp = 2: each rank holds chunks rank and 3 - rank of every row (the whole rows' bounds in
+    `cu`), against megatron-core's own context-parallel thd RoPE."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    from rollflow.tasks.train.fused_ops import rope_thd
+
+    class _Rank:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return cp_rank
+
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 8, 12, 24, 28], dtype=torch.int32)  # every row a multiple of 2 x cp
+    h, d = 2, 8
+    t = torch.randn(14, h, d, dtype=torch.float64, requires_grad=True)  # this rank's half of 28 tokens
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = torch.outer(torch.arange(12, dtype=torch.float64), inv)
+    freqs = torch.cat((freqs, freqs), -1)[:, None, None, :]
+    out = rope_thd(t, cu, freqs, cp_size=2, cp_rank=cp_rank)
+    ref = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=_Rank())
+    assert torch.allclose(out, ref)
+    w = torch.randn_like(out)
+    (g,) = torch.autograd.grad((out * w).sum(), t)
+    (ref_g,) = torch.autograd.grad((ref * w).sum(), t)
+    assert torch.allclose(g, ref_g)
+
+
+@needs_megatron
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_varlen_attention_equals_per_row_sdpa_in_bf16():
     """The packed layout's one variable-length flash call against one causal SDPA per row (bf16, GQA, rows of

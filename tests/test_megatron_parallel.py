@@ -40,7 +40,9 @@ LAYOUTS = {
               ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}), ("pp2_packed_mb4", 1, 2, 4, {"packing": "thd"}),
               ("dp2_packed_tokens60", 1, 1, 1, {"packing": "thd", "max_tokens_per_gpu": 60}),
               # context parallel: each sequence split over 2 ranks (zigzag chunks), keys / values all-gathered
-              ("cp2_mb4", 1, 1, 4, {"cp": 2}), ("cp2_packed_mb4", 1, 1, 4, {"cp": 2, "packing": "thd"}),
+              # with the compiled RoPE hooks (the CUDA default; rope_thd finds each rank's positions itself)
+              ("cp2_mb4", 1, 1, 4, {"cp": 2, "rope_fusion": "compiled"}),
+              ("cp2_packed_mb4", 1, 1, 4, {"cp": 2, "packing": "thd", "rope_fusion": "compiled"}),
               ("cp2_packed_tokens30", 1, 1, 1, {"cp": 2, "packing": "thd", "max_tokens_per_gpu": 30}),
               # sequence parallel: norms on each TP rank's part of the sequence, their grads summed over TP
               ("tp2_sp_mb4", 2, 1, 4, {"sequence_parallel": True}),

@@ -176,14 +176,21 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     Each token's position is found on the device (its row from `cu_seqlens` by searchsorted), so nothing is
     read back to the host; megatron-core's own thd RoPE splits the rows with `.tolist()` / `.item()` in every
     layer, two device syncs per call. Then the same compiled rotation as `rope_sbhd`.
+
+    Context parallel (cp_size > 1): `cu_seqlens` are the whole rows' bounds and `t` holds this rank's 1 / cp of
+    each row, its chunks cp_rank and 2cp-1-cp_rank (context_parallel.py), as megatron-core's thd RoPE assumes.
     """
-    if cp_size != 1:
-        raise NotImplementedError("rope_thd: context parallelism is not supported")
     if interleaved:
         raise NotImplementedError("rope_thd: interleaved RoPE is not implemented")
+    local = torch.div(cu_seqlens, cp_size, rounding_mode="floor")
     index = torch.arange(t.shape[0], device=t.device, dtype=cu_seqlens.dtype)
-    row = torch.searchsorted(cu_seqlens[1:], index, right=True)
-    positions = (index - cu_seqlens[row]).long()
+    row = torch.searchsorted(local[1:], index, right=True)
+    positions = (index - local[row]).long()
+    if cp_size > 1:
+        chunk = torch.div(cu_seqlens[row + 1] - cu_seqlens[row], 2 * cp_size, rounding_mode="floor").long()
+        first = positions < chunk
+        positions = torch.where(first, cp_rank * chunk + positions,
+                                (2 * cp_size - 1 - cp_rank) * chunk + positions - chunk)
     return _RoPE.apply(t.unsqueeze(1), freqs[positions]).squeeze(1)
 
 
