@@ -152,13 +152,15 @@ class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
         ctx.save_for_backward(freqs)
-        return _compiled_rope()(t, freqs, 1.0)
+        # detached: the compiled function guards on requires_grad, and scoring (no grad) next to training (grad)
+        # recompiled it until dynamo's recompile limit sent RoPE back to eager (seen on the H200)
+        return _compiled_rope()(t.detach(), freqs.detach(), 1.0)
 
     @staticmethod
     def backward(ctx, grad):
         (freqs,) = ctx.saved_tensors
         # RoPE is a rotation: its transpose is the rotation by -angle.
-        return _compiled_rope()(grad.contiguous(), freqs, -1.0), None
+        return _compiled_rope()(grad.contiguous().detach(), freqs.detach(), -1.0), None
 
 
 def rope_sbhd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
@@ -182,8 +184,18 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     """
     if interleaved:
         raise NotImplementedError("rope_thd: interleaved RoPE is not implemented")
+    return _RoPE.apply(t.unsqueeze(1), freqs[_thd_positions(cu_seqlens, t.shape[0], cp_size, cp_rank)]).squeeze(1)
+
+
+def _thd_positions(cu_seqlens: torch.Tensor, n: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Each packed token's position in its row, computed once per micro-batch: every layer's q and k come with the
+    same `cu_seqlens` tensor (2 x layers calls), so the result is kept on that tensor object and dies with it."""
+    key = (n, cp_size, cp_rank)
+    cached = getattr(cu_seqlens, "_rollflow_rope_positions", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     local = torch.div(cu_seqlens, cp_size, rounding_mode="floor")
-    index = torch.arange(t.shape[0], device=t.device, dtype=cu_seqlens.dtype)
+    index = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     row = torch.searchsorted(local[1:], index, right=True)
     positions = (index - local[row]).long()
     if cp_size > 1:
@@ -191,7 +203,8 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
         first = positions < chunk
         positions = torch.where(first, cp_rank * chunk + positions,
                                 (2 * cp_size - 1 - cp_rank) * chunk + positions - chunk)
-    return _RoPE.apply(t.unsqueeze(1), freqs[positions]).squeeze(1)
+    cu_seqlens._rollflow_rope_positions = (key, positions)
+    return positions
 
 
 def install_rope_fusion() -> None:
