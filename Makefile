@@ -25,11 +25,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/rollflow demo
 
+# Whole files per worker (module fixtures such as a Prefect worker or a 2-rank megatron run are built once);
+# 3 workers on 2 cores: the end-to-end tests mostly wait on Prefect, Ray and subprocesses.
+TEST_WORKERS ?= 3
+
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: setup
 	$(PY) -m benchmarks

@@ -17,6 +17,17 @@ PREFECT_OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": 
                    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with the most `slow` (end-to-end) tests first, the rest in their usual order. `make test` hands
+    whole files to pytest-xdist workers in this order: the long files then start at once instead of one of them
+    starting last and running alone at the end."""
+    slow: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::", 1)[0]])  # stable: order within a file is kept
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_process_group_between_modules():
     """In-process Megatron backends join a one-process torch.distributed group (and Megatron's groups) in the

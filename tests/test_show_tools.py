@@ -34,7 +34,8 @@ def app():
 
 
 def invoke(app, *args: str):
-    return CliRunner().invoke(app, list(args))
+    # a fixed width: rich sizes tables to the terminal, which differs between a shell, CI and pytest-xdist workers
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "160"})
 
 
 def sample(group: int, index: int, response_tokens: list[int], reward, status=Status.COMPLETED, *,
