@@ -235,12 +235,18 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
 
                 self._kernel = [getattr(SDPBackend, _SDPA_BACKENDS[n]) for n in backends]
 
-        def _sdpa(self, q, k, v):
-            """Causal SDPA of [b, np, s, hn] q and [b, ng, s, hn] k / v."""
+        @staticmethod
+        def _expand_kv(q, k, v):
+            """GQA: the kv heads repeated to the query heads (portable across SDPA kernels)."""
             heads = q.shape[1]
-            if k.shape[1] != heads:  # GQA: repeat the kv heads (portable across SDPA kernels)
+            if k.shape[1] != heads:
                 k = k.repeat_interleave(heads // k.shape[1], dim=1)
                 v = v.repeat_interleave(heads // v.shape[1], dim=1)
+            return k, v
+
+        def _sdpa(self, q, k, v):
+            """Causal SDPA of [b, np, s, hn] q and [b, ng, s, hn] k / v."""
+            k, v = self._expand_kv(q, k, v)
             ctx = contextlib.nullcontext()
             if self._kernel is not None and q.is_cuda:
                 from torch.nn.attention import sdpa_kernel
@@ -253,10 +259,7 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
 
         def _attend(self, q, k, v, mask):
             """SDPA of [b, np, sq, hn] q and [b, ng, sk, hn] k / v under `mask` (a torch attention bias)."""
-            heads = q.shape[1]
-            if k.shape[1] != heads:
-                k = k.repeat_interleave(heads // k.shape[1], dim=1)
-                v = v.repeat_interleave(heads // v.shape[1], dim=1)
+            k, v = self._expand_kv(q, k, v)
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale)
 
@@ -278,7 +281,7 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
             if packed_seq_params is None:
                 s_local, b, heads, dim = query.shape
                 _positions, order = cpl.padded_layout(s_local * cp, cp, rank)
-                k, v = (cpl.gather_context(x, order, group) for x in (key, value))
+                k, v = cpl.gather_context(torch.stack((key, value), dim=-1), order, group).unbind(-1)
                 out = cpl.chunk_attention(self._attend, query.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
                                           v.permute(1, 2, 0, 3), cp=cp, rank=rank)
                 return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * dim)
@@ -286,7 +289,7 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                 raise ValueError(f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r}; only 'thd'")
             bounds = packed_seq_params.bounds
             order = packed_seq_params.cp_order
-            k, v = (cpl.gather_context(x, order, group) for x in (key, value))
+            k, v = cpl.gather_context(torch.stack((key, value), dim=-1), order, group).unbind(-1)
             mine = cpl.local_bounds(bounds, cp)
             t, heads, dim = query.shape
             pieces = []
@@ -463,9 +466,7 @@ class SequenceParallelRMSNorm:
     A class whose construction returns the module: Megatron's build_module calls classes, not functions."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
-        if config.normalization != "RMSNorm":
-            raise ValueError(f"normalization={config.normalization!r}: the torch layer specs build RMSNorm only")
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm = HeadRMSNorm(config, hidden_size, eps)
         norm.weight.sequence_parallel = bool(config.sequence_parallel)
         return norm
 
@@ -882,8 +883,9 @@ class MegatronBackend:
         lp, ent = self._vocab_log_probs(logits, targets, entropy_grad=entropy_grad)
         if not seq_first and item.packed is None:  # [b, s] -> [s, b]: the gather runs along dim 0
             lp, ent = lp.t(), ent.t()
-        group = ps.get_context_parallel_group()
-        lp, ent = (gather_context(x, item.cp_order, group, backward="slice") for x in (lp, ent))
+        both = gather_context(torch.stack((lp, ent), dim=-1), item.cp_order, ps.get_context_parallel_group(),
+                              backward="slice")
+        lp, ent = both.unbind(-1)
         if item.packed is not None:
             return unpack_token_values(lp[:-1], item), unpack_token_values(ent[:-1], item)
         return lp[: item.width - 1, : item.n_real].t(), ent[: item.width - 1, : item.n_real].t()

@@ -189,12 +189,11 @@ def split_context(item: ModelInput, cp: int, rank: int) -> ModelInput:
     following = torch.cat([tokens[:, 1:], tokens.new_zeros((tokens.shape[0], 1))], dim=1)
     if item.packed is None:
         positions, order = cpl.padded_layout(tokens.shape[1], cp, rank)
-        packed = None
     else:
         by_rank = [cpl.packed_zigzag_positions(item.packed.bounds, cp, r) for r in range(cp)]
         positions, order = by_rank[rank], cpl.gather_order(by_rank)
-        packed = dataclasses.replace(item.packed, cp_order=order.to(tokens.device))
     index, order = positions.to(tokens.device), order.to(tokens.device)
+    packed = None if item.packed is None else dataclasses.replace(item.packed, cp_order=order)
     return dataclasses.replace(item, tokens=tokens[:, index], position_ids=item.position_ids[:, index],
                                packed=packed, cp_targets=following[:, index], cp_order=order, cp=cp)
 
