@@ -10,7 +10,7 @@ export DO_NOT_TRACK = 1
 export RAY_AUTH_MODE = disabled
 export RAY_USAGE_STATS_ENABLED = 0
 
-.PHONY: setup demo test test-fast gpu-check bench clean-runs server-stop
+.PHONY: setup demo lint fmt test test-fast gpu-check bench clean-runs server-stop
 
 setup: $(VENV)/.installed
 
@@ -29,7 +29,16 @@ demo: setup
 # 3 workers on 2 cores: the end-to-end tests mostly wait on Prefect, Ray and subprocesses.
 TEST_WORKERS ?= 3
 
-test: setup
+# Style gate (pyproject.toml [tool.ruff]): a lint or formatting violation fails `make test` before pytest runs.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Apply the formatter and ruff's safe fixes; what remains is listed by `make lint`.
+fmt: setup
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup

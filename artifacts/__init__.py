@@ -1,6 +1,6 @@
 """Rollout artifacts: the `Sample` data contract, its parquet codec and the fsspec store.
 
-Importable without torch, Prefect, Ray or transformers (DESIGN.md section 1). Names load lazily, so
+Importable without torch, Prefect, Ray or transformers (docs/architecture.md section 3). Names load lazily, so
 `from rollflow.artifacts.sample import Sample` on a GPU box needs neither pyarrow nor fsspec.
 """
 

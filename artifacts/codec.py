@@ -1,7 +1,7 @@
 """Sample columns <-> parquet, through pyarrow's native reader and writer.
 
 One row per sample, plain columns only (token ids as list columns, free-form values as JSON text),
-so pandas/duckdb read the file without rollflow and nothing is ever unpickled (DESIGN.md section 2).
+so pandas/duckdb read the file without rollflow and nothing is ever unpickled (docs/architecture.md section 5.3).
 The per-token columns go between Arrow buffers and parquet pages in C++; Python touches rows only
 for the small JSON fields, and only when `Sample` objects are asked for.
 

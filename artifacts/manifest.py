@@ -2,7 +2,7 @@
 
 It records what was produced (run, split, rollout id, sample counts), by what (rollflow version and
 git sha, engine backend/model/weight version, config hash) and the sha256 + size of every payload
-file, so a load can prove it reads exactly what was written (DESIGN.md section 2).
+file, so a load can prove it reads exactly what was written (docs/architecture.md section 5.2).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The `Sample`: one prompt + one response, the unit every artifact stores.
 
-Field names follow slime's `Sample` so its debug dumps import losslessly (DESIGN.md section 2).
+Field names follow slime's `Sample` so its debug dumps import losslessly (docs/architecture.md section 5.1).
 """
 
 from __future__ import annotations

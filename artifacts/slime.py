@@ -42,8 +42,11 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
+from .codec import samples_to_parquet_bytes
 from .errors import ArtifactError, ArtifactNotFound, ArtifactSchemaError
+from .manifest import EngineInfo
 from .sample import Sample, Status
+from .store import ArtifactRef
 
 SPLITS = ("train", "eval")
 EVAL_PREFIX = "eval_"
@@ -404,8 +407,6 @@ SOURCE_SHA_KEY = "source_sha256"
 
 
 def _payload_sha(samples: Sequence[Sample]) -> str:
-    from .codec import samples_to_parquet_bytes
-
     return hashlib.sha256(samples_to_parquet_bytes(list(samples))).hexdigest()
 
 
@@ -432,9 +433,6 @@ def import_slime_into_store(
     manifest's engine info (its weight version is the samples' latest).
     """
     from collections import Counter
-
-    from .manifest import EngineInfo
-    from .store import ArtifactRef
 
     data = read_pt_bytes(source, storage_options)
     digest = hashlib.sha256(data).hexdigest()

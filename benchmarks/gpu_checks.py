@@ -100,7 +100,7 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
 
 
 def check_log_prob_parity(results: dict, specs: list[str]) -> None:
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = llama_config()
     samples = fixed_samples(config.vocab_size)
@@ -135,7 +135,7 @@ def check_log_prob_parity(results: dict, specs: list[str]) -> None:
 def check_train_step(results: dict, optimizers: list[str], spec: str) -> None:
     from transformers import LlamaForCausalLM
 
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = llama_config(layers=4)
     samples = fixed_samples(config.vocab_size, n=16)
@@ -210,7 +210,7 @@ def torch_backend_reference(results: dict) -> None:
 
 
 def environment() -> dict:
-    from rollflow.tasks.train.megatron_backend import have_transformer_engine, megatron_version
+    from rollflow.tasks.train.megatron.process import have_transformer_engine, megatron_version
 
     import transformers
 

@@ -22,7 +22,8 @@ from benchmarks import megatron_scale  # noqa: E402
 
 def main() -> None:
     from rollflow.tasks.train.data_parallel import DataParallel
-    from rollflow.tasks.train.megatron_backend import MegatronBackend, destroy_parallel_state
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
+    from rollflow.tasks.train.megatron.process import destroy_parallel_state
     from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
     torch.cuda.set_device(0)

@@ -114,7 +114,8 @@ def _matmul_rate(device) -> float:
 
 def _rank(rank: int, world: int, port: int, args) -> None:
     from rollflow.tasks.train.data_parallel import DataParallel
-    from rollflow.tasks.train.megatron_backend import MegatronBackend, destroy_parallel_state
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
+    from rollflow.tasks.train.megatron.process import destroy_parallel_state
     from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
     cuda = args.device == "cuda"

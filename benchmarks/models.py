@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-# Qwen2 shapes. `qwen2-0.5b` is Qwen2-0.5B's architecture (DESIGN.md section 8 measured it on the H200).
+# Qwen2 shapes. `qwen2-0.5b` is Qwen2-0.5B's architecture (docs/performance.md measures it on the H200).
 SHAPES: dict[str, dict[str, Any]] = {
     "cpu-tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4, vocab_size=512),

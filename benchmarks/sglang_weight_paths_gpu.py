@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollflow.tasks.rollout.sglang_engine import serialize_named_tensors, torch_dtype_name  # noqa: E402
+from rollflow.tasks.rollout.sglang.payloads import serialize_named_tensors, torch_dtype_name  # noqa: E402
 from rollflow.tasks.sync.weight_group import init_weight_group  # noqa: E402
 
 

@@ -83,7 +83,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         candidates["hf engine (dynamic cache)"] = (engine_fn(dyn), 0)  # same shapes as the baseline's warm-up
         candidates["generate (static cache)"] = (plain("static"), 1)
     if importlib.util.find_spec("sglang") is None:
-        res.unavailable["sglang engine"] = "sglang is not installed (CUDA-only wheels; DESIGN.md section 8)"
+        res.unavailable["sglang engine"] = "sglang is not installed (CUDA-only wheels; docs/sglang.md)"
 
     warmups: dict[str, list[float]] = {}
     for name, (fn, warm) in candidates.items():

@@ -72,7 +72,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                 backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device=ctx.device,
                                              max_positions=max(4096, seq)), optim)
             else:
-                from rollflow.tasks.train.megatron_backend import build_megatron_backend
+                from rollflow.tasks.train.megatron.backend import build_megatron_backend
 
                 model_dir = save_model_dir(qwen2(p["shape"], dtype="float32", max_positions=max(4096, seq)),
                                            ctx.workdir / "train-model")

@@ -130,7 +130,7 @@ FALLBACKS: list[str] = []
 
 
 def build_megatron(shape: dict, **settings):
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     try:
         be = MegatronBackend(llama_config(shape), None, optim("megatron", **settings), keep_ref=False)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     if args.small:
         shape.update(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=256, vocab=1000)
     fl = flops(shape)
-    from rollflow.tasks.train.megatron_backend import megatron_version
+    from rollflow.tasks.train.megatron.process import megatron_version
 
     import transformers
 

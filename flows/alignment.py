@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import posixpath
-import time
 from typing import Any, Callable, Optional
 from uuid import UUID
 
@@ -22,14 +21,18 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
-from rollflow.flows.cancellation import watch_cancellation
+from rollflow.flows.params import AlignmentParams, params_of
+from rollflow.flows.prefect_ops.cancellation import actors_running
+from rollflow.flows.actor_calls import ActorRunner, stop_and_wait
 from rollflow.flows.config import RunConfig
-from rollflow.flows.naming import flow_run_name, tag_current_run
-from rollflow.flows.run_lock import one_run_at_a_time
+from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
+from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.group import WorkerGroup, connect_ray
-from rollflow.tasks.debug.alignment import WorkerRunner, run_alignment
-from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds
+from rollflow.infra.automations import apply_with_alert
+from rollflow.tasks.debug.alignment import run_alignment
+from rollflow.tasks.debug.checks import AlignmentReport, AlignmentThresholds
 from rollflow.tasks.debug.faults import AlignmentFaults
+from rollflow.flows.repro_gate import run_repro_gate
 
 NIGHTLY = "nightly-alignment"
 NIGHTLY_CRON = "0 2 * * *"
@@ -48,21 +51,6 @@ class AlignmentFailed(RuntimeError):
         return (type(self), (str(self), self.report, self.path))
 
 
-class ActorRunner(WorkerRunner):
-    """Runs a plain function next to a Ray actor's state (`__ray_call__`), tensors stay in the actor."""
-
-    def __init__(self, actor: Any):
-        self.actor = actor  # a Ray actor handle (a client's `.actor`)
-
-    def defer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.actor.__ray_call__.remote(fn, *args, **kwargs)
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        import ray
-
-        return ray.get(self.defer(fn, *args, **kwargs))
-
-
 def alignment_config(cfg: RunConfig) -> RunConfig:
     """The config the check runs under: its own actors (`{run}-align`), one optimizer step per rollout."""
     data = cfg.model_dump()
@@ -70,16 +58,6 @@ def alignment_config(cfg: RunConfig) -> RunConfig:
     data["resume"] = False
     data["train"]["num_steps_per_rollout"] = 1
     return RunConfig.model_validate(data)
-
-
-def _stop_actors(group: WorkerGroup, timeout: float = 30.0) -> None:
-    """Kill the run's actors and wait until their names are free (a reused name would reuse state)."""
-    group.stop_all()
-    deadline = time.monotonic() + timeout
-    while group.any_running():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"actors of run {group.run!r} still registered {timeout:.0f}s after being stopped")
-        time.sleep(0.1)
 
 
 def _phase_as_task(name: str, fn: Callable[[], Any]) -> Any:
@@ -140,40 +118,44 @@ def publish_report(cfg: RunConfig, report: AlignmentReport, json_path: str) -> N
 
 
 @flow(name=FLOW_NAME, flow_run_name=flow_run_name("/align"))
-@one_run_at_a_time(lambda cfg: alignment_config(cfg).run)
-def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
+@one_run_at_a_time(lambda params: alignment_config(params.run_config()).run)
+def alignment_check(params: AlignmentParams, memory_budget_mb: Optional[float] = None,  # type: ignore[valid-type]
                     thresholds: Optional[AlignmentThresholds] = None,
-                    faults: Optional[AlignmentFaults] = None) -> dict:
-    """Precision alignment of engine and trainer (slime's debug.md step 1 / step 2), on fresh actors.
+                    faults: Optional[AlignmentFaults] = None, reproducibility: bool = False) -> dict:
+    """Precision alignment check of engine and trainer (slime's debug.md step 1 / step 2), on fresh actors.
 
-    Fails (after publishing the report) when any check fails. `memory_budget_mb` bounds the largest
-    worker peak (host RSS or CUDA); `faults` injects known failures, to see what they look like.
+    Fails (after publishing the report) when any check fails. `params`: the RunConfig sections it reads, or a
+    whole RunConfig (flows/params.py); `memory_budget_mb` bounds the largest worker peak (host RSS or CUDA);
+    `faults` injects known failures, to see what they look like; `reproducibility` adds the bitwise
+    reproducibility gate and the group-diversity guard (the config run twice in fresh workers: flows/repro_gate.py).
     """
+    cfg = params.run_config()
+    if faults is not None and faults.repro_only and not reproducibility:
+        raise ValueError(f"faults {', '.join(faults.repro_only)} act on the reproducibility gate only: pass "
+                         "reproducibility=True (`rollflow align --repro`)")
     tag_current_run(cfg.run, "align")
     logger = get_run_logger()
     acfg = alignment_config(cfg)
     connect_ray(acfg)
     group = WorkerGroup.for_run(acfg)
-    _stop_actors(group)
+    stop_and_wait(group)
     # The clients are held for the flow's lifetime (a named, non-detached actor ends with its handles).
     # UI cancel of a run no runner watches (a CLI `rollflow align`): stop the actors, end Cancelled.
-    with watch_cancellation(group.stop_all) as watcher:
-        workers: list = []
-        try:
-            workers += [group.start_trainer(None), group.start_engine(None)]
-            trainer, engine = workers
-            report = run_alignment(ActorRunner(engine.actor), ActorRunner(trainer.actor), acfg,
-                                   thresholds=thresholds, memory_budget_mb=memory_budget_mb, faults=faults,
-                                   call_phase=_phase_as_task)
-        except BaseException:
-            if watcher.cancelled:
-                return watcher.cancelled_state()
-            raise
-        finally:
-            _stop_actors(group)
-            workers.clear()
+    workers: list = []
+    with actors_running(group.stop_all, cleanup=lambda: stop_and_wait(group)) as watcher:
+        workers += [group.start_trainer(None), group.start_engine(None)]
+        trainer, engine = workers
+        report = run_alignment(ActorRunner(engine.actor), ActorRunner(trainer.actor), acfg,
+                               thresholds=thresholds, memory_budget_mb=memory_budget_mb, faults=faults,
+                               call_phase=_phase_as_task)
+    workers.clear()
+    if watcher.cancelled:
+        return watcher.cancelled_state()
     report.context["run"] = cfg.run
     report.context["actors"] = acfg.run
+    if reproducibility:
+        reporting.stage("reproducibility")
+        report.checks.extend(run_repro_gate(cfg, faults))
     for check in report.checks:  # one task per check: a failed check is a red task in the UI, not only the flow
         check_task.with_options(name=f"check-{check.name}")(check.to_dict(), return_state=True)
     path = write_report_json(cfg, report)
@@ -190,12 +172,12 @@ def alignment_check(cfg: RunConfig, memory_budget_mb: Optional[float] = None,
 # ---- the nightly deployment ---------------------------------------------------------------------------
 
 def nightly_parameters(cfg: RunConfig | None = None, memory_budget_mb: float | None = None,
-                       thresholds: AlignmentThresholds | None = None) -> dict[str, Any]:
-    """The nightly deployment's parameters: the alignment form (only the sections the check reads)."""
-    from rollflow.flows.deployments import params_of
-
+                       thresholds: AlignmentThresholds | None = None, reproducibility: bool = False) -> dict[str, Any]:
+    """The nightly deployment's parameters: the alignment form (only the sections the check reads);
+    `reproducibility`: the nightly run also runs the bitwise reproducibility gate (twice the config's iterations)."""
     cfg = cfg or RunConfig(run="nightly")
-    params: dict[str, Any] = {"params": params_of(FLOW_NAME, cfg), "memory_budget_mb": memory_budget_mb}
+    params: dict[str, Any] = {"params": params_of(FLOW_NAME, cfg), "memory_budget_mb": memory_budget_mb,
+                              "reproducibility": reproducibility}
     if thresholds is not None:
         params["thresholds"] = thresholds.model_dump(mode="json")
     return params
@@ -205,13 +187,11 @@ def nightly_deployment(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *
                        memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None,
                        timezone: str = "UTC"):
     """The `nightly-alignment` deployment with a cron schedule (a RunnerDeployment): the same one `rollflow
-    worker` serves next to the other flows (flows/deployments.py), so the two commands never disagree."""
+    worker` serves next to the other flows (flows/prefect_ops/deployments.py), so the two commands never disagree."""
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
-    from rollflow.flows.deployments import alignment_check as entry
-
-    return entry.to_deployment(
+    return alignment_check.to_deployment(
         name=NIGHTLY, entrypoint_type=EntrypointType.MODULE_PATH,
         schedules=[Cron(cron, timezone=timezone)],
         parameters=nightly_parameters(cfg, memory_budget_mb, thresholds),
@@ -226,8 +206,6 @@ def serve_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
     """Register the nightly deployment and execute its scheduled runs in this process (blocks)."""
     from prefect import serve
 
-    from rollflow.infra.automations import apply_with_alert
-
     deployment = nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds)
     apply_with_alert(deployment)  # the alert on Failed/Crashed/Late nightly runs exists before any run
     serve(deployment)
@@ -238,7 +216,5 @@ def register_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
     """Register (create or update) the nightly deployment and its schedule with the current API; returns
     its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed).
     Also creates (idempotently) the automation that fires on a Failed, Crashed or Late nightly run."""
-    from rollflow.infra.automations import apply_with_alert
-
     deployment = nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds)
     return apply_with_alert(deployment)[0]

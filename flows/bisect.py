@@ -1,4 +1,4 @@
-"""`ima_bisect`: illegal-memory-access triage as a flow (issue 8; DESIGN.md section 6, "IMA checklist").
+"""`ima_bisect`: illegal-memory-access triage as a flow (issue 8; docs/architecture.md section 9, "IMA checklist").
 
 1. every cell of the toggle matrix (cuda_graph x speculative x deepep) runs the reproducer, a rollout-only
    generation on pinned prompts, as one task; the reproducer runs in its own process with a timeout, so a
@@ -26,7 +26,8 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
-from rollflow.flows.naming import flow_run_name, tag_current_run
+from rollflow.flows.params import BisectParams
+from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.tasks.debug.ima import (
     COREDUMP,
     ERROR,
@@ -100,14 +101,17 @@ def _uri(fs, path: str, local: bool) -> str:
 
 
 @flow(name="ima_bisect", flow_run_name=flow_run_name("/bisect"))
-def ima_bisect(cfg: RunConfig, crash_when: str | None = None, timeout_s: float = 300, coredump: bool = True,
-               fault: str | None = None, parallel: int = 1, rollout_id: int = 0) -> dict:
+def ima_bisect(params: BisectParams, crash_when: str | None = None,  # type: ignore[valid-type]
+               timeout_s: float = 300, coredump: bool = True, fault: str | None = None, parallel: int = 1,
+               rollout_id: int = 0) -> dict:
     """Illegal-memory-access triage: toggle matrix, launch-blocking rerun, core-dump rerun, one table.
 
+    `params`: the RunConfig sections it reads, or a whole RunConfig (flows/params.py).
     `crash_when` (debug switch, e.g. 'cuda_graph=on,speculative=on') arms a fault in the reproducer's decode
     step in matching cells only (`fault`: abort | raise on CPU, triton_oob | device_assert on CUDA; default
     by device). `parallel` cells run at once (mind GPU memory with a real model).
     """
+    cfg = params.run_config()
     tag_current_run(cfg.run, "bisect")
     log = get_run_logger()
     if crash_when is not None:

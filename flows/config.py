@@ -12,10 +12,13 @@ from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator,
 )
 
+from rollflow.artifacts.store import validate_run
 from rollflow.infra.placement import ResourcesConfig, plan_placement
 from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.rollout.pipeline_settings import PipelineConfig
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+from rollflow.tasks.rollout.sglang.config import colocated_mem_fraction
+from rollflow.tasks.rollout.sglang.from_config import engine_dtype
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 
@@ -52,6 +55,9 @@ class StoreConfig(_Strict):
         None, description="Prefect result storage of cached task results (replay steps): a local path, or a saved "
                           "Prefect filesystem block as 'type/name' (e.g. remote-file-system/rollflow-s3 with basepath "
                           "s3://bucket/results) so workers on other machines reuse them; default: Prefect's own")
+    shared_filesystem: bool = Field(
+        False, description="a local store.root that every Ray node mounts at the same path (NFS, Lustre); without it "
+                            "a local root is refused on a Ray cluster of more than one node (docs/cluster.md)")
 
     @field_validator("root")
     @classmethod
@@ -84,6 +90,14 @@ class DebugConfig(_Strict):
         False, description="SGLang engines, at startup: snapshot the engine's weights, randomise them, sync the "
                            "trainer's, and require every tensor back bit for bit (the whole name mapping, fusing "
                            "and sharding checked at once)")
+    serve_stale: bool = Field(
+        False, description="fault drill (hf engine): the engine takes every weight update, so checksum parity "
+                           "passes, but keeps generating from its starting weights; the post-sync probe "
+                           "(watchdog.probe_every) must fail the sync (docs/checks.md; off by default)")
+    slow_train_s: float = Field(
+        0.0, ge=0, description="fault drill (stall deadlines): every train call first spends this many seconds "
+                               "ticking its progress counter, a slow call the watchdog must leave alone, long "
+                               "enough that a SIGSTOP of the trainer lands inside it (docs/checks.md; 0 = off)")
 
     @field_validator("save_debug_rollout_data", "load_debug_rollout_data")
     @classmethod
@@ -98,6 +112,49 @@ class DebugConfig(_Strict):
     @classmethod
     def _dump_no_credentials(cls, value: Optional[str]) -> Optional[str]:
         return reject_credentials(value, "debug.dump_details")
+
+
+class WatchdogConfig(_Strict):
+    """Checks a run makes on itself while it runs (docs/checks.md): stall deadlines, a probe after every
+    weight sync, the trend of the train/rollout log-prob mismatch."""
+
+    stall_s: float = Field(
+        600.0, ge=0, description="seconds an actor call may go without progress (tokens generated, micro-batches "
+                                 "trained, buckets sent) before the task is failed with every actor's stacks "
+                                 "captured; 0 turns the deadline off")
+    probe_every: int = Field(
+        1, ge=0, description="after every k-th weight sync the engine and the trainer score the same probe "
+                             "sequences and their log-probs must agree (0 = off)")
+    probe_prompts: int = Field(4, ge=1, description="probe sequences: the first k prompts of train rollout 0")
+    probe_tokens: int = Field(16, ge=1, description="tokens each probe sequence continues for (at most "
+                                                    "rollout.max_new_tokens), sampled with a fixed seed")
+    probe_max_diff_fp32: float = Field(
+        1e-3, gt=0, description="largest mean |engine - trainer| probe log-prob when both sides are fp32 (or fp64): "
+                                "generation vs teacher-forced numerics differ by ~1e-5 (docs/checks.md)")
+    probe_max_diff_bf16: float = Field(
+        5e-2, gt=0, description="the same bound when either side is bf16; a default awaiting an H200 measurement "
+                                "(docs/checks.md)")
+    trend_window: int = Field(
+        8, ge=0, description="iterations over which the slope of train/train_rollout_logprob_abs_diff is fitted "
+                             "(0 = off; checked once the window is full)")
+    trend_warn_slope: float = Field(
+        5e-4, gt=0, description="slope (per iteration) of the mismatch above which a warning event is emitted")
+    trend_fail_slope: float = Field(
+        2e-3, gt=0, description="slope (per iteration) of the mismatch above which the trend check fails the run")
+
+    @field_validator("trend_window")
+    @classmethod
+    def _window(cls, value: int) -> int:
+        if value in (1, 2):
+            raise ValueError(f"watchdog.trend_window={value}: a slope needs at least 3 iterations (0 turns it off)")
+        return value
+
+    @model_validator(mode="after")
+    def _trend_bounds(self) -> "WatchdogConfig":
+        if self.trend_fail_slope < self.trend_warn_slope:
+            raise ValueError(f"watchdog.trend_fail_slope={self.trend_fail_slope:g} is below watchdog.trend_warn_slope="
+                             f"{self.trend_warn_slope:g}: the failure bound must be the higher one")
+        return self
 
 
 TRACKING_BACKENDS = ("tensorboard", "mlflow", "wandb")
@@ -164,6 +221,8 @@ class RunConfig(_Strict):
     debug: DebugConfig = DebugConfig()
     tracking: TrackingConfig = Field(default_factory=TrackingConfig,
                                      description="TensorBoard / MLflow / W&B logging of the metrics (off by default)")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig,
+                                     description="stall deadlines and post-sync probes (docs/checks.md)")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
                                      description="off-policy pipelining: async (one-step-off) training, partial "
                                                  "rollouts, dynamic sampling (docs/async.md)")
@@ -173,8 +232,6 @@ class RunConfig(_Strict):
     @classmethod
     def _run_name(cls, value: str) -> str:
         # One rule for run names: the store's (it names folders under the root, and actors).
-        from rollflow.artifacts.store import validate_run  # lazily: pyarrow + fsspec
-
         return validate_run(value)
 
     @model_validator(mode="wrap")
@@ -322,9 +379,7 @@ class RunConfig(_Strict):
 
 def _sglang_dtype_and_memory(cfg: RunConfig) -> None:
     """SGLang engines' dtype (bf16 unless set) and, colocated, their static memory share (tasks/rollout/
-    sglang_config.py says why)."""
-    from rollflow.tasks.rollout.sglang_config import colocated_mem_fraction, engine_dtype
-
+    sglang/config.py says why)."""
     sg = cfg.rollout.sglang
     if sg.dtype is None:
         sg.dtype = engine_dtype(cfg.rollout)

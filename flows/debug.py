@@ -1,4 +1,4 @@
-"""Debug flows: the worker group with parts missing (DESIGN.md sections 3 and 6).
+"""Debug flows: the worker group with parts missing (docs/architecture.md sections 6.6 and 9).
 
 - `rollout_only`: engines only; no trainer is ever created; weights are the model's or a checkpoint's.
 - `replay_train`: trainer only; inputs are artifacts pinned by rollout id (or slime `.pt` dumps);
@@ -15,45 +15,54 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.sample import Status
+from rollflow.artifacts.slime import check_token_ids, discover_template_ids, expand_template, import_slime_into_store
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting, tracking
-from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
+from rollflow.flows.params import ReplayParams, RolloutParams
+from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.config import RunConfig
-from rollflow.flows.run_lock import one_run_at_a_time
+from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
-from rollflow.flows.naming import flow_run_name, tag_current_run
-from rollflow.flows.preflight import parse_ids  # noqa: F401 - re-exported
+from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
+from rollflow.flows.preflight import model_vocab_size, parse_ids  # noqa: F401 - parse_ids re-exported
+from rollflow.tasks.rollout.evaluation import eval_summary
 from rollflow.tasks.train.checkpoint import state_exists
 
 
 @flow(name="rollout_only", flow_run_name=flow_run_name("/rollout"), on_failure=[stop_actors_hook],
       on_crashed=[stop_actors_hook])
 @one_run_at_a_time()
-def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoint: int | None = None) -> dict:
-    """Generate, score and persist rollouts with engines only (`--debug-rollout-only`)."""
+def rollout_only(params: RolloutParams, rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
+                 checkpoint: int | None = None, save_debug_rollout_data: str | None = None) -> dict:
+    """Rollout only (slime --debug-rollout-only): engines generate and persist artifacts, no trainer.
+
+    `params`: the RunConfig sections it reads, or a whole RunConfig (flows/params.py);
+    `save_debug_rollout_data`: also export slime `.pt` files (a template with {rollout_id})."""
+    cfg = params.run_config(mode="rollout_only", save_debug_rollout_data=save_debug_rollout_data)
+    store = RolloutStore(cfg.store.root)  # one per flow run
     tag_current_run(cfg.run, "rollout")
     log = get_run_logger()
     for notice in cfg.notices:
         log.warning(notice)
     connect_ray(cfg)
-    RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
+    store.check_access()  # endpoint / credentials / bucket: fail before any actor
     ids = rollout_ids if rollout_ids is not None else list(range(cfg.iterations))
     tracker = tracking.start(cfg, "rollout_only", suffix="-rollout")  # a new tracking run per call; step = rollout id
     group = WorkerGroup.for_run(cfg)  # engines only: no trainer
     group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
     # UI cancel of a run no runner watches (a CLI `rollflow rollout`): stop the engines, end Cancelled.
-    watcher = CancellationWatcher(current_flow_run_id(), group.stop_all).start()
-    try:
+    # The tracker closes first, as failed on any error (a cancel included).
+    with actors_running(group.stop_all) as watcher, tracker:
         engine = group.start_engine(checkpoint)
         out: dict = {"run": cfg.run, "rollouts": {}, "weight_version": engine.weight_version()}
         for rollout_id in ids:
             reporting.stage("start", rollout_id)
-            ref = committed_or_generate(cfg, rollout_id, weight_version=checkpoint or 0)
-            side_exports(cfg, ref)
-            row: dict = {"uri": ArtifactRef.from_dict(ref).uri}
-            samples = RolloutStore(cfg.store.root).load_uri(row["uri"]).samples
+            ref = committed_or_generate(cfg, store, rollout_id, weight_version=checkpoint or 0)
+            side_exports(cfg, store, ref)
+            row: dict = {"uri": ref.uri}
+            samples = store.load_uri(row["uri"]).samples
             row["raw_reward"] = sum(s.scalar_reward(cfg.rollout.reward_key) for s in samples) / len(samples)
             # the rollout/* keys rl_train logs for the same rollout (tasks/train/step.py), so runs compare
             rollout = {"rollout/raw_reward": row["raw_reward"],
@@ -61,40 +70,30 @@ def rollout_only(cfg: RunConfig, rollout_ids: list[int] | None = None, checkpoin
                        "rollout/truncated_ratio": sum(Status.parse(s.status) is Status.TRUNCATED for s in samples) / len(samples),
                        "rollout/n_samples": float(len(samples))}
             if cfg.eval_every and rollout_id % cfg.eval_every == 0:
-                row.update(eval_metrics(cfg, rollout_id, weight_version=checkpoint or 0))
+                row.update(eval_metrics(cfg, store, rollout_id, weight_version=checkpoint or 0))
             out["rollouts"][rollout_id] = row
             tracker.log(tracking.numeric_metrics({**rollout, **{k: v for k, v in row.items() if k.startswith("eval/")}}),
                         rollout_id)
             reporting.stage("done", rollout_id, f"rollout {rollout_id}: reward {row['raw_reward']:.4f}  {row['uri']}")
-    except BaseException:
-        tracker.close(ok=False)
-        if watcher.cancelled:
-            return watcher.cancelled_state()
-        raise
-    finally:
-        watcher.stop()
-        group.stop_all()
-    tracker.close(ok=True)
+    if watcher.cancelled:
+        return watcher.cancelled_state()
     return out
 
 
 @task(name="import-slime", cache_policy=NO_CACHE)
-def import_slime_task(cfg: RunConfig, rollout_id: int, split: str = "train", import_run: str | None = None,
-                      vocab_size: int | None = None) -> dict:
+def import_slime_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, split: str = "train",
+                      import_run: str | None = None, vocab_size: int | None = None) -> ArtifactRef:
     """A slime `.pt` dump becomes a committed artifact of this run (so replay reads one format).
 
     Content-addressed: the same dump again is a no-op; a changed dump under an id the run already
     imported is refused with both checksums (never trained on silently stale data)."""
-    from rollflow.artifacts.slime import expand_template, import_slime_into_store
-
-    store = RolloutStore(cfg.store.root)
     path = expand_template(cfg.debug.load_debug_rollout_data, rollout_id, split)
     run = import_run or cfg.run
     ref, _ = import_slime_into_store(
         store, run, split, rollout_id, path, backend="slime-dump", model=path, config_hash=cfg.config_hash(),
         vocab_size=vocab_size,
         new_run_hint=f"replay it into a new run with `rollflow replay --import-run NEW_NAME` (or --set run=NEW_NAME)")
-    return ref.to_dict()
+    return ref
 
 
 def replay_cache_key(context, parameters: dict) -> str:
@@ -124,21 +123,21 @@ def replay_trainer(cfg: RunConfig):
     return group.trainer()
 
 
-def replay_keys(cfg: RunConfig, store: RolloutStore, refs: list[dict]) -> list[str]:
+def replay_keys(cfg: RunConfig, store: RolloutStore, refs: list[ArtifactRef]) -> list[str]:
     """One cache key per step: content, starting state (the previous step's key), train config; never the run
     name, so an identical replay under another run name hits."""
     keys, start_key = [], "initial"
     for ref in refs:
-        parts = [artifact_digest(store, ArtifactRef.from_dict(ref)), start_key, cfg.train_hash(),
+        parts = [artifact_digest(store, ref), start_key, cfg.train_hash(),
                  str(cfg.debug.load_debug_rollout_data_subsample), str(cfg.rollout.reward_key_for("train"))]
         start_key = "replay-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
         keys.append(start_key)
     return keys
 
 
-def cached_step(cfg: RunConfig, key: str, result_storage) -> bool:
+def cached_step(store: RolloutStore, key: str, result_storage) -> bool:
     """Whether step `key` is a cache hit: its Prefect result and its resulting trainer state both exist."""
-    if not state_exists(replay_cache_uri(cfg, key)):
+    if not state_exists(replay_cache_uri(store, key)):
         return False
     from prefect.results import get_result_store
 
@@ -153,23 +152,23 @@ STEPS_KEY = "train_steps"  # in a replay step's cached result; results cached be
 
 
 @task(name="replay-train", cache_key_fn=replay_cache_key, persist_result=True)
-def replay_train_task(cfg: RunConfig, ref: dict, *, cache_key: str, start_state_uri: str | None,
+def replay_train_task(cfg: RunConfig, ref: ArtifactRef, *, cache_key: str, start_state_uri: str | None,
                       out_state_uri: str) -> dict:
     """Train on one pinned artifact from a fixed starting state; cached on `cache_key`. The train metrics, plus
     each optimizer step's statistics under STEPS_KEY (cached with them, so a cache hit still charts its steps)."""
     trainer = replay_trainer(cfg)
     metrics = trainer.replay_step(
         ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
-        subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref["rollout_id"]),
-        reward_key=cfg.rollout.reward_key_for(ref["split"]),
+        subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref.rollout_id),
+        reward_key=cfg.rollout.reward_key_for(ref.split),
     )
     return metrics | {STEPS_KEY: trainer.train_steps()}
 
 
-def replay_cache_uri(cfg: RunConfig, key: str) -> str:
+def replay_cache_uri(store: RolloutStore, key: str) -> str:
     """Where a replay step's resulting trainer state lives: by cache key, not by run name, so an identical
     replay under another run name reuses it."""
-    return RolloutStore(cfg.store.root).path_uri(f"_replay_cache/{key}/trainer.pt")
+    return store.path_uri(f"_replay_cache/{key}/trainer.pt")
 
 
 def replay_result_storage(cfg: RunConfig):
@@ -194,22 +193,20 @@ def artifact_digest(store: RolloutStore, ref: ArtifactRef) -> str:
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:24]
 
 
-def pinned_refs(cfg: RunConfig, rollout_ids: list[int] | None, source_run: str, *, import_run: str | None = None,
-                vocab_size: int | None = None) -> tuple[list[dict], dict[int, dict]]:
+def pinned_refs(cfg: RunConfig, store: RolloutStore, rollout_ids: list[int] | None, source_run: str, *,
+                import_run: str | None = None,
+                vocab_size: int | None = None) -> tuple[list[ArtifactRef], dict[int, ArtifactRef]]:
     """(train refs to replay in order, {rollout id: eval ref}) - slime's `eval_{id}` dumps come along."""
     if cfg.debug.load_debug_rollout_data:
-        from rollflow.artifacts.slime import discover_template_ids
-
         found = discover_template_ids(cfg.debug.load_debug_rollout_data)
         if rollout_ids is None:
             rollout_ids = found.get("train", [])
             if not rollout_ids:
                 raise FileNotFoundError(f"no slime dumps match {cfg.debug.load_debug_rollout_data!r}")
-        train = [import_slime_task(cfg, rid, "train", import_run, vocab_size) for rid in rollout_ids]
-        evals = {rid: import_slime_task(cfg, rid, "eval", import_run, vocab_size)
+        train = [import_slime_task(cfg, store, rid, "train", import_run, vocab_size) for rid in rollout_ids]
+        evals = {rid: import_slime_task(cfg, store, rid, "eval", import_run, vocab_size)
                  for rid in found.get("eval", []) if rid in rollout_ids}
         return train, evals
-    store = RolloutStore(cfg.store.root)
     if rollout_ids is None:
         rollout_ids = store.list_ids(source_run, "train")
         if not rollout_ids:
@@ -217,30 +214,24 @@ def pinned_refs(cfg: RunConfig, rollout_ids: list[int] | None, source_run: str, 
     refs = []
     for rid in rollout_ids:
         store.manifest(source_run, "train", rid)  # ArtifactNotFound lists the ids that exist
-        refs.append(ArtifactRef(cfg.store.root, source_run, "train", rid).to_dict())
-    evals = {rid: ArtifactRef(cfg.store.root, source_run, "eval", rid).to_dict()
+        refs.append(ArtifactRef(cfg.store.root, source_run, "train", rid))
+    evals = {rid: ArtifactRef(cfg.store.root, source_run, "eval", rid)
              for rid in store.list_ids(source_run, "eval") if rid in rollout_ids}
     return refs, evals
 
 
-def verify_pinned(cfg: RunConfig, refs: list[dict], vocab_size: int | None) -> None:
+def verify_pinned(cfg: RunConfig, store: RolloutStore, refs: list[ArtifactRef], vocab_size: int | None) -> None:
     """Every pinned artifact's payload checksum (and token ids against the model's vocab), before any training:
     a corrupt rollout 3 fails the replay before rollout 0 trains, not after."""
-    from rollflow.artifacts.slime import check_token_ids
-
-    store = RolloutStore(cfg.store.root)
-    for ref in refs:
-        art = ArtifactRef.from_dict(ref)
+    for art in refs:
         # Columns: no Sample objects for a check over the token buffers. ArtifactCorrupt names the file.
         samples = store.load_uri(art.uri).columns
         check_token_ids(samples, vocab_size, rollout_id=art.rollout_id, split=art.split, uri=art.uri)
 
 
-def replay_eval_metrics(cfg: RunConfig, ref: dict) -> dict[str, float]:
+def replay_eval_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef) -> dict[str, float]:
     """eval/* of a replayed rollout's eval artifact, with the run's eval reward key (as slime)."""
-    from rollflow.tasks.rollout.evaluation import eval_summary
-
-    samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
+    samples = store.load_uri(ref.uri).samples
     ev = cfg.data.eval
     out = eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
                        reward_key=cfg.rollout.reward_key_for("eval"))
@@ -250,68 +241,64 @@ def replay_eval_metrics(cfg: RunConfig, ref: dict) -> dict[str, float]:
 @flow(name="replay_train", flow_run_name=flow_run_name("/replay"), on_failure=[stop_actors_hook],
       on_crashed=[stop_actors_hook])
 @one_run_at_a_time()
-def replay_train(cfg: RunConfig, rollout_ids: list[int] | None = None, source_run: str | None = None,
-                 use_cache: bool = True, import_run: str | None = None) -> dict:
-    """Train on pinned rollouts without any engine (`--debug-train-only` / `--load-debug-rollout-data`).
+def replay_train(params: ReplayParams, rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
+                 source_run: str | None = None, load_debug_rollout_data: str | None = None,
+                 subsample: float | None = None, dump_details: str | None = None, use_cache: bool = True,
+                 import_run: str | None = None) -> dict:
+    """Replay training (slime --debug-train-only): train on rollouts pinned by id, no engine; cached per artifact
+    checksums + starting state + train config.
 
-    Eval artifacts of the pinned ids (slime's `eval_{id}` dumps) are imported too; with eval_every > 0
+    `params`: the RunConfig sections it reads, or a whole RunConfig (flows/params.py). `load_debug_rollout_data`
+    (slime `.pt` dumps, a template with {rollout_id}), `subsample` and `dump_details` set the debug fields of the
+    same names. Eval artifacts of the pinned ids (slime's `eval_{id}` dumps) are imported too; with eval_every > 0
     their eval metrics are added to the rows of ids that are multiples of it."""
-    from rollflow.flows.preflight import model_vocab_size
-
+    cfg = params.run_config(mode="train_only", load_debug_rollout_data=load_debug_rollout_data,
+                            load_debug_rollout_data_subsample=subsample, dump_details=dump_details)
+    store = RolloutStore(cfg.store.root)  # one per flow run
     tag_current_run(cfg.run, "replay")
     log = get_run_logger()
     for notice in cfg.notices:
         log.warning(notice)
-    RolloutStore(cfg.store.root).check_access()  # endpoint / credentials / bucket: fail before any actor
+    store.check_access()  # endpoint / credentials / bucket: fail before any actor
     source_run = source_run or cfg.run
     vocab_size = model_vocab_size(cfg.model.path)
-    refs, eval_refs = pinned_refs(cfg, rollout_ids, source_run, import_run=import_run, vocab_size=vocab_size)
-    verify_pinned(cfg, [*refs, *eval_refs.values()], vocab_size)
-    store = RolloutStore(cfg.store.root)
+    refs, eval_refs = pinned_refs(cfg, store, rollout_ids, source_run, import_run=import_run, vocab_size=vocab_size)
+    verify_pinned(cfg, store, [*refs, *eval_refs.values()], vocab_size)
     rows: list[dict] = []
     steps: list[dict] = []  # optimizer steps of the whole replay, numbered 1.. in order
     start_state = None
     result_storage = replay_result_storage(cfg)
     keys = replay_keys(cfg, store, refs)
     # The cache is consulted before any worker exists: an all-hit replay starts no Ray and no trainer.
-    all_cached = use_cache and all(cached_step(cfg, key, result_storage) for key in keys)
+    all_cached = use_cache and all(cached_step(store, key, result_storage) for key in keys)
     # UI cancel of a CLI `rollflow replay`: stop the trainer (if one was started), end Cancelled.
-    watcher = CancellationWatcher(current_flow_run_id(),
-                                  lambda: WorkerGroup.for_run(cfg).stop_all() if _ray_started() else None).start()
-    try:
+    with actors_running(lambda: WorkerGroup.for_run(cfg).stop_all() if _ray_started() else None) as watcher:
         if not all_cached:
             reporting.stage("start-workers")
             start_replay_workers_task(cfg)
-        for ref, key in zip(refs, keys):
-            art = ArtifactRef.from_dict(ref)
+        for art, key in zip(refs, keys):
             reporting.stage("start", art.rollout_id)
-            copy_to_dump(cfg, ref)
-            out_state = replay_cache_uri(cfg, key)
+            copy_to_dump(cfg, store, art)
+            out_state = replay_cache_uri(store, key)
             reporting.stage("train")
             options: dict = {} if use_cache and state_exists(out_state) else {"refresh_cache": True}
             if result_storage is not None:
                 options["result_storage"] = result_storage
             state = replay_train_task.with_options(**options)(
-                cfg, ref, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True)
+                cfg, art, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True)
             metrics = dict(state.result())
             steps += reporting.step_rows(metrics.pop(STEPS_KEY, []), len(steps) + 1, rollout_id=art.rollout_id)
             row = {"rollout_id": art.rollout_id, "source": art.uri, "cached": state.name == "Cached", **metrics}
             if art.rollout_id in eval_refs and cfg.eval_every and art.rollout_id % cfg.eval_every == 0:
-                row.update(replay_eval_metrics(cfg, eval_refs[art.rollout_id]))
-                row["eval_source"] = ArtifactRef.from_dict(eval_refs[art.rollout_id]).uri
+                row.update(replay_eval_metrics(cfg, store, eval_refs[art.rollout_id]))
+                row["eval_source"] = eval_refs[art.rollout_id].uri
             rows.append(row)
             reporting.stage("done", art.rollout_id,
                             f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
                             f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}")
             start_state = out_state
-    except BaseException:
-        if watcher.cancelled:
-            return watcher.cancelled_state()
-        raise
-    finally:
-        watcher.stop()
-        if _ray_started():
-            WorkerGroup.for_run(cfg).stop_all()
+    if watcher.cancelled:
+        return watcher.cancelled_state()
     _publish_replay(cfg, rows)
     with tracking.start(cfg, "replay_train", suffix="-replay") as tracker:  # step = rollout id
         tracker.log_rows(rows, step_key="rollout_id")

@@ -11,15 +11,33 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from rollflow.flows.cluster_checks import alive_nodes, check_store_for_nodes
 from rollflow.flows.config import RunConfig
 from rollflow.infra.clients import CriticClient, EngineClient, Pending, ServerClient, TrainerClient
+from rollflow.infra.placement import (
+    PlacementPlan,
+    actor_options,
+    bundle_address,
+    bundle_gpus,
+    create_placement_group,
+    plan_placement,
+)
+from rollflow.infra.remote_server import RemoteServer
 from rollflow.infra.workers import actor_name, ensure_ray, get_actor, missing_actor_error, start_actor, stop_actor
+from rollflow.tasks.debug.slow_training import SlowTrainWorker
+from rollflow.tasks.debug.stale_serving import StaleServingWorker
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.net import free_port, node_ip
+from rollflow.tasks.rollout.sglang.server_worker import SGLangServerWorker
+from rollflow.tasks.rollout.worker import RolloutWorker
+from rollflow.tasks.train.checkpoint import load_checkpoint
+from rollflow.tasks.train.checkpoint_weights import hf_weights_of_checkpoint
+from rollflow.tasks.train.critic_worker import CriticWorker
+from rollflow.tasks.train.data_parallel import DataParallel
+from rollflow.tasks.train.worker import TrainWorker
 
 if TYPE_CHECKING:
     import torch
-
-    from rollflow.infra.placement import PlacementPlan
-    from rollflow.infra.remote_server import RemoteServer
 
 ENGINE, TRAINER, CRITIC = "engine", "trainer", "critic"
 
@@ -35,6 +53,8 @@ def trainer_role(rank: int) -> str:
 
 def connect_ray(cfg: RunConfig) -> None:
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
+    if cfg.ray.address:  # nodes of a cluster share no disk: a local store.root is refused before any worker starts
+        check_store_for_nodes(cfg, alive_nodes())
 
 
 def uses_placement(cfg: RunConfig) -> bool:
@@ -76,8 +96,6 @@ class WorkerGroup:
     def for_run(cls, cfg: RunConfig) -> WorkerGroup:
         plan = None
         if uses_placement(cfg):
-            from rollflow.infra.placement import plan_placement
-
             plan = plan_placement(cfg.placement, cfg.resources, train=not cfg.debug.rollout_only,
                                   rollout=not cfg.debug.train_only)
             plan = None if plan.empty else plan
@@ -145,8 +163,6 @@ class WorkerGroup:
         stale = self.placement_group()
         if stale is not None:
             ray.util.remove_placement_group(stale)
-        from rollflow.infra.placement import create_placement_group
-
         return create_placement_group(self.plan, name=placement_group_name(self.cfg),
                                       gpu_resource=self.cfg.resources.gpu_resource)
 
@@ -166,8 +182,6 @@ class WorkerGroup:
         pg = self.placement_group()
         if pg is None:
             return {}
-        from rollflow.infra.placement import actor_options
-
         return actor_options(self.plan, pg, role, index, gpu_resource=self.cfg.resources.gpu_resource)
 
     def engine_base_gpu_id(self, index: int = 0) -> int | None:
@@ -185,8 +199,6 @@ class WorkerGroup:
         pg = self.placement_group()
         if pg is None:
             return None
-        from rollflow.infra.placement import bundle_gpus
-
         located = bundle_gpus(pg, self.plan.engine_bundles[index], gpu_resource=self.cfg.resources.gpu_resource)
         if located is None:
             return None
@@ -199,9 +211,6 @@ class WorkerGroup:
 
     def _rendezvous(self) -> tuple[str, int]:
         """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
-        from rollflow.infra.placement import bundle_address
-        from rollflow.tasks.net import free_port, node_ip
-
         if self.plan is not None:
             pg = self.placement_group()
             if pg is not None:
@@ -212,9 +221,6 @@ class WorkerGroup:
     def start_servers(self, weight_version: int) -> list[RemoteServer]:
         """Start every engine's server actor (in parallel: SGLang startup takes minutes), each in its
         bundle seeing exactly its GPUs; returns RemoteServers for the rollout worker."""
-        from rollflow.infra.remote_server import RemoteServer
-        from rollflow.tasks.rollout.server_worker import SGLangServerWorker
-
         cfg = self.cfg
         servers = []
         for k in range(cfg.resources.num_engines):
@@ -244,8 +250,6 @@ class WorkerGroup:
         engine in its bundle(s), and a rollout worker (tokenizer, HTTP, load balancing; no GPU) over them.
         A restart starts everything again in the same bundles.
         """
-        from rollflow.tasks.rollout.worker import RolloutWorker
-
         cfg = self.cfg
         if weights is None and resume_iteration:
             # A running trainer has loaded that checkpoint: its weights are HF-named whatever its checkpoint format
@@ -262,7 +266,8 @@ class WorkerGroup:
         named = weights.ref if isinstance(weights, Pending) else weights  # a ref goes trainer -> engine directly
         if cfg.rollout.logprobs == "teacher_forced":
             extra["scoring"] = cfg.scoring_layout()  # the engine rescoring like the trainer (bitwise log-probs)
-        return EngineClient(start_actor(cfg.run, ENGINE, RolloutWorker, cfg.model.path, cfg.rollout, cfg.data,
+        worker_cls = StaleServingWorker if cfg.debug.serve_stale else RolloutWorker  # a fault drill (docs/checks.md)
+        return EngineClient(start_actor(cfg.run, ENGINE, worker_cls, cfg.model.path, cfg.rollout, cfg.data,
                                         weights=named, weight_version=resume_iteration or 0, **extra))
 
     def ensure_engine(self, weight_version: int) -> EngineClient:
@@ -302,9 +307,6 @@ class WorkerGroup:
         Several ranks (resources.trainer_gpus > 1): a data-parallel torch trainer; all ranks are started
         together because their constructors rendezvous (tasks/train/data_parallel.py).
         """
-        from rollflow.tasks.train.data_parallel import DataParallel
-        from rollflow.tasks.train.worker import TrainWorker
-
         cfg = self.cfg
         world = trainer_world_size(cfg)
         dps: list[DataParallel | None] = [None]
@@ -314,12 +316,15 @@ class WorkerGroup:
             dps = [DataParallel(rank=r, world_size=world, master_addr=address, master_port=port, backend=backend)
                    for r in range(world)]
         ranks = []
+        worker_cls = SlowTrainWorker if cfg.debug.slow_train_s else TrainWorker  # a fault drill (docs/checks.md)
         for rank, dp in enumerate(dps):
             options = self.placement_options(TRAINER, rank)
             extra: dict[str, Any] = {"options": options} if options else {}
             if dp is not None:
                 extra["dp"] = dp
-            ranks.append(start_actor(cfg.run, trainer_role(rank), TrainWorker, cfg.model.path, cfg.train, cfg.algo,
+            if cfg.debug.slow_train_s:
+                extra["slow_train_s"] = cfg.debug.slow_train_s
+            ranks.append(start_actor(cfg.run, trainer_role(rank), worker_cls, cfg.model.path, cfg.train, cfg.algo,
                                      store_root=cfg.store.root, run=cfg.run, temperature=cfg.rollout.temperature or 1.0,
                                      resume_iteration=resume_iteration or None, wait=False, **extra))
         trainer = TrainerClient(ranks)
@@ -341,8 +346,6 @@ class WorkerGroup:
         says, without a placement bundle of its own (config validation keeps ppo off GPU placements)."""
         if not has_critic(self.cfg):
             return None
-        from rollflow.tasks.train.critic_worker import CriticWorker
-
         cfg = self.cfg
         return CriticClient(start_actor(cfg.run, CRITIC, CriticWorker, cfg.model.path, cfg.train, cfg.algo,
                                         store_root=cfg.store.root, run=cfg.run,
@@ -362,9 +365,6 @@ class WorkerGroup:
 
 
 def _checkpoint_weights(cfg: RunConfig, iteration: int):
-    from rollflow.tasks.model.source import resolve_model_path
-    from rollflow.tasks.train.checkpoint import hf_weights_of_checkpoint, load_checkpoint
-
     payload = load_checkpoint(cfg.store.root, cfg.run, iteration)
     try:
         return hf_weights_of_checkpoint(payload, resolve_model_path(cfg.model.path))

@@ -12,23 +12,38 @@ from prefect.utilities.annotations import quote
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.manifest import EngineInfo
-from rollflow.artifacts.sample import Sample
+from rollflow.artifacts.pipeline_meta import filtered_reason, pipeline_stats
+from rollflow.artifacts.sample import Sample, Status
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
-from rollflow.flows.naming import flow_run_name
+from rollflow.flows.prefect_ops.naming import flow_run_name
 from rollflow.flows.exports import dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, has_critic
-from rollflow.flows.retrying import STORAGE_RETRIES, STORAGE_RETRY_DELAYS, retry_if_transient, retry_unless_permanent
+from rollflow.flows.stall_watch import retry_after_stall, watched
+from rollflow.flows.mismatch_trend import SLOPE_METRIC, mismatch_trend_task, trend_with
+from rollflow.flows.weight_sync.dispatch import push_weights
+from rollflow.flows.weight_sync.probe import probe_due, run_probe
+from rollflow.flows.weight_sync.shared import SyncResult, engine_dtype
+from rollflow.flows.prefect_ops.retrying import (
+    STORAGE_RETRIES,
+    STORAGE_RETRY_DELAYS,
+    retry_if_transient,
+    retry_unless_permanent,
+)
 from rollflow.tasks.rollout.dataset import data_state
+from rollflow.tasks.rollout.dynamic_sampling import load_filter, select_groups, split_groups
 from rollflow.tasks.rollout.evaluation import eval_summary
+from rollflow.tasks.rollout.partial import defer_aborted
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
+from rollflow.tasks.train.records import train_record_uri
 from rollflow.tasks.sync.parity import compare, compare_prefixes
 
 PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export whole tensors
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@watched("generate")
 def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
                   weight_version: int | None = None, attempt: int = 0,
                   continue_from: str | None = None) -> list[Sample]:
@@ -47,48 +62,54 @@ def reward_task(cfg: RunConfig, samples: list[Sample]) -> list[Sample]:
 
 @task(name="persist", cache_policy=NO_CACHE, retries=STORAGE_RETRIES, retry_delay_seconds=STORAGE_RETRY_DELAYS,
       retry_condition_fn=retry_unless_permanent)
-def persist_task(cfg: RunConfig, rollout_id: int, samples: list[Sample], split: str = "train") -> dict:
+@watched("persist")
+def persist_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, samples: list[Sample],
+                 split: str = "train") -> ArtifactRef:
     """Commit the rollout. Retried with backoff (endpoint down, timeouts), not on permanent errors
     (schema, ArtifactExists from another writer, credentials, missing bucket)."""
-    store = RolloutStore(cfg.store.root)
     if store.exists(cfg.run, split, rollout_id):
         # A retry after a commit whose acknowledgement was lost: the committed artifact stands.
-        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
+        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id)
     engine = WorkerGroup.for_run(cfg).engine().describe()
     info = EngineInfo(backend=engine.backend, model=engine.model, weight_version=engine.weight_version)
     n = cfg.data.eval_n_samples if split == "eval" else cfg.rollout.n_samples_per_prompt
     ref = store.write(cfg.run, split, rollout_id, samples, n_samples_per_prompt=n, engine=info,
                       config_hash=cfg.config_hash())
-    return ref.to_dict()
+    return ref
 
 
 @task(name="load-rollout", cache_policy=NO_CACHE, retries=STORAGE_RETRIES,
       retry_delay_seconds=STORAGE_RETRY_DELAYS, retry_condition_fn=retry_if_transient)
-def load_task(cfg: RunConfig, ref: dict) -> int:
+@watched("load-rollout")
+def load_task(cfg: RunConfig, ref: ArtifactRef) -> int:
     """The trainer loads (and checksums) the artifact; transient storage failures retry here."""
     return WorkerGroup.for_run(cfg).trainer().load_artifact(ref)
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_task(cfg: RunConfig, ref: dict) -> tuple[dict[str, float], list[dict[str, float]]]:
+@watched("train")
+def train_task(cfg: RunConfig, ref: ArtifactRef) -> tuple[dict[str, float], list[dict[str, float]]]:
     """No retries: a failure after the optimizer stepped must not step it twice (load_task retries).
     Returns the iteration's train metrics and each optimizer step's own statistics."""
     group = WorkerGroup.for_run(cfg)
     trainer = group.trainer()
-    dump = dump_uri(cfg, ref["rollout_id"])
+    dump = dump_uri(cfg, ref.rollout_id)
+    # a few numbers per sample, every iteration: what stage replay and the reproducibility gate compare with
+    record = train_record_uri(cfg.store.root, cfg.run, ref.rollout_id)
     if not has_critic(cfg):
         # every data-parallel rank trains on its share of the same artifact (rank 0's metrics are global)
-        return trainer.train_on_artifact(ref, dump_uri=dump), trainer.train_steps()
+        return trainer.train_on_artifact(ref, dump_uri=dump, record_uri=record), trainer.train_steps()
     # ppo: the critic scores the old values and computes GAE; the estimate goes critic -> trainer ranks through
     # Ray's object store. The critic's update runs after the policy's, not beside it: on a CPU box two torch
     # thread pools at once oversubscribe the cores (critic and trainer both use train.threads).
     critic = group.critic()
-    metrics = trainer.train_on_artifact(ref, dump_uri=dump, critic=critic.estimate(ref))
+    metrics = trainer.train_on_artifact(ref, dump_uri=dump, critic=critic.estimate(ref), record_uri=record)
     return metrics | critic.update().result(), trainer.train_steps()
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_unless_permanent)
+@watched("checkpoint")
 def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
     # The data source's cursor goes into meta.json: a resume checks it continues at the same sample.
     group = WorkerGroup.for_run(cfg)
@@ -127,17 +148,20 @@ def trainer_onload_task(cfg: RunConfig) -> bool:
     return WorkerGroup.for_run(cfg).trainer().onload()
 
 
-@task(name="sync", cache_policy=NO_CACHE)
+# Retried only after a stall: the stuck actor is gone, and a killed engine comes back at the trainer's weights.
+@task(name="sync", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2, retry_condition_fn=retry_after_stall)
+@watched("sync")
 def sync_task(cfg: RunConfig, weight_version: int) -> dict:
-    """Trainer weights -> engine by the engine's path (flows/weight_sync.py), then parity checked."""
-    from rollflow.flows.weight_sync import push_weights
-
+    """Trainer weights -> engine by the engine's path (flows/weight_sync/), then parity checked."""
     group = WorkerGroup.for_run(cfg)
-    trainer, engine = group.trainer(), group.engine()
-    pushed = push_weights(cfg, trainer, engine, weight_version)
+    trainer, engine = group.trainer(), group.ensure_engine(weight_version)
+    if engine.weight_version() == weight_version:
+        # A retry after a stall: ensure_engine restarted the engine from the trainer's weights of this version, or
+        # the stalled attempt's update had landed. Pushing again would repeat the sync; parity below still checks it.
+        pushed = SyncResult(mode=engine.weight_sync_mode(), weight_version=weight_version)
+    else:
+        pushed = push_weights(cfg, trainer, engine, weight_version)
     # The engine may hold another dtype (e.g. bf16): compare what it should hold, bit for bit.
-    from rollflow.flows.weight_sync import engine_dtype
-
     cast = engine_dtype(cfg)
     notes: list[str] = []
     if cfg.rollout.engine == "sglang":
@@ -159,13 +183,22 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
         report = compare(trainer.weight_checksums(cast), engine.weight_checksums())
     if not report.ok:
         raise RuntimeError(report.summary())
+    probed: dict = {}
+    if probe_due(cfg, pushed.weight_version):
+        # Checksums passed: the engine holds the trainer's tensors. The probe checks it also serves them.
+        probe_started = time.perf_counter()
+        probe = run_probe(cfg, trainer, engine, pushed.weight_version)
+        if not probe.ok:
+            raise RuntimeError(probe.summary())
+        probed = {"probe_logprob_diff": probe.mean_abs_diff, "probe_s": time.perf_counter() - probe_started}
     if notes:
         from prefect import get_run_logger
 
         for note in notes:
             get_run_logger().warning(note)
     return report.to_dict() | {"weight_version": pushed.weight_version, "sync_mode": pushed.mode,
-                               "sync_buckets": pushed.buckets, "sync_sources": list(pushed.sources), "notes": notes}
+                               "sync_buckets": pushed.buckets, "sync_sources": list(pushed.sources), "notes": notes,
+                               **probed}
 
 
 @task(name="check-weight-update", cache_policy=NO_CACHE)
@@ -173,8 +206,6 @@ def check_weight_update_task(cfg: RunConfig, weight_version: int) -> dict:
     """slime's --check-weight-update-equal: the engine snapshots its weights (loaded from the same
     checkpoint the trainer holds now), randomises them, takes the trainer's by the configured path, and
     every tensor must come back bit for bit. Fails the run before its first step otherwise."""
-    from rollflow.flows.weight_sync import push_weights
-
     group = WorkerGroup.for_run(cfg)
     trainer, engine = group.trainer(), group.engine()
     engine.prepare_overwrite_check()
@@ -186,15 +217,14 @@ def check_weight_update_task(cfg: RunConfig, weight_version: int) -> dict:
     return result.to_dict()
 
 
-def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
-                          weight_version: int | None = None) -> dict:
+def committed_or_generate(cfg: RunConfig, store: RolloutStore, rollout_id: int, split: str = "train",
+                          greedy: bool = False, weight_version: int | None = None) -> ArtifactRef:
     """The committed artifact of this id if there is one (resume never regenerates), else a new one."""
-    store = RolloutStore(cfg.store.root)
     if store.exists(cfg.run, split, rollout_id):
-        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id).to_dict()
+        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id)
     reporting.stage("generate")
     if split == "train" and (cfg.pipeline.dynamic_sampling.enabled or cfg.pipeline.partial_rollout):
-        samples = filtered_train_samples(cfg, rollout_id, weight_version)
+        samples = filtered_train_samples(cfg, store, rollout_id, weight_version)
     else:
         # distinct task names in the UI: the train rollout and the (greedy) eval rollout
         samples = generate_task.with_options(name=f"generate-{split}")(cfg, rollout_id, split, greedy, weight_version)
@@ -202,23 +232,19 @@ def committed_or_generate(cfg: RunConfig, rollout_id: int, split: str = "train",
         # quote(): Prefect would otherwise walk every Sample of the argument twice (~0.4 s at 2,048).
         samples = reward_task(cfg, quote(samples))
     reporting.stage("persist")
-    return persist_task(cfg, rollout_id, quote(samples), split)
+    return persist_task(cfg, store, rollout_id, quote(samples), split)
 
 
-def filtered_train_samples(cfg: RunConfig, rollout_id: int, weight_version: int | None) -> list[Sample]:
+def filtered_train_samples(cfg: RunConfig, store: RolloutStore, rollout_id: int,
+                           weight_version: int | None) -> list[Sample]:
     """A train rollout with dynamic sampling and/or partial rollouts (docs/async.md): generate (continuing the
     previous rollout's aborted groups), reward, defer groups cut by an abort, filter groups and over-sample
     until data.prompts_per_rollout groups pass or pipeline.dynamic_sampling.max_tries calls were made. Every
     group generated stays in the rollout; the untrained ones are marked `filtered` with the reason."""
-    from rollflow.artifacts.pipeline_meta import filtered_reason
-    from rollflow.artifacts.sample import Status
-    from rollflow.tasks.rollout.dynamic_sampling import load_filter, select_groups, split_groups
-    from rollflow.tasks.rollout.partial import defer_aborted
-
     pipe, n = cfg.pipeline, cfg.rollout.n_samples_per_prompt
     ds = pipe.dynamic_sampling
     group_filter = load_filter(ds.filter_path) if ds.enabled else None
-    continue_from = previous_train_artifact(cfg, rollout_id) if pipe.partial_rollout else None
+    continue_from = previous_train_artifact(cfg, store, rollout_id) if pipe.partial_rollout else None
     groups: list[list[Sample]] = []
     keep: list[bool] = []
     generate = generate_task.with_options(name="generate-train")
@@ -247,9 +273,9 @@ def filtered_train_samples(cfg: RunConfig, rollout_id: int, weight_version: int 
     return select_groups(groups, keep, target, already_marked=marked).samples()
 
 
-def previous_train_artifact(cfg: RunConfig, rollout_id: int) -> str | None:
+def previous_train_artifact(cfg: RunConfig, store: RolloutStore, rollout_id: int) -> str | None:
     """The URI of train rollout `rollout_id - 1` when committed (its aborted groups are continued now)."""
-    if rollout_id == 0 or not RolloutStore(cfg.store.root).exists(cfg.run, "train", rollout_id - 1):
+    if rollout_id == 0 or not store.exists(cfg.run, "train", rollout_id - 1):
         return None
     return ArtifactRef(cfg.store.root, cfg.run, "train", rollout_id - 1).uri
 
@@ -260,11 +286,11 @@ def finish_aborted_task(cfg: RunConfig, rollout_id: int, samples: list[Sample]) 
 
 
 @task(name="generate-next", cache_policy=NO_CACHE)
-def prefetch_task(cfg: RunConfig, rollout_id: int, weight_version: int) -> dict:
+def prefetch_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, weight_version: int) -> ArtifactRef:
     """Async training: rollout `rollout_id` generated, rewarded and committed while the trainer trains on the one
     before it (its generate / reward / persist show as this task's children in the UI)."""
     reporting.STAGE_HOOK.set(None)  # this thread's copy of the context: the progress bar follows the train step
-    return committed_or_generate(cfg, rollout_id, weight_version=weight_version)
+    return committed_or_generate(cfg, store, rollout_id, weight_version=weight_version)
 
 
 @task(name="abort-generation", cache_policy=NO_CACHE)
@@ -273,9 +299,10 @@ def abort_task(cfg: RunConfig) -> int:
     return WorkerGroup.for_run(cfg).abort_rollout()
 
 
-def eval_metrics(cfg: RunConfig, rollout_id: int, weight_version: int | None = None) -> dict[str, float]:
-    ref = committed_or_generate(cfg, rollout_id, "eval", greedy=True, weight_version=weight_version)
-    samples = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri).samples
+def eval_metrics(cfg: RunConfig, store: RolloutStore, rollout_id: int,
+                 weight_version: int | None = None) -> dict[str, float]:
+    ref = committed_or_generate(cfg, store, rollout_id, "eval", greedy=True, weight_version=weight_version)
+    samples = store.load_uri(ref.uri).samples
     ev = cfg.data.eval  # pass@k only with an eval section (its own n samples per prompt)
     return eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
                         reward_key=cfg.rollout.reward_key_for("eval"))
@@ -286,11 +313,10 @@ def pipeline_metrics_on(cfg: RunConfig) -> bool:
     return pipe.pipelined or pipe.partial_rollout or pipe.dynamic_sampling.enabled
 
 
-def pipeline_metrics(cfg: RunConfig, ref: dict, trainer_version: int) -> dict[str, float]:
+def pipeline_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef,
+                     trainer_version: int) -> dict[str, float]:
     """`pipeline/*`: staleness of the trained tokens, filtered groups by reason, continued samples."""
-    from rollflow.artifacts.pipeline_meta import pipeline_stats
-
-    artifact = RolloutStore(cfg.store.root).load_uri(ArtifactRef.from_dict(ref).uri)
+    artifact = store.load_uri(ref.uri)
     stats = pipeline_stats(artifact.columns, trainer_version, artifact.manifest.n_samples_per_prompt)
     return stats.metrics()
 
@@ -299,14 +325,15 @@ def pipeline_metrics(cfg: RunConfig, ref: dict, trainer_version: int) -> dict[st
 def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     """One RL iteration on rollout `rollout_id`; afterwards the engine holds weight version rollout_id + 1."""
     started = time.perf_counter()
+    store = RolloutStore(cfg.store.root)  # one per flow run: every task and helper below shares it
     iteration = rollout_id + 1
     row: dict = {"iteration": iteration, "rollout_id": rollout_id}
     reporting.stage("start", iteration)
     if cfg.eval_every and rollout_id % cfg.eval_every == 0:
         reporting.stage("eval")
-        row.update(eval_metrics(cfg, rollout_id))
-    ref = committed_or_generate(cfg, rollout_id)
-    side_exports(cfg, ref)
+        row.update(eval_metrics(cfg, store, rollout_id))
+    ref = committed_or_generate(cfg, store, rollout_id)
+    side_exports(cfg, store, ref)
     reporting.stage("train")
     offload = offloads(cfg)
     if offload:
@@ -319,7 +346,7 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     if cfg.pipeline.pipelined and iteration < cfg.iterations:
         # One step off: the engine (weights of version rollout_id) generates the next rollout while the trainer
         # trains on this one; it is committed before this iteration's checkpoint, so a resume never redoes it.
-        prefetch = prefetch_task.submit(cfg, iteration, rollout_id)
+        prefetch = prefetch_task.submit(cfg, store, iteration, rollout_id)
     metrics, steps = train_task(cfg, ref)
     row.update(metrics)
     if prefetch is not None:
@@ -327,15 +354,21 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
             abort_task(cfg)
         prefetch.result()  # committed (or raises) before the engine's weights change
     if pipeline_metrics_on(cfg):
-        row.update(pipeline_metrics(cfg, ref, trainer_version=rollout_id))
+        row.update(pipeline_metrics(cfg, store, ref, trainer_version=rollout_id))
     reporting.stage("sync")
     if offload:
         resume_memory_task(cfg, ["weights"])
     parity = sync_task(cfg, iteration)
     row["sync/weight_version"] = parity["weight_version"]
     row["sync/parity_ok"] = float(parity["ok"])
+    if "probe_logprob_diff" in parity:  # watchdog.probe_every: every sync by default
+        row["sync/probe_logprob_diff"] = parity["probe_logprob_diff"]
+        row["perf/sync_probe_s"] = parity["probe_s"]
     row["perf/iteration_s"] = time.perf_counter() - started
-    row["rollout_uri"] = ArtifactRef.from_dict(ref).uri
+    row["rollout_uri"] = ref.uri
+    trend = trend_with(cfg, row)
+    if trend.verdict != "short":
+        row[SLOPE_METRIC] = trend.slope
     # Metrics before the checkpoint: the checkpoint commits the iteration, and a resume drops rows
     # of iterations after the last checkpoint.
     rows = reporting.record_iteration(cfg, row)
@@ -347,5 +380,7 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
         trainer_offload_task(cfg)
         resume_memory_task(cfg, ["kv_cache"])
     reporting.publish_iteration(cfg, rows, row["rollout_uri"])
+    if trend.verdict != "short":
+        mismatch_trend_task(cfg, trend)  # after the commit: a failing trend stops the run after this iteration
     reporting.stage("done", iteration, reporting.metrics_line(row))
     return row

@@ -7,15 +7,20 @@ removed at once) and nothing loads a model.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Any, Iterable
 
+from rollflow.flows.cluster_checks import check_cluster_store
+from rollflow.flows.input_errors import PreflightError
+from rollflow.artifacts.errors import format_ids
+from rollflow.artifacts.slime import discover_template_ids
+from rollflow.artifacts.storage import open_fs
+from rollflow.artifacts.store import RolloutStore, validate_run
 from rollflow.flows.config import RunConfig
-
-
-class PreflightError(ValueError):
-    """A command's input is wrong; the message is one line, phrased for the user."""
+from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.rollout.dataset import detect_format
 
 
 # ----------------------------------------------------------------------------- the store
@@ -31,8 +36,6 @@ def check_store_writable(root: str) -> None:
     """A local root must be (or be creatable as) a writable folder; remote roots get `check_access`."""
     path = _local_path(root)
     if path is None:
-        from rollflow.artifacts.store import RolloutStore
-
         RolloutStore(root).check_access()  # endpoint, credentials, bucket: one StorageError
         return
     path = os.path.abspath(os.path.expanduser(path))
@@ -63,17 +66,11 @@ def check_store_writable(root: str) -> None:
 
 def check_model(spec: str) -> None:
     """The model directory, its config.json, weights and tokenizer (or the built-in model's files)."""
-    from rollflow.tasks.model.source import resolve_model_path
-
     resolve_model_path(spec)  # ModelDirError / ValueError / FileNotFoundError name the missing file
 
 
 def model_vocab_size(spec: str) -> int | None:
     """`vocab_size` of the model's config.json (None when it does not say)."""
-    import json
-
-    from rollflow.tasks.model.source import resolve_model_path
-
     try:
         value = json.loads((resolve_model_path(spec) / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
@@ -104,9 +101,6 @@ def scan_dataset(path: str, fmt: str, data: Any) -> int:
     column, batch by batch). JSONL: Arrow's streaming JSON reader (C++, block by block); a file whose
     value types vary between rows falls back to a line-by-line scan.
     """
-    from rollflow.artifacts.storage import open_fs
-    from rollflow.tasks.rollout.dataset import detect_format
-
     kind = detect_format(path, fmt)
     fs, fs_path = open_fs(path)
     if not fs.exists(fs_path):
@@ -232,8 +226,6 @@ def parse_ids(spec: str | None) -> list[int] | None:
 
 def check_source_run(cfg: RunConfig, source_run: str, rollout_ids: list[int] | None) -> None:
     """`--source-run` names a run with committed train rollouts (and the pinned ids exist)."""
-    from rollflow.artifacts.store import RolloutStore, validate_run
-
     try:
         validate_run(source_run)
     except ValueError as exc:
@@ -247,15 +239,11 @@ def check_source_run(cfg: RunConfig, source_run: str, rollout_ids: list[int] | N
     if rollout_ids is not None:
         missing = sorted(set(rollout_ids) - set(have))
         if missing:
-            from rollflow.artifacts.errors import format_ids
-
             raise PreflightError(f"--ids: run {source_run!r} has no rollout(s) {format_ids(missing)}; committed: "
                                  f"{format_ids(have)}")
 
 
 def check_slime_template(template: str, rollout_ids: list[int] | None) -> None:
-    from rollflow.artifacts.slime import discover_template_ids
-
     found = discover_template_ids(template)
     if not found["train"]:
         raise PreflightError(f"--load-debug-rollout-data {template!r}: no dump matches (expected files like "
@@ -273,6 +261,8 @@ def check_slime_template(template: str, rollout_ids: list[int] | None) -> None:
 def preflight(cfg: RunConfig, command: str, *, rollout_ids: list[int] | None = None,
               source_run: str | None = None) -> None:
     """Everything a flow command can check before Prefect, Ray or an actor starts."""
+
+    check_cluster_store(cfg)  # a local store.root on a multi-node Ray cluster (joins the cluster named by ray.address)
     check_store_writable(cfg.store.root)
     check_model(cfg.model.path)
     if command in ("train", "rollout", "align"):

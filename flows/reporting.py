@@ -7,12 +7,15 @@ import io
 import json
 import posixpath
 import re
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import fsspec
 
 from rollflow.artifacts.storage import open_fs
 from rollflow.flows.config import RunConfig
+
+if TYPE_CHECKING:  # an annotation only: the store module (pyarrow) loads where a store is built
+    from rollflow.artifacts.store import RolloutStore
 
 # Set by the caller that draws the terminal progress bar; flows call it between their tasks.
 STAGE_HOOK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("stage_hook", default=None)
@@ -179,16 +182,13 @@ def publish_note(cfg: RunConfig, topic: str, text: str) -> None:
     create_markdown_artifact(key=artifact_key(cfg.run, topic), markdown=text, description=text[:500])
 
 
-def publish_summary(cfg: RunConfig, summary: dict, rows: list[dict], plot_path: str | None,
+def publish_summary(cfg: RunConfig, store: RolloutStore, summary: dict, rows: list[dict], plot_path: str | None,
                     note: str | None = None) -> None:
     """The rl_train run's own artifact: final metrics, eval accuracy, where everything is, the reward curve."""
     import base64
 
     from prefect.artifacts import create_markdown_artifact
 
-    from rollflow.artifacts.store import RolloutStore
-
-    store = RolloutStore(cfg.store.root)
     lines = [f"# rollflow run `{cfg.run}`", ""]
     if note:
         lines += [f"> {note}", ""]

@@ -32,6 +32,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from rollflow.artifacts.storage import open_fs
+from rollflow.artifacts.store import RolloutStore
+from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
 from rollflow.flows.reporting import STEP_PREFIX
 
@@ -90,8 +93,6 @@ def config_params(cfg: RunConfig) -> dict[str, Any]:
 # ---- where things go ------------------------------------------------------------------------------------
 
 def local_store_root(cfg: RunConfig) -> str | None:
-    from rollflow.artifacts.storage import open_fs
-
     fs, base = open_fs(cfg.store.root)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return base if {"file", "local"} & set(protocols) else None
@@ -394,8 +395,6 @@ class Tracker:
         if not self.state_path or not self.sinks:
             return
         try:
-            from rollflow.artifacts.storage import open_fs
-
             fs, path = open_fs(self.state_path)
             fs.makedirs(posixpath.dirname(path), exist_ok=True)
             with fs.open(path, "w") as f:
@@ -422,8 +421,6 @@ class Tracker:
 
 
 def read_state(path: str) -> dict:
-    from rollflow.artifacts.storage import open_fs
-
     try:
         fs, p = open_fs(path)
         fs.invalidate_cache(p)
@@ -436,8 +433,6 @@ def read_state(path: str) -> dict:
 
 
 def state_path(cfg: RunConfig, *parts: str) -> str:
-    from rollflow.artifacts.store import RolloutStore
-
     return posixpath.join(RolloutStore(cfg.store.root).run_uri(cfg.run), *parts, STATE_FILE)
 
 
@@ -491,9 +486,6 @@ def start_train(cfg: RunConfig, resume_at: int) -> Tracker:
     checkpoint the run resumes from); committed rows it has not seen yet are logged now."""
     if not cfg.tracking.backends:
         return Tracker(cfg, [], {}, None)
-    from rollflow.artifacts.store import RolloutStore
-    from rollflow.flows import reporting
-
     where = state_path(cfg)
     state = read_state(where)
     if int(state.get("logged_through", 0)) > resume_at:
@@ -516,8 +508,6 @@ def log_committed(tracker: Tracker, cfg: RunConfig, committed: int) -> None:
     """Rows of metrics.jsonl up to iteration `committed` (a committed checkpoint) not logged yet."""
     if not tracker.active:
         return
-    from rollflow.flows import reporting
-
     done = int(tracker.state.get("logged_through", 0))
     if committed <= done:
         return

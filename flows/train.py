@@ -7,12 +7,15 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.store import RolloutStore
 from rollflow.flows import reporting, tracking
-from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors_hook
+from rollflow.flows.params import TrainParams
+from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.config import RunConfig
-from rollflow.flows.run_lock import one_run_at_a_time
-from rollflow.flows.naming import flow_run_name, tag_current_run
+from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
+from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
+from rollflow.tasks.rollout.dataset import check_resume, data_state
+from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_status, load_checkpoint_meta
 
 
 class RunExistsError(RuntimeError):
@@ -23,12 +26,9 @@ class InjectedFault(RuntimeError):
     """debug.fail_after_iteration fired (a drill, not a bug)."""
 
 
-def resume_point(cfg: RunConfig) -> int:
+def resume_point(cfg: RunConfig, store: RolloutStore) -> int:
     """Iterations already done: the last committed checkpoint whose marker verifies (or `resume_from`; 0 when
     fresh). Checkpoints skipped on the way (no or unreadable marker) are logged, naming the one used."""
-    from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_status
-
-    store = RolloutStore(cfg.store.root)
     # Unreachable endpoint, bad credentials, missing bucket: one clear error before any actor starts.
     store.check_access()
     committed, skipped = checkpoint_status(cfg.store.root, cfg.run)
@@ -78,7 +78,10 @@ def retry_note(cfg: RunConfig, start: int) -> str | None:
 # The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
 @flow(name="rl_train", flow_run_name=flow_run_name(), on_failure=[stop_actors_hook], on_crashed=[stop_actors_hook])
 @one_run_at_a_time()
-def rl_train(cfg: RunConfig) -> dict:
+def rl_train(params: TrainParams) -> dict:  # type: ignore[valid-type]
+    """RL training: generate -> reward -> persist -> train -> sync per iteration; resumes from the last committed
+    checkpoint (also on a retry of the same run). `params`: the sections it reads, or a whole RunConfig."""
+    cfg = params.run_config()
     if cfg.debug.rollout_only or cfg.debug.train_only:
         raise ValueError(
             "rl_train runs the full loop; debug.rollout_only / debug.train_only select the rollout_only and "
@@ -89,7 +92,8 @@ def rl_train(cfg: RunConfig) -> dict:
     tag_current_run(cfg.run, "train")
     if (flow_run.run_count or 1) > 1 and not cfg.resume:
         cfg = cfg.model_copy(update={"resume": True})  # a retry of this flow run continues it
-    start = resume_point(cfg)
+    store = RolloutStore(cfg.store.root)  # one per flow run
+    start = resume_point(cfg, store)
     note = retry_note(cfg, start)
     if note:
         get_run_logger().warning(note)
@@ -110,15 +114,15 @@ def rl_train(cfg: RunConfig) -> dict:
     # TensorBoard / MLflow / W&B (tracking.backends): the same tracking run across resumes; a row is logged
     # once its checkpoint is committed, so no step is logged twice. A failing sink never fails the run.
     with tracking.start_train(cfg, start) as tracker:
-        return _train_loop(cfg, start, group, tracker, note)
+        return _train_loop(cfg, store, start, group, tracker, note)
 
 
-def _train_loop(cfg: RunConfig, start: int, group: WorkerGroup, tracker: tracking.Tracker, note: str | None) -> dict:
+def _train_loop(cfg: RunConfig, store: RolloutStore, start: int, group: WorkerGroup, tracker: tracking.Tracker,
+                note: str | None) -> dict:
     from prefect.runtime import flow_run
 
     # UI cancel (Cancelling) of a run no runner watches (a CLI call): stop the actors, end Cancelled.
-    watcher = CancellationWatcher(current_flow_run_id(), group.stop_all).start()
-    try:
+    with actors_running(group.stop_all) as watcher:
         reporting.stage("start-workers")
         start_workers_task(cfg, start)
         if cfg.debug.check_weight_update_equal and cfg.rollout.engine == "sglang":
@@ -134,24 +138,19 @@ def _train_loop(cfg: RunConfig, start: int, group: WorkerGroup, tracker: trackin
                                     "checkpoint on purpose; retry this flow run to resume it")
         if cfg.eval_every:
             reporting.stage("final eval")
-            final = eval_metrics(cfg, cfg.iterations)
+            final = eval_metrics(cfg, store, cfg.iterations)
             rows = reporting.read_metrics(cfg)
             rows[-1]["eval/final_accuracy"] = final["eval/accuracy"]
             rows[-1].update({k.replace("eval/", "eval/final_"): v for k, v in final.items() if "pass@" in k})
             reporting.write_metrics(cfg, rows)
             tracker.log(tracking.numeric_metrics({k: v for k, v in rows[-1].items() if k.startswith("eval/final_")}),
                         cfg.iterations)
-    except BaseException:
-        if watcher.cancelled:
-            return watcher.cancelled_state()
-        raise
-    finally:
-        watcher.stop()
-        group.stop_all()
+    if watcher.cancelled:
+        return watcher.cancelled_state()
     rows = reporting.read_metrics(cfg)
     plot = reporting.plot_rewards(cfg, rows)
     summary = summarize(cfg, rows, start)
-    reporting.publish_summary(cfg, summary, rows, plot, note=note)
+    reporting.publish_summary(cfg, store, summary, rows, plot, note=note)
     if tracker.active:
         tracker.log_file(plot if plot and tracking.local_store_root(cfg) else None)
         tracker.set_summary(summary)
@@ -164,9 +163,6 @@ def check_data_resume(cfg: RunConfig, start: int) -> dict:
     Raises `DataResumeMismatch` (before any actor starts) when resuming would continue at another
     sample than the interrupted run would have: changed data file, batch size, seed or shuffle.
     """
-    from rollflow.tasks.rollout.dataset import check_resume, data_state
-    from rollflow.tasks.train.checkpoint import load_checkpoint_meta
-
     current = data_state(cfg.data, start)
     saved = load_checkpoint_meta(cfg.store.root, cfg.run, start).get("data")
     check_resume(saved, current, start)

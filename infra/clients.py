@@ -1,6 +1,6 @@
 """Typed clients of the run's actors: one method per operation, typed arguments and results.
 
-flows/ talks to its Ray actors only through these (DESIGN.md section 3): "go to definition" lands on
+flows/ talks to its Ray actors only through these (docs/architecture.md section 6.3): "go to definition" lands on
 the operation and a type checker sees a typo, where a method name in a string failed at run time.
 Each method calls the actor method of the same name by attribute (`self.actor.rollout.remote(...)`).
 
@@ -9,7 +9,7 @@ Each method calls the actor method of the same name by attribute (`self.actor.ro
   result; the rest (checkpoint, weights, weight sync) ask rank 0, which holds the same state.
 - `EngineClient`: the rollout worker (tasks/rollout/worker.py:RolloutWorker). `abort`, `inflight` and
   `alive` run in the actor's control concurrency group, so they answer while a rollout runs.
-- `ServerClient`: one SGLang server actor (tasks/rollout/server_worker.py:SGLangServerWorker).
+- `ServerClient`: one SGLang server actor (tasks/rollout/sglang/server_worker.py:SGLangServerWorker).
 - `CriticClient`: the critic of advantage_estimator="ppo" (tasks/train/critic_worker.py:CriticWorker).
 
 Calls that another actor consumes, or that must overlap (weight sync), return `Pending[T]`: its `ref`
@@ -22,26 +22,34 @@ Placement, start, restart and stop live in the run's worker group (flows/group.p
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Generic, Literal, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Literal, Sequence, TypeVar
 
+from rollflow.infra import deadline
 from rollflow.infra.workers import CONTROL
+# The workers' results, defined where they are built (tasks/) and importable from here, beside the clients.
+from rollflow.tasks.rollout.results import EngineChecks, EngineDescription, ServerInfo, WeightOverwriteCheck
+from rollflow.tasks.train.results import BroadcastBucket, IpcBucket, TrainerDescription
 
 if TYPE_CHECKING:
     import torch
 
     from rollflow.artifacts.sample import Sample
+    from rollflow.artifacts.store import ArtifactRef
+    from rollflow.tasks.sync.probe import ProbeSpec
     from rollflow.tasks.train.critic import CriticEstimate
 
+__all__ = ["BroadcastBucket", "CriticClient", "EngineChecks", "EngineClient", "EngineDescription", "IpcBucket",
+           "Pending", "ServerClient", "ServerInfo", "TrainerClient", "TrainerDescription", "WeightOverwriteCheck",
+           "gather"]
+
 T = TypeVar("T")
-ArtifactRefDict = dict[str, Any]  # rollflow.artifacts.store.ArtifactRef.to_dict()
 WeightSyncMode = Literal["object_store", "disk", "tensor", "distributed"]
 ALIVE_TIMEOUT_S = 60.0
 
 
 def _get(ref: Any, timeout: float | None = None) -> Any:
-    import ray
-
-    return ray.get(ref, timeout=timeout)
+    # Every wait on an actor call: under a task's stall watch it fails a stuck call (infra/deadline.py).
+    return deadline.wait(ref, timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,87 +76,12 @@ def _ping(actor: Any, timeout: float | None = ALIVE_TIMEOUT_S) -> bool:
 def _alive(actor: Any) -> bool:
     try:
         return _ping(actor)
+    except deadline.StallError:
+        # The watch killed the actor and wrote its stacks: "not alive" would restart it silently, hiding the stall
+        # that the task must fail with (its retry then restarts the actor).
+        raise
     except Exception:  # noqa: BLE001 - any failure means "not usable"
         return False
-
-
-# -- results ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class EngineDescription:
-    """What the engine serves: backend ("hf", "sglang"), model and weight version."""
-
-    backend: str
-    model: str
-    weight_version: int
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineDescription:
-        return cls(backend=str(d["backend"]), model=str(d["model"]), weight_version=int(d["weight_version"]))
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerDescription:
-    """One trainer rank: its backend and data-parallel placement."""
-
-    backend: str
-    rank: int
-    world_size: int
-    dp_backend: str | None
-    sharded: bool = False  # no rank holds the whole state: weight reads and checkpoints involve every rank
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainerDescription:
-        return cls(backend=str(d["backend"]), rank=int(d["rank"]), world_size=int(d["world_size"]),
-                   dp_backend=d.get("dp_backend"), sharded=bool(d.get("sharded", False)))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineChecks:
-    """Engine-side checks after a sync: names (or `weight_version@url`) that disagree, and notes on
-    checks that could not run."""
-
-    mismatched: list[str]
-    notes: list[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightOverwriteCheck:
-    """The whole-tensor check (debug.check_weight_update_equal): did the sync overwrite every engine
-    tensor with exactly the trainer's bytes, per server."""
-
-    ok: bool
-    mismatched: list[str]
-    servers: list[dict[str, Any]]
-    summary: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class IpcBucket:
-    """One bucket of the tensor (CUDA IPC) path: a serialized payload per engine TP rank."""
-
-    payloads: list[str]
-    names: list[str]
-    nbytes: int
-    gpu: str | None = None  # the GPU the trainer rank made it on (its CUDA_VISIBLE_DEVICES), None without
-    last: bool = False  # the sync's last bucket
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerInfo:
-    """Where an SGLang server runs (for reports and tests)."""
-
-    index: int
-    url: str
-    pid: int | None
-    gpu_ids: list[str]
-    cuda_visible_devices: str | None
-    command: list[str]
-    log_path: str
-    host: str
-    node_ip: str
 
 
 # -- trainer ---------------------------------------------------------------------------------------------
@@ -168,11 +101,12 @@ class TrainerClient:
             self._sharded = len(self.ranks) > 1 and self.describe().sharded
         return self._sharded
 
-    def _on(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`method` on `rank`, or on every rank at once when the trainer is sharded (then `rank`'s result)."""
+    def _on(self, rank: int, call: Callable[[Any], Any]) -> Any:
+        """`call(actor)` (which starts one actor call: `lambda a: a.weight_checksums.remote(...)`) on `rank`, or on
+        every rank at once when the trainer is sharded (then `rank`'s result)."""
         if not self.sharded:
-            return _get(getattr(self.ranks[rank], method).remote(*args, **kwargs))
-        return _get([getattr(a, method).remote(*args, **kwargs) for a in self.ranks])[rank]
+            return _get(call(self.ranks[rank]))
+        return _get([call(a) for a in self.ranks])[rank]
 
     @property
     def actor(self) -> Any:
@@ -195,25 +129,27 @@ class TrainerClient:
         return _alive(self.actor)
 
     def describe(self, rank: int = 0) -> TrainerDescription:
-        return TrainerDescription.from_dict(_get(self.ranks[rank].describe.remote()))
+        return _get(self.ranks[rank].describe.remote())
 
     # training: every rank at once (collectives), rank 0's result
-    def load_artifact(self, ref: ArtifactRefDict) -> int:
+    def load_artifact(self, ref: ArtifactRef) -> int:
         """Load and checksum a rollout artifact ahead of `train_on_artifact`; its sample count."""
         return self._rank0_of_all([a.load_artifact.remote(ref) for a in self.ranks])
 
-    def train_on_artifact(self, ref: ArtifactRefDict, *, subsample: float | None = None,
+    def train_on_artifact(self, ref: ArtifactRef, *, subsample: float | None = None,
                           dump_uri: str | None = None, reward_key: str | None = None,
-                          critic: Pending[CriticEstimate] | None = None) -> dict[str, float]:
+                          critic: Pending[CriticEstimate] | None = None,
+                          record_uri: str | None = None) -> dict[str, float]:
         """Train on the artifact (each rank on its share); the global metrics. `reward_key`: the run's
         field of dict rewards (slime's --reward-key), over the samples' own. `critic` (ppo): the critic's
-        estimate for this artifact, still in flight; every rank receives it from the object store."""
+        estimate for this artifact, still in flight; every rank receives it from the object store.
+        `record_uri`: rank 0 writes the per-sample train records there (tasks/train/records.py)."""
         extra = {"critic": critic.ref} if critic is not None else {}
         return self._rank0_of_all([a.train_on_artifact.remote(ref, subsample=subsample, dump_uri=dump_uri,
-                                                              reward_key=reward_key, **extra)
+                                                              reward_key=reward_key, record_uri=record_uri, **extra)
                                    for a in self.ranks])
 
-    def replay_step(self, ref: ArtifactRefDict, *, start_state_uri: str | None, out_state_uri: str,
+    def replay_step(self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str,
                     subsample: float | None = None, dump_uri: str | None = None,
                     reward_key: str | None = None) -> dict[str, float]:
         """Train on a pinned artifact from a saved state (None: the initial one), save the result."""
@@ -249,10 +185,14 @@ class TrainerClient:
         return Pending(refs[0])
 
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
-        return self._on(0, "weight_prefixes", n, as_dtype)
+        return self._on(0, lambda a: a.weight_prefixes.remote(n, as_dtype))
 
     def weight_checksums(self, as_dtype: str | None = None, *, rank: int = 0) -> dict[str, str]:
-        return self._on(rank, "weight_checksums", as_dtype)
+        return self._on(rank, lambda a: a.weight_checksums.remote(as_dtype))
+
+    def score_probe(self, samples: list[Sample]) -> list[list[float]]:
+        """The post-sync probe's teacher-forced log-probs (rank 0's; every rank joins when sharded)."""
+        return self._on(0, lambda a: a.score_probe.remote(samples))
 
     # weight sync into SGLang engines (flows/weight_sync.py)
     # per-GPU tensor path: every engine TP rank takes the payload of the trainer rank on its own GPU
@@ -276,7 +216,7 @@ class TrainerClient:
         """The next bucket of each rank in `ranks` (every rank steps when sharded); `IpcBucket.last` on the last."""
         stepping = self._stepping(ranks)
         outs = dict(zip(stepping, _get([self.ranks[r].ipc_next.remote() for r in stepping])))
-        return {r: _ipc_bucket(outs[r]) for r in ranks}
+        return {r: outs[r] for r in ranks}
 
     def ipc_end_ranks(self, ranks: Sequence[int]) -> None:
         _get([self.ranks[r].ipc_end.remote() for r in self._stepping(ranks)])
@@ -291,21 +231,16 @@ class TrainerClient:
 
     def weight_buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
         """Start the broadcast path (rank 0 broadcasts; a sharded trainer's ranks make each bucket together)."""
-        self._on(0, "weight_buckets_begin", bucket_bytes, dtype)
+        self._on(0, lambda a: a.weight_buckets_begin.remote(bucket_bytes, dtype))
 
     def next_weight_bucket(self) -> tuple[list[dict[str, Any]], bool]:
         """The next bucket's tensors' metadata (name, dtype, shape) in broadcast order, and whether it is the last."""
-        out = self._on(0, "next_weight_bucket")
-        return list(out["metas"]), bool(out["last"])
+        bucket: BroadcastBucket = self._on(0, lambda a: a.next_weight_bucket.remote())
+        return list(bucket.metas), bucket.last
 
     def broadcast_weight_bucket(self, device: str | None = None) -> int:
         """Broadcast the bucket `next_weight_bucket` described to the weight-update group; bytes sent."""
         return _get(self.actor.broadcast_weight_bucket.remote(device))
-
-
-def _ipc_bucket(out: dict[str, Any]) -> IpcBucket:
-    return IpcBucket(payloads=list(out["payloads"]), names=list(out["names"]), nbytes=int(out["nbytes"]),
-                     gpu=out.get("gpu"), last=bool(out.get("last", False)))
 
 
 # -- critic (advantage_estimator="ppo") ------------------------------------------------------------------
@@ -321,7 +256,7 @@ class CriticClient:
     def alive(self) -> bool:
         return _alive(self.actor)
 
-    def estimate(self, ref: ArtifactRefDict, reward_key: str | None = None) -> Pending[CriticEstimate]:
+    def estimate(self, ref: ArtifactRef, reward_key: str | None = None) -> Pending[CriticEstimate]:
         """Old values + GAE advantages / returns of the artifact: pass it to `TrainerClient.train_on_artifact`."""
         return Pending(self.actor.estimate.remote(ref, reward_key))
 
@@ -349,7 +284,7 @@ class EngineClient:
         _get(self.actor.ping.remote())
 
     def describe(self) -> EngineDescription:
-        return EngineDescription.from_dict(_get(self.actor.describe.remote()))
+        return _get(self.actor.describe.remote())
 
     def weight_version(self) -> int:
         return int(_get(self.actor.weight_version.remote()))
@@ -403,16 +338,17 @@ class EngineClient:
         return _get(self.actor.weight_prefixes.remote(names, n))
 
     def engine_checks(self, weight_version: int) -> EngineChecks:
-        out = _get(self.actor.engine_checks.remote(weight_version))
-        return EngineChecks(mismatched=list(out["mismatched"]), notes=list(out["notes"]))
+        return _get(self.actor.engine_checks.remote(weight_version))
+
+    def probe(self, spec: ProbeSpec) -> list[Sample]:
+        """The post-sync probe's sequences, generated as rollouts are, with the engine's log-probs."""
+        return _get(self.actor.probe.remote(spec))
 
     def prepare_overwrite_check(self) -> None:
         _get(self.actor.prepare_overwrite_check.remote())
 
     def finish_overwrite_check(self) -> WeightOverwriteCheck:
-        out = _get(self.actor.finish_overwrite_check.remote())
-        return WeightOverwriteCheck(ok=bool(out["ok"]), mismatched=list(out["mismatched"]),
-                                    servers=list(out["servers"]), summary=str(out["summary"]))
+        return _get(self.actor.finish_overwrite_check.remote())
 
     # weight sync paths (flows/weight_sync.py)
     def weight_sync_mode(self) -> WeightSyncMode:
@@ -469,7 +405,7 @@ class ServerClient:
         return _get(self.actor.url.remote())
 
     def info(self) -> ServerInfo:
-        return ServerInfo(**_get(self.actor.info.remote()))
+        return _get(self.actor.info.remote())
 
     def poll(self) -> int | None:
         return _get(self.actor.poll.remote())

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollflow.tasks.net import free_port, node_ip
+
 Placement = Literal["colocate", "disaggregated"]
 COLOCATE_FRACTIONS = {"trainer": 0.4, "engine": 0.2}
 
@@ -115,6 +117,31 @@ def check_cluster(plan: PlacementPlan, cluster_resources: dict[str, float], gpu_
                              f"{gpu_resource}")
 
 
+def check_nodes(plan: PlacementPlan, nodes: list[dict[str, float]], labels: list[str] | None = None) -> None:
+    """The plan's bundles against each node's resources (`ray.nodes()` "Resources" of the alive nodes): a bundle
+    lives on one node, so a cluster whose totals suffice can still not place it (a pending-forever placement
+    group). First-fit decreasing; raises PlacementError naming what is missing, in seconds."""
+    if plan.empty:
+        return
+    free = [dict(n) for n in nodes]
+    names = labels or [f"node {i}" for i in range(len(nodes))]
+    for index, bundle in sorted(enumerate(plan.bundles), key=lambda b: -sum(b[1].values())):
+        for node in free:
+            if all(node.get(k, 0) >= v for k, v in bundle.items()):
+                for k, v in bundle.items():
+                    node[k] -= v
+                break
+        else:
+            biggest = {k: max((n.get(k, 0) for n in nodes), default=0) for k in bundle}
+            short = ", ".join(f"{k} {v:g} (largest node has {biggest[k]:g})" for k, v in bundle.items()
+                              if biggest[k] < v)
+            have = "; ".join(f"{lbl}: " + ", ".join(f"{k} {n.get(k, 0):g}" for k in bundle)
+                             for lbl, n in zip(names, nodes))
+            why = f"no node has {short}" if short else "the nodes' free resources run out (bundles do not pack)"
+            raise PlacementError(f"placement group of {plan.needed} bundles {plan.bundles[0]} cannot be placed: bundle "
+                                 f"{index} needs {bundle}, {why} ({have}); {plan.arithmetic}")
+
+
 def create_placement_group(plan: PlacementPlan, *, name: str | None = None, strategy: str = "PACK",
                            timeout_s: float = 60.0, gpu_resource: str = "GPU"):
     """Reserve the plan's bundles in the running Ray cluster (None for a CPU plan)."""
@@ -124,6 +151,8 @@ def create_placement_group(plan: PlacementPlan, *, name: str | None = None, stra
     if plan.empty:
         return None
     check_cluster(plan, ray.cluster_resources(), gpu_resource)
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    check_nodes(plan, [n.get("Resources", {}) for n in alive], [n.get("NodeManagerAddress", "?") for n in alive])
     pg = placement_group(plan.bundles, strategy=strategy, name=name or "")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -162,8 +191,6 @@ class _GpuProbe:
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it now (a rendezvous point for processes placed here)."""
-        from rollflow.tasks.net import free_port, node_ip
-
         return node_ip(), free_port()
 
 

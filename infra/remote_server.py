@@ -1,4 +1,4 @@
-"""`RemoteServer`: an SGLang server run by its own Ray actor (tasks/rollout/server_worker.py), seen
+"""`RemoteServer`: an SGLang server run by its own Ray actor (tasks/rollout/sglang/server_worker.py), seen
 through the interface `SGLangEngine` uses for a local `SGLangServer` (url, poll, alive, check_alive,
 log_tail, stop). Picklable: the rollout worker actor receives a list of these.
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from rollflow.tasks.rollout.sglang.server import EngineDiedError
 
 ACTOR_GONE = -255  # poll() of a server whose actor is gone (no exit code to report)
 
@@ -37,8 +39,6 @@ class RemoteServer:
 
     def check_alive(self, during: str = "rollout") -> None:
         from ray.exceptions import RayTaskError
-
-        from rollflow.tasks.rollout.sglang_server import EngineDiedError
 
         try:
             self._get(self.actor.check_alive.remote(during))

@@ -360,7 +360,7 @@ class FakeSGLang:
                 return 200, self.own.payload(payload["data"], load_format=payload.get("load_format"),
                                              visible_uuids=payload.get("visible_uuids"))
             if path == "/_fake/own/parser_flags":
-                from rollflow.tasks.rollout.sglang_flags import live_parser_flags
+                from rollflow.tasks.rollout.sglang.flags import live_parser_flags
 
                 return 200, live_parser_flags()
             if path == "/_fake/own/version":
@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fake-sglang: refusing host {args.host}: loopback only", flush=True)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from rollflow.tasks.rollout.sglang_flags import check_flag
+    from rollflow.tasks.rollout.sglang.flags import check_flag
 
     for item in extra:  # the rest must be real SGLang flags (values pass through)
         if item.startswith("--"):

@@ -16,7 +16,7 @@ import time
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from rollflow.flows.cancellation import CancellationWatcher, current_flow_run_id, stop_actors
+from rollflow.flows.prefect_ops.cancellation import CancellationWatcher, current_flow_run_id, stop_actors
 
 
 def announce() -> None:

@@ -81,7 +81,7 @@ def test_trainer_tokens_are_engine_outputs_plus_tool_tokens(engine_and_tokenizer
 
 def test_sglang_engine_through_the_same_client(engine_and_tokenizer):
     """Token ids in, token ids + log-probs out over SGLang's /generate (the fake server of the contract tests)."""
-    from rollflow.tasks.rollout.sglang_engine import SGLangEngine
+    from rollflow.tasks.rollout.sglang.engine import SGLangEngine
     from tests.fake_sglang_server import FakeSGLang
 
     _, tok = engine_and_tokenizer

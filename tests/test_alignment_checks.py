@@ -9,7 +9,7 @@ import pytest
 
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.debug.alignment import CHECK_NAMES, alignment_workers, run_alignment, run_alignment_local
-from rollflow.tasks.checks import AlignmentReport, AlignmentThresholds, CheckResult, worst
+from rollflow.tasks.debug.checks import AlignmentReport, AlignmentThresholds, CheckResult, worst
 from rollflow.tasks.debug.faults import AlignmentFaults
 from rollflow.tasks.model.tokenizer import CharTokenizer
 from rollflow.tasks.debug.coherence import printable_units, repetition_fraction
@@ -184,7 +184,7 @@ def test_cli_align_local(cfg, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from rollflow.flows.cli_align import register
+    from rollflow.flows.cli.align import register
 
     app = typer.Typer()
     register(app)

@@ -30,8 +30,7 @@ def test_nightly_deployment_registers_and_its_run_publishes_the_report(tmp_path,
     from prefect import get_client
     from prefect.artifacts import Artifact
 
-    from rollflow.flows.alignment import register_nightly
-    from rollflow.flows.deployments import alignment_check
+    from rollflow.flows.alignment import alignment_check, register_nightly
 
     cfg = small_config(tmp_path, run="nightly-t")
     dep_id = register_nightly("0 2 * * *", cfg)
@@ -108,7 +107,7 @@ def test_prefect_yaml_declares_the_nightly_deployment():
     assert dep["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
     flow = load_flow_from_entrypoint(dep["entrypoint"])  # a module path of the installed package
     assert flow.name == "alignment_check"
-    from rollflow.flows.deployments import AlignmentParams, to_run_config
+    from rollflow.flows.params import AlignmentParams, to_run_config
 
     # the default parameters are a valid config
     assert to_run_config(AlignmentParams.model_validate(dep["parameters"]["params"])).run == "nightly"
@@ -119,7 +118,7 @@ def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
     from prefect import get_client
     from typer.testing import CliRunner
 
-    from rollflow.flows.cli_align import register
+    from rollflow.flows.cli.align import register
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # use the session's API, start no server
     app = typer.Typer()

@@ -50,8 +50,8 @@ def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
 
 
 def learning_config(root, run: str, iterations: int, staleness: int):
-    # The demo recipe (DESIGN.md section 8: 256 prompts x 8 samples, 8 optimizer steps); smaller batches show no
-    # clear gain in a few iterations.
+    # The demo recipe (docs/architecture.md section 10: 256 prompts x 8 samples, 8 optimizer steps); smaller
+    # batches show no clear gain in a few iterations.
     from rollflow.flows.config import RunConfig
 
     return RunConfig.model_validate({"run": run, "iterations": iterations, "store": {"root": str(root)},
@@ -79,7 +79,8 @@ def test_async_generate_next_overlaps_train_and_run_learns(tmp_path, prefect_api
     assert len(trains) == 5 and len(nexts) == 5  # rollout 0 in iteration 1, rollouts 1-4 beside trains 0-3
     for r in range(4):
         assert overlap_s([trains[r]], [nexts[r + 1]]) > 0.05, (r, trains[r], nexts[r + 1])
-    # it learns: the later rollouts' mean reward is above the first ones' (a run at lr 0 stays flat, DESIGN.md s8)
+    # it learns: the later rollouts' mean reward is above the first ones' (a run at lr 0 stays flat,
+    # docs/architecture.md section 10)
     rewards = [row["rollout/raw_reward"] for row in rows]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.02, rewards
 

@@ -8,7 +8,8 @@ import torch
 
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
-from rollflow.tasks.train.checkpoint import distributed_payload, hf_weights_of_checkpoint
+from rollflow.tasks.train.checkpoint import distributed_payload
+from rollflow.tasks.train.checkpoint_weights import hf_weights_of_checkpoint
 from rollflow.tasks.train.settings import OptimConfig
 from rollflow.tasks.train.worker import build_backend
 

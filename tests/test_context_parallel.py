@@ -1,5 +1,5 @@
-"""Context parallel layout (tasks/train/context_parallel.py): Megatron's zigzag chunks, the gather order, and the
-two-chunk causal attention against plain causal SDPA over the whole sequence. Multi-rank equality with one rank
+"""Context parallel layout (tasks/train/megatron/context_parallel.py): Megatron's zigzag chunks, the gather order,
+and the two-chunk causal attention against plain causal SDPA over the whole sequence. Multi-rank equality with one rank
 (loss, grads, log-probs) is in tests/test_megatron_parallel.py (cp2 layouts)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollflow.tasks.train import context_parallel as cpl
+from rollflow.tasks.train.megatron import context_parallel as cpl
 
 
 def test_zigzag_chunks_are_megatrons():

@@ -181,7 +181,7 @@ def ppo_artifact(tmp_path_factory):
     ref = RolloutStore(root).write("ppo", "train", 0, samples, n_samples_per_prompt=4,
                                    engine=EngineInfo(backend="hf", model="builtin:addition", weight_version=0),
                                    config_hash="test")
-    return root, ref.to_dict()
+    return root, ref
 
 
 def _ppo_settings(**algo):

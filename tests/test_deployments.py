@@ -30,7 +30,8 @@ def test_each_flow_has_a_form_of_what_it_reads():
     from prefect.utilities.callables import parameter_schema
 
     from rollflow.flows.config import RunConfig
-    from rollflow.flows.deployments import PARAMS_MODELS, SECTIONS, entry_flows, to_run_config
+    from rollflow.flows.params import PARAMS_MODELS, SECTIONS, to_run_config
+    from rollflow.flows.prefect_ops.deployments import entry_flows
 
     flows = entry_flows()
     assert set(flows) == FLOWS
@@ -52,7 +53,7 @@ def test_prefect_yaml_and_worker_use_distinct_names():
     import yaml
     from prefect.flows import load_flow_from_entrypoint
 
-    from rollflow.flows.deployments import NIGHTLY, POOL, SERVED
+    from rollflow.flows.prefect_ops.deployments import NIGHTLY, POOL, SERVED
 
     project = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
     deps = project["deployments"]
@@ -163,7 +164,7 @@ def _logs(flow_run_id) -> str:
 
 def _params(flow_name: str, run: str, root: Path, **extra) -> dict:
     """A flow's form: only the sections it has (the server validates runs against the deployment's schema)."""
-    from rollflow.flows.deployments import SECTIONS
+    from rollflow.flows.params import SECTIONS
 
     small = {k: v for k, v in SMALL.items() if k in SECTIONS[flow_name]}
     return {"run": run, "store": {"root": str(root)}, **small, **extra}
@@ -249,7 +250,7 @@ def test_nightly_schedule_and_alert_survive_a_worker_restart(prefect_server, tmp
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from rollflow.flows.deployments import NIGHTLY
+    from rollflow.flows.prefect_ops.deployments import NIGHTLY
     from rollflow.infra.automations import alert_name
 
     nightly = ("alignment_check", NIGHTLY)
@@ -277,7 +278,8 @@ def test_automations_command_after_prefect_deploy(prefect_server, monkeypatch):
     from typer.testing import CliRunner
 
     from rollflow.flows.cli import app
-    from rollflow.flows.deployments import NIGHTLY_POOL, alignment_check
+    from rollflow.flows.alignment import alignment_check
+    from rollflow.flows.prefect_ops.deployments import NIGHTLY_POOL
     from rollflow.infra.automations import CRASH_AUTOMATION, alert_name
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_server)

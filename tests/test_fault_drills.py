@@ -73,16 +73,16 @@ def _mutate(root: str, rel: str, change) -> None:
 
 @pytest.mark.slow
 def test_drill1_engine_killed_mid_rollout_task_retry_restarts_it(any_root, prefect_api, ray_local, monkeypatch):
-    import rollflow.tasks.rollout.worker as worker_module
+    import rollflow.flows.group as group_module
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
     from tests.drill_workers import CRASH_ROLLOUT_ID, CrashOnceRolloutWorker, drill_files
 
     run = f"drill1-{uuid.uuid4().hex[:8]}"
     marker, pid_log = drill_files(run)
-    # rollflow.flows.group.start_engine imports the class at call time: the engine (and its restart) is the
+    # rollflow.flows.group.start_engine starts the class its module names: the engine (and its restart) is the
     # crashing subclass. Two generation batches per rollout, so the crash lands between them.
-    monkeypatch.setattr(worker_module, "RolloutWorker", CrashOnceRolloutWorker)
+    monkeypatch.setattr(group_module, "RolloutWorker", CrashOnceRolloutWorker)
     cfg = small_config(any_root, run=run, iterations=2, rollout={"max_batch_size": 64})
     try:
         summary = rl_train(cfg)
@@ -229,11 +229,12 @@ class _StubEngine:
 def _persist_flow():
     from prefect import flow
 
+    from rollflow.artifacts.store import RolloutStore
     from rollflow.flows.iteration import persist_task
 
     @flow(name="drill-persist")
     def drill_persist(cfg, samples, delays):
-        return persist_task.with_options(retry_delay_seconds=delays)(cfg, 0, samples)
+        return persist_task.with_options(retry_delay_seconds=delays)(cfg, RolloutStore(cfg.store.root), 0, samples)
 
     return drill_persist
 
@@ -342,7 +343,7 @@ def test_drill3_trainer_load_retries_but_a_train_step_never_does(prefect_api, mo
                 raise down
             return 128
 
-        def train_on_artifact(self, ref, *, dump_uri=None):
+        def train_on_artifact(self, ref, *, dump_uri=None, record_uri=None):
             calls.append("train_on_artifact")
             raise down  # e.g. the dump write after the optimizer step
 
@@ -354,7 +355,9 @@ def test_drill3_trainer_load_retries_but_a_train_step_never_does(prefect_api, mo
         assert fast_load(cfg, ref) == 128
         return iteration.train_task(cfg, ref)
 
-    ref = {"root": "s3://b/r", "run": "t", "split": "train", "rollout_id": 0}
+    from rollflow.artifacts.store import ArtifactRef
+
+    ref = ArtifactRef("s3://b/r", "t", "train", 0)
     state = load_then_train(small_config("s3://b/r"), ref, return_state=True)
     assert state.is_failed() and isinstance(state.result(raise_on_failure=False), StorageUnavailable)
     assert calls == ["load_artifact", "load_artifact", "train_on_artifact"]
@@ -660,7 +663,7 @@ def test_drill7_preflight_fails_rl_train_before_any_actor(s3_endpoint, prefect_a
 def test_secrets_are_redacted_and_retry_conditions_classify(monkeypatch):
     from prefect.states import Failed
 
-    from rollflow.flows.retrying import retry_if_transient, retry_unless_permanent
+    from rollflow.flows.prefect_ops.retrying import retry_if_transient, retry_unless_permanent
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_AWS_SECRET)
     assert redact(f"sig for {TEST_AWS_SECRET} failed") == "sig for *** failed"

@@ -18,13 +18,12 @@ FAKE = "fake_gpu"
 
 
 def _use_recording_workers(monkeypatch):
-    import rollflow.tasks.rollout.worker as worker_module
-    import rollflow.tasks.train.worker as train_module
+    import rollflow.flows.group as group_module
     from tests.drill_workers import RecordingRolloutWorker, RecordingTrainWorker
 
-    # rollflow.flows.group imports both classes at call time: the actors (and restarts) are the recording ones.
-    monkeypatch.setattr(worker_module, "RolloutWorker", RecordingRolloutWorker)
-    monkeypatch.setattr(train_module, "TrainWorker", RecordingTrainWorker)
+    # the names rollflow.flows.group starts its actors from: the actors (and restarts) are the recording ones.
+    monkeypatch.setattr(group_module, "RolloutWorker", RecordingRolloutWorker)
+    monkeypatch.setattr(group_module, "TrainWorker", RecordingTrainWorker)
 
 
 def _calls(run: str) -> list[str]:

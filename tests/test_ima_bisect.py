@@ -341,7 +341,7 @@ def test_cli_registers_bisect_and_rejects_a_bad_toggle(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from rollflow.flows.cli_bisect import register
+    from rollflow.flows.cli.bisect import register
 
     app = typer.Typer()
     register(app)

@@ -22,8 +22,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollflow.tasks.rollout import sglang_engine
+from rollflow.tasks.rollout.sglang import payloads as sglang_payloads
 from rollflow.tasks.sync import ipc
+from rollflow.tasks.sync.buckets import buckets_by_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -118,7 +119,7 @@ def test_view_of_large_storage_travels_compactly():
 
 def test_sglang_engine_serializer_delegates():
     named = _sample_tensors()
-    payload = sglang_engine.serialize_named_tensors(named)
+    payload = sglang_payloads.serialize_named_tensors(named)
     assert not any("rebuild_storage" in g for g in _globals(payload))
     _assert_same(named, ipc.deserialize_named_tensors(payload))
 
@@ -168,7 +169,7 @@ def test_ipc_buckets_follow_the_engine_bucketing_rule():
     sizes = [10, 10, 30, 5, 5, 20, 1]  # fp32 elements: 40, 40, 120, 20, 20, 80, 4 bytes
     named = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes)]
     buckets = list(ipc.ipc_buckets(named, 80, tp_size=2))
-    expected = [[n for n, _ in b] for b in sglang_engine.buckets_by_bytes(named, 80)]
+    expected = [[n for n, _ in b] for b in buckets_by_bytes(named, 80)]
     assert [b.names for b in buckets] == expected
     assert expected == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"], ["t6"]]
     assert [b.nbytes for b in buckets] == [80, 120, 40, 80, 4]

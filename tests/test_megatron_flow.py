@@ -37,14 +37,14 @@ def _config(tmp_path, run: str, iterations: int, tp: int = 2, **extra):
 
 
 def test_tensor_parallel_trainer_trains_syncs_checkpoints_and_resumes(tmp_path, prefect_api, ray_local, monkeypatch):
-    import rollflow.tasks.train.worker as train_module
+    import rollflow.flows.group as group_module
     from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
     from rollflow.tasks.train.checkpoint import checkpoint_dir, list_checkpoints
     from tests.drill_workers import CpuMegatronTrainWorker
 
-    monkeypatch.setattr(train_module, "TrainWorker", CpuMegatronTrainWorker)
+    monkeypatch.setattr(group_module, "TrainWorker", CpuMegatronTrainWorker)
     run = f"mtp-{uuid.uuid4().hex[:8]}"
     cfg = _config(tmp_path, run, iterations=2)
     rl_train(cfg)
@@ -98,13 +98,13 @@ def test_tensor_parallel_trainer_syncs_sglang_engines_by_tensor_and_broadcast(mo
     the weights, rank 0 broadcasts every bucket to the engines' group (gloo); `tensor` - trainer rank r feeds engine
     r, each from its own gathered copy. The startup weight check and the parity after each sync read every tensor
     back from both servers."""
-    import rollflow.tasks.train.worker as train_module
+    import rollflow.flows.group as group_module
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
     from tests.drill_workers import CpuMegatronTrainWorker
     from tests.test_sglang_contract import fake_launcher
 
-    monkeypatch.setattr(train_module, "TrainWorker", CpuMegatronTrainWorker)
+    monkeypatch.setattr(group_module, "TrainWorker", CpuMegatronTrainWorker)
     run = f"mtp-sg-{mode}-{uuid.uuid4().hex[:6]}"
     cfg = small_config(
         tmp_path, run=run, iterations=2, eval_every=0, data={"prompts_per_rollout": 4},

@@ -1,4 +1,4 @@
-"""The megatron TrainBackend against the torch backend (tasks/train/megatron_backend.py).
+"""The megatron TrainBackend against the torch backend (tasks/train/megatron/backend.py).
 
 On a CUDA machine with megatron-core these run on the GPU (bf16, Megatron's optimizer); where
 megatron-core is installed without CUDA (Python >= 3.12 dev boxes) the CPU path runs (sdpa spec, torch
@@ -82,7 +82,7 @@ def _optim(backend: str, device: str, dtype: str) -> OptimConfig:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_log_probs_match_hf(device, kind):
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = _config(kind)
     hf = _hf(config)
@@ -103,7 +103,7 @@ def test_log_probs_match_hf(device, kind):
 @needs_megatron
 @pytest.mark.parametrize("device", DEVICES)
 def test_step1_exact_and_weight_sync(device):
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = _config("qwen2")
     hf = _hf(config)
@@ -135,7 +135,7 @@ def test_step1_exact_and_weight_sync(device):
 def test_nan_gradient_skips_the_step_and_keeps_the_weights(device):
     """A NaN gradient (here injected by a hook) must not reach the weights: on CUDA Megatron's optimizer only
     checks for inf under fp16 loss scaling, so the backend looks at the reduced grads first."""
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = _config("qwen2")
     state = {k: v.detach().clone() for k, v in _hf(config).state_dict().items()}
@@ -155,7 +155,7 @@ def test_nan_gradient_skips_the_step_and_keeps_the_weights(device):
 
 @pytest.mark.skipif(HAVE_MEGATRON, reason="megatron-core is installed: the missing-package message cannot show")
 def test_missing_megatron_is_a_clear_error():
-    from rollflow.tasks.train.megatron_backend import MegatronMissing
+    from rollflow.tasks.train.megatron.process import MegatronMissing
     from rollflow.tasks.train.worker import build_backend
 
     with pytest.raises(MegatronMissing, match=r"pip install 'rollflow\[megatron\]'.*Python >= 3.12"):
@@ -165,7 +165,7 @@ def test_missing_megatron_is_a_clear_error():
 @pytest.mark.parametrize("impl", ["chunked", "compiled"])
 def test_fused_log_probs_match_log_softmax(impl):
     """The log-prob / entropy kernels (no megatron needed): values and gradients, vocab padding ignored."""
-    from rollflow.tasks.train.fused_ops import token_log_probs
+    from rollflow.tasks.train.megatron.fused_ops import token_log_probs
     from rollflow.tasks.train.losses import entropy_from_logits
 
     torch.manual_seed(0)
@@ -191,7 +191,7 @@ def test_fused_log_probs_match_log_softmax(impl):
 
 
 def test_compiled_rope_matches_rotate_half():
-    from rollflow.tasks.train.fused_ops import rope_sbhd
+    from rollflow.tasks.train.megatron.fused_ops import rope_sbhd
 
     torch.manual_seed(0)
     s, b, h, d = 6, 2, 3, 8
@@ -216,7 +216,7 @@ def test_compiled_rope_matches_rotate_half():
 def test_offload_frees_the_gpu_and_onload_resumes_exactly(distributed_optimizer, dtype):
     """Colocated placement: offload() moves weights, grad buffers and optimizer state (Adam moments, fp32 masters)
     to the host and frees them on the GPU; onload() brings every tensor back bit for bit, and training goes on."""
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = _config("llama")
     state = {k: v.detach().clone() for k, v in _hf(config).state_dict().items()}
@@ -267,7 +267,7 @@ def test_packed_rows_equal_padded_rows_on_gpu(kind):
     """packing='thd' (rows end to end, per-row SDPA and RoPE) gives the padded layout's log-probs, loss and grad
     norm on the GPU (fp32), with the CUDA defaults (compiled log-probs; the compiled RoPE is sbhd-only, so the
     packed model takes Megatron's per-row RoPE)."""
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
 
     config = _config(kind)
     state = {k: v.detach().clone() for k, v in _hf(config).state_dict().items()}
@@ -296,7 +296,7 @@ def test_packed_rope_equals_megatrons_per_row_rope():
     rows of uneven length and a padding segment."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 
-    from rollflow.tasks.train.fused_ops import rope_thd
+    from rollflow.tasks.train.megatron.fused_ops import rope_thd
 
     class _OneRank:  # megatron-core's thd RoPE asks its cp group for size and rank
         def size(self):
@@ -329,7 +329,7 @@ def test_packed_rope_under_context_parallel_equals_megatrons(cp_rank):
     `cu`), against megatron-core's own context-parallel thd RoPE."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 
-    from rollflow.tasks.train.fused_ops import rope_thd
+    from rollflow.tasks.train.megatron.fused_ops import rope_thd
 
     class _Rank:
         def size(self):
@@ -359,7 +359,7 @@ def test_packed_rope_under_context_parallel_equals_megatrons(cp_rank):
 def test_varlen_attention_equals_per_row_sdpa_in_bf16():
     """The packed layout's one variable-length flash call against one causal SDPA per row (bf16, GQA, rows of
     uneven length and a padding segment): outputs and gradients to bf16 round-off."""
-    from rollflow.tasks.train.megatron_backend import varlen_causal_attention
+    from rollflow.tasks.train.megatron.attention import varlen_causal_attention
 
     attend = varlen_causal_attention()
     if attend is None:

@@ -133,7 +133,7 @@ def _reference(kind: str):
 
 def _vocab_parallel_check(rank: int, device: torch.device) -> dict:
     """vocab_parallel_log_probs over the 2-rank group: values and logit grads, to compare with one rank."""
-    from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
+    from rollflow.tasks.train.megatron.vocab_parallel import vocab_parallel_log_probs
 
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 5, 2 * 40, generator=g, dtype=torch.float64) * 3  # vocab 70 real + 10 padding
@@ -153,7 +153,8 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
     from megatron.core import parallel_state
 
     from rollflow.tasks.train.data_parallel import DataParallel
-    from rollflow.tasks.train.megatron_backend import MegatronBackend, destroy_parallel_state
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
+    from rollflow.tasks.train.megatron.process import destroy_parallel_state
     from rollflow.tasks.train.settings import OptimConfig
 
     from tests.megatron_cpu_shim import cpu_megatron
@@ -321,7 +322,7 @@ def test_every_rank_learns_of_a_nan_in_any_rank_shard(parallel_run):
 
 def test_vocab_parallel_equals_one_rank(parallel_run):
     """Rank 0's shard of the TP=2 computation against the full-vocabulary one-rank computation."""
-    from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
+    from rollflow.tasks.train.megatron.vocab_parallel import vocab_parallel_log_probs
 
     got = parallel_run[1]["vocab_parallel"]
     full = got["logits"].clone().requires_grad_(True)
@@ -335,7 +336,7 @@ def test_vocab_parallel_equals_one_rank(parallel_run):
 def test_full_recompute_runs_in_train_mode_and_changes_nothing():
     """Megatron's full recompute reruns each layer's forward in backward, only in train mode (the old backend
     trained in eval(), which silently turned it off); the step is the same with and without it."""
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.settings import OptimConfig
 
     from tests.megatron_cpu_shim import cpu_megatron
@@ -359,7 +360,7 @@ def test_full_recompute_runs_in_train_mode_and_changes_nothing():
 def test_lr_warmup_follows_megatrons_scheduler():
     """Megatron's OptimizerParamScheduler drives the LR: linear warmup from 0 over lr_warmup_steps optimizer steps
     (as in Megatron-LM, the first step runs at the warmup's start value)."""
-    from rollflow.tasks.train.megatron_backend import MegatronBackend
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.settings import OptimConfig
 
     from tests.megatron_cpu_shim import cpu_megatron
@@ -385,8 +386,9 @@ def test_packed_micro_batches_hold_only_real_tokens():
     """packing='thd': each micro-batch is its rows' real tokens end to end ([1, sum of lengths], positions
     restarting per row, cu_seqlens at the row bounds); every attention call sees one row; the log-probs equal the
     HF reference's. A token budget counts real tokens, not rows x longest row."""
-    from rollflow.tasks.train.megatron_backend import MegatronBackend, destroy_parallel_state
-    from rollflow.tasks.train.megatron_schedule import token_budget_micro_batches
+    from rollflow.tasks.train.megatron.backend import MegatronBackend
+    from rollflow.tasks.train.megatron.process import destroy_parallel_state
+    from rollflow.tasks.train.megatron.schedule import token_budget_micro_batches
     from rollflow.tasks.train.settings import OptimConfig
 
     from tests.megatron_cpu_shim import cpu_megatron

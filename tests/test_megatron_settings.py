@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.tasks.train.megatron_schedule import schedule_loss_scale
+from rollflow.tasks.train.megatron.schedule import schedule_loss_scale
 from rollflow.tasks.train.settings import MegatronSettings
 
 
@@ -81,7 +81,7 @@ def test_token_budget_micro_batches_cut_by_rows_times_longest_row():
     import torch
 
     from rollflow.tasks.train.batch import TrainBatch
-    from rollflow.tasks.train.megatron_schedule import token_budget_micro_batches
+    from rollflow.tasks.train.megatron.schedule import token_budget_micro_batches
 
     lengths, width = [5, 3, 8, 2, 2, 2, 9], 10
     mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])

@@ -268,7 +268,7 @@ def test_retokenize_agreement_tells_language_from_arbitrary_ids():
     import random
 
     from rollflow.artifacts.sample import Sample
-    from rollflow.tasks.checks import AlignmentThresholds
+    from rollflow.tasks.debug.checks import AlignmentThresholds
     from rollflow.tasks.debug.coherence import coherence_check, response_stats, retokenize_agreement
     from tests.hf_fixtures import CORPUS, build_bpe_tokenizer
 

@@ -76,7 +76,7 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
     import typer
     from typer.testing import CliRunner
 
-    from rollflow.flows.cli_tools import register
+    from rollflow.flows.cli.tools import register
 
     app = typer.Typer()
     register(app)

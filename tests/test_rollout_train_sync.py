@@ -51,7 +51,7 @@ def test_engine_groups_statuses_and_logprobs(engine_worker, backend):
         else:
             assert s.response_length == engine_worker.rollout_cfg.max_new_tokens
     # Engine log-probs are the sampling distribution's: equal to the trainer's teacher-forced ones
-    # up to fp32 noise from different sequence lengths (DESIGN.md section 8).
+    # up to fp32 noise from different sequence lengths (docs/architecture.md section 10).
     result = train_on_samples(backend, samples, AlgoConfig(), group_size=4)
     assert result.metrics["train/train_rollout_logprob_abs_diff"] < 1e-4
 

@@ -11,7 +11,7 @@ def test_second_run_of_a_name_is_refused_while_the_first_holds_it(prefect_api, t
 
     from rollflow.flows.config import RunConfig
     from rollflow.flows.debug import rollout_only
-    from rollflow.flows.run_lock import RunBusy, exclusive_run, limit_name
+    from rollflow.flows.prefect_ops.run_lock import RunBusy, exclusive_run, limit_name
 
     cfg = RunConfig(run="busy-run", store={"root": str(tmp_path)})
     with exclusive_run("busy-run"):  # the first run of this name is active
@@ -40,7 +40,7 @@ def test_a_killed_holder_is_reclaimed_at_once(prefect_api, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom rollflow.flows.run_lock import exclusive_run\n"
+        [sys.executable, "-c", "import sys, time\nfrom rollflow.flows.prefect_ops.run_lock import exclusive_run\n"
                                "with exclusive_run('killed-run'):\n    print('HELD', flush=True)\n    time.sleep(600)\n"],
         env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, stdout=subprocess.PIPE, text=True)
     try:
@@ -48,7 +48,7 @@ def test_a_killed_holder_is_reclaimed_at_once(prefect_api, tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-    from rollflow.flows.run_lock import exclusive_run
+    from rollflow.flows.prefect_ops.run_lock import exclusive_run
 
     started = time.monotonic()
     with exclusive_run("killed-run", wait_s=0):  # wait_s=0: only a reclaim can get it

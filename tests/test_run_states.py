@@ -213,7 +213,7 @@ def test_ui_cancel_of_a_cli_run_ends_cancelled_and_stops_its_actors(server, ray_
             time.sleep(1)
         assert run_actors()
         with get_client(sync_client=True) as client:
-            name = "cancel-cli" if command == "train" else f"cancel-cli/{command}"  # flows/naming.py
+            name = "cancel-cli" if command == "train" else f"cancel-cli/{command}"  # flows/prefect_ops/naming.py
             [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
             assert run.state.name == "Running"
             client.set_flow_run_state(run.id, Cancelling(), force=False)  # the UI's Cancel button

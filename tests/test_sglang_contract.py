@@ -20,17 +20,8 @@ import pytest
 import torch
 
 from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
-from rollflow.tasks.rollout.sglang_engine import (
-    EndpointPool,
-    SGLangEngine,
-    SGLangRequestError,
-    finish_reason_of,
-    generate_payload,
-    output_from_response,
-    sampling_params_payload,
-    write_hf_checkpoint,
-)
-from rollflow.tasks.rollout.sglang_flags import (
+from rollflow.tasks.rollout.sglang.engine import EndpointPool, SGLangEngine
+from rollflow.tasks.rollout.sglang.flags import (
     FlagSpec,
     UnknownSGLangFlag,
     args_to_argv,
@@ -39,7 +30,15 @@ from rollflow.tasks.rollout.sglang_flags import (
     load_flags,
     rewrite_cli_args,
 )
-from rollflow.tasks.rollout.sglang_server import (
+from rollflow.tasks.rollout.sglang.hf_checkpoint import write_hf_checkpoint
+from rollflow.tasks.rollout.sglang.payloads import (
+    SGLangRequestError,
+    finish_reason_of,
+    generate_payload,
+    output_from_response,
+    sampling_params_payload,
+)
+from rollflow.tasks.rollout.sglang.server import (
     INSTALL_HINT,
     EngineDiedError,
     LaunchSpec,
@@ -223,7 +222,7 @@ def test_launch_command_for_a_config():
 
 
 def test_missing_sglang_is_a_clear_error_at_use_time_only(tmp_path, monkeypatch):
-    import rollflow.tasks.rollout.sglang_server as sglang_server
+    import rollflow.tasks.rollout.sglang.server as sglang_server
     from rollflow.tasks.rollout.settings import RolloutConfig
     from rollflow.tasks.rollout.worker import build_engine
 

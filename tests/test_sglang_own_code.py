@@ -28,9 +28,10 @@ import pytest
 import torch
 
 from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
-from rollflow.tasks.rollout.sglang_engine import SGLangEngine, SGLangRequestError
-from rollflow.tasks.rollout.sglang_weights_check import finish_overwrite_check, prepare_overwrite_check
-from rollflow.tasks.rollout.sglang_server import LaunchSpec, SGLangServer, free_port, launch_command
+from rollflow.tasks.rollout.sglang.engine import SGLangEngine
+from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError
+from rollflow.tasks.rollout.sglang.server import LaunchSpec, SGLangServer, free_port, launch_command
+from rollflow.tasks.rollout.sglang.weights_check import finish_overwrite_check, prepare_overwrite_check
 from rollflow.tasks.sync import ipc
 from tests.fake_sglang_server import ENDPOINTS
 from tests.sglang_own_code import SGLANG_VERSION, tensor_sha
@@ -87,7 +88,7 @@ def _configs():
 
 
 def test_every_command_line_rollflow_builds_parses_with_sglangs_parser(own):
-    from rollflow.tasks.rollout.server_worker import launch_spec_for
+    from rollflow.tasks.rollout.sglang.from_config import launch_spec_for
 
     seen = 0
     for cfg in _configs():
@@ -109,12 +110,12 @@ def test_every_command_line_rollflow_builds_parses_with_sglangs_parser(own):
 
 
 def test_committed_flag_list_is_sglangs_parser(own):
-    """tasks/rollout/sglang_flags.txt (what config validation checks passthrough flags against) is exactly
+    """tasks/rollout/sglang/flags.txt (what config validation checks passthrough flags against) is exactly
     the installed SGLang's parser, and the static extractor that wrote it reads that parser right."""
     import importlib.util
     from pathlib import Path
 
-    from rollflow.tasks.rollout.sglang_flags import extract_flags, load_flags
+    from rollflow.tasks.rollout.sglang.flags import extract_flags, load_flags
 
     live = {flag: tuple(v) for flag, v in _ask(own, "parser_flags", {}).items() if flag not in ("-h", "--help")}
     committed = load_flags()
@@ -183,7 +184,7 @@ def test_bodies_of_the_other_calls_and_a_typo(own):
 
 
 def test_rids_and_seeds_as_sglang_normalizes_them(own):
-    from rollflow.tasks.rollout.sglang_engine import batch_payload, generate_payload, request_id
+    from rollflow.tasks.rollout.sglang.payloads import batch_payload, generate_payload, request_id
 
     one = _ask(own, "generate_request", {"body": generate_payload(
         [1, 4], {"max_new_tokens": 2, "n": 3, "sampling_seed": 9}, request_id("rf1-1-ab", 0))})

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
-from rollflow.tasks.rollout.sglang_engine import SGLangEngine, SGLangRequestError, request_id
+from rollflow.tasks.rollout.sglang.engine import SGLangEngine
+from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError, request_id
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
 from tests.conftest import small_config
 from tests.fake_sglang_server import FakeSGLang
@@ -112,10 +113,10 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
     """Acceptance 2: placement=colocate, 2 engines x 1 GPU sharing their GPUs with 2 trainer ranks (Ray-only
     GPUs), offload on: the startup whole-tensor check and each iteration's sync run through tensor/IPC in
     a weight-update session per server, and each engine takes the payload of the trainer rank on its GPU."""
+    import rollflow.flows.iteration as iteration
     from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
-    import rollflow.flows.iteration as iteration
 
     run = f"sgcolo-{uuid.uuid4().hex[:6]}"
     cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 4},
@@ -173,8 +174,8 @@ def test_engine_dtype_memory_share_and_allocator_env_defaults(tmp_path, monkeypa
     from pathlib import Path
 
     from rollflow.flows.config import ConfigError, load_config
-    from rollflow.tasks.rollout.server_worker import dropped_env, launch_spec_for
-    from rollflow.tasks.rollout.sglang_server import SGLangServer
+    from rollflow.tasks.rollout.sglang.from_config import dropped_env, launch_spec_for
+    from rollflow.tasks.rollout.sglang.server import SGLangServer
 
     cfg = load_config(None, ["rollout.engine=sglang"])
     assert cfg.rollout.sglang.dtype == "bfloat16" and cfg.rollout.sglang.mem_fraction_static is None

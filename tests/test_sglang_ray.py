@@ -101,7 +101,7 @@ def test_abort_through_the_actor_while_a_rollout_runs(tmp_path, ray_local):
 def test_a_dead_server_actor_is_reported_and_ensure_engine_restarts_all(tmp_path, ray_local):
     from rollflow.flows.group import WorkerGroup, server_role
     from rollflow.infra.workers import stop_actor
-    from rollflow.tasks.rollout.sglang_server import EngineDiedError
+    from rollflow.tasks.rollout.sglang.server import EngineDiedError
 
     run = f"sgdead-{uuid.uuid4().hex[:8]}"
     cfg = _sglang_cfg(tmp_path, run, resources={"num_engines": 2})

@@ -1,4 +1,4 @@
-"""Whole-tensor weight checks over SGLang's /weights_checker (tasks/rollout/sglang_weights_check.py),
+"""Whole-tensor weight checks over SGLang's /weights_checker (tasks/rollout/sglang/weights_check.py),
 against the FAKE SGLang server (tests/fake_sglang_server.py), which holds real CPU weights and
 implements WeightChecker's snapshot / reset_tensors / compare / checksum over them."""
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollflow.tasks.rollout.sglang_engine import SGLangEngine, SGLangRequestError
-from rollflow.tasks.rollout.sglang_weights_check import (
+from rollflow.tasks.rollout.sglang.engine import SGLangEngine
+from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError
+from rollflow.tasks.rollout.sglang.weights_check import (
     Mismatch,
     WeightsCheckerMissing,
     WeightsCheckError,
@@ -280,8 +281,8 @@ def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
     """Process mode: `--ignore-update-of` on the command line, the weights arriving over gloo."""
     import torch.distributed as dist
 
+    from rollflow.tasks.rollout.sglang.server import LaunchSpec, SGLangServer, free_port
     from rollflow.tasks.sync.weight_group import broadcaster, init_weight_group
-    from rollflow.tasks.rollout.sglang_server import LaunchSpec, SGLangServer, free_port
 
     w = checkpoint()
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(),

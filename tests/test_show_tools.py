@@ -20,7 +20,7 @@ from rollflow.tasks.debug.display import (
     rollout_metrics,
     select_rollout,
 )
-from rollflow.flows.cli_tools import register
+from rollflow.flows.cli.tools import register
 from rollflow.tasks.debug.replay_reward import replay_reward
 
 ENGINE = EngineInfo(backend="hf", model="builtin:addition", weight_version=0)
@@ -338,7 +338,7 @@ def test_send_reproduces_greedy_artifact_and_reports_perturbations(app, tmp_path
 def test_send_errors(app, tmp_path, greedy_samples, monkeypatch):
     import importlib.util
 
-    import rollflow.tasks.rollout.sglang_server as sglang_server
+    import rollflow.tasks.rollout.sglang.server as sglang_server
 
     # The test setup installs SGLang's pure-Python wheel (contract tests): make it look absent here,
     # as on a machine without the extra, where `send --engine sglang` must say what to install.

@@ -22,7 +22,7 @@ from rollflow.artifacts.slime import (
     import_slime_pt,
     sample_to_slime_dict,
 )
-from rollflow.flows.cli_tools import register
+from rollflow.flows.cli.tools import register
 
 ENGINE = EngineInfo(backend="hf", model="tiny", weight_version=2)
 

@@ -23,7 +23,7 @@ import typer
 from typer.testing import CliRunner
 
 from rollflow.artifacts import RolloutStore
-from rollflow.flows.cli_tools import register
+from rollflow.flows.cli.tools import register
 
 REPO = Path(__file__).resolve().parents[1]
 

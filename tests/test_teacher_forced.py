@@ -65,7 +65,7 @@ def _setup(device: str, dtype: str, *, logprobs: str = "teacher_forced", micro_b
 def test_teacher_forced_rollout_log_probs_equal_the_trainers_bitwise(device, dtype):
     # 64 samples in micro-batches of 16: the engine must split the rollout exactly as the trainer does
     rollout, worker, backend, samples = _setup(device, dtype)
-    assert worker.describe()["logprobs"] == "teacher_forced"
+    assert worker.describe().logprobs == "teacher_forced"
     batch = batch_from_samples(samples, group_size=rollout.n_samples_per_prompt)
     train_lp = backend.compute_log_probs(batch, "policy")
     on = batch.response_mask > 0
@@ -103,7 +103,7 @@ def test_bitwise_survives_the_artifact_round_trip(tmp_path):
 def test_engine_log_probs_are_only_close(device):
     """The control: log-probs taken while sampling are not the trainer's bit for bit (why the option exists)."""
     rollout, worker, backend, samples = _setup(device, "float32", logprobs="engine")
-    assert worker.describe()["logprobs"] == "engine"
+    assert worker.describe().logprobs == "engine"
     batch = batch_from_samples(samples, group_size=rollout.n_samples_per_prompt)
     train_lp = backend.compute_log_probs(batch, "policy")
     on = batch.response_mask > 0
@@ -173,7 +173,7 @@ def test_alignment_reports_bitwise(tmp_path):
 
 
 def test_mismatch_check_verdicts():
-    from rollflow.tasks.checks import AlignmentThresholds
+    from rollflow.tasks.debug.checks import AlignmentThresholds
     from rollflow.tasks.debug.train_checks import mismatch_check
 
     def figs(max_diff: float) -> dict:
@@ -304,7 +304,7 @@ def test_identical_groups_by_hand():
 
 
 def test_sglang_repeat_mode_seeds_every_sample(monkeypatch):
-    from rollflow.tasks.rollout.sglang_engine import SGLangEngine
+    from rollflow.tasks.rollout.sglang.engine import SGLangEngine
 
     engine = SGLangEngine(["http://127.0.0.1:9"], seeded=True, n_mode="repeat")
     sent = []
@@ -324,7 +324,7 @@ def test_sglang_native_seeded_groups_get_one_seed_per_sample(monkeypatch):
     """SGLang's native n copies one sampling_seed to all n samples: seeded native n sends n seeds
     (one batch request per prompt, tests/test_sglang_protocol.py checks the body)."""
     from rollflow.flows.config import load_config
-    from rollflow.tasks.rollout.sglang_engine import SGLangEngine
+    from rollflow.tasks.rollout.sglang.engine import SGLangEngine
 
     load_config(overrides=["rollout.engine=sglang", "rollout.sglang.seeded=true", "rollout.sglang.n_mode=native"])
     engine = SGLangEngine(["http://127.0.0.1:9"], seeded=True, n_mode="native")

@@ -136,7 +136,7 @@ def wandb_steps(folder: Path, pattern: str = "wandb/offline-run-*/run-*.wandb") 
 
 def test_config_section_defaults_off_and_validates():
     from rollflow.flows.config import ConfigError, RunConfig, load_config
-    from rollflow.flows.deployments import PARAMS_MODELS
+    from rollflow.flows.params import PARAMS_MODELS
 
     assert RunConfig().tracking.backends == []
     cfg = load_config(overrides=['tracking.backends=["mlflow","tensorboard","mlflow"]', "tracking.fatal=true"])

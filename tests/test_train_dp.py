@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rollflow.artifacts.sample import Sample
+from rollflow.artifacts.store import ArtifactRef
 from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
 from rollflow.tasks.train.objective import minibatch_slices
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
@@ -147,9 +148,9 @@ def worker_rank_main(spec_json: str) -> None:
     dp = DataParallel(rank=spec["rank"], world_size=spec["world"], master_addr="127.0.0.1", master_port=spec["port"])
     worker = TrainWorker(MODEL, OptimConfig(**OPTIM), AlgoConfig(), store_root=spec["root"], run="dp", dp=dp)
     metrics = []
-    for ref in spec["refs"]:
+    for ref in map(ArtifactRef.from_dict, spec["refs"]):  # refs cross the JSON spec as dicts
         worker.load_artifact(ref)
-        metrics.append(worker.train_on_artifact(ref, dump_uri=f"{spec['dump']}/rank{spec['rank']}_{ref['rollout_id']}"))
+        metrics.append(worker.train_on_artifact(ref, dump_uri=f"{spec['dump']}/rank{spec['rank']}_{ref.rollout_id}"))
     folder = worker.save_checkpoint(1)
     torch.save({"metrics": metrics, "weights": worker.named_weights(), "describe": worker.describe(),
                 "folder": folder}, spec["out"])
@@ -168,10 +169,10 @@ def test_two_ranks_train_like_one(rollout_refs, tmp_path):
                        dp=DataParallel(rank=0, world_size=1, master_addr="127.0.0.1", master_port=1))
     assert not torch.distributed.is_initialized()
     start_weights = solo.named_weights()
-    solo_metrics = [solo.train_on_artifact(ref) for ref in refs]
+    solo_metrics = [solo.train_on_artifact(ArtifactRef.from_dict(ref)) for ref in refs]
     solo_weights = solo.named_weights()
 
-    assert [r["describe"]["rank"] for r in ranks] == [0, 1] and ranks[0]["describe"]["world_size"] == 2
+    assert [r["describe"].rank for r in ranks] == [0, 1] and ranks[0]["describe"].world_size == 2
     # All ranks step identically: bitwise equal weights.
     assert max_abs_diff(ranks[0]["weights"], ranks[1]["weights"]) == 0.0
     diff = max_abs_diff(ranks[0]["weights"], solo_weights)

@@ -17,8 +17,8 @@ from rollflow.artifacts import EngineInfo, RolloutStore, Sample
 @pytest.fixture
 def cli(monkeypatch, tmp_path):
     """The `rollflow` app; starting Prefect or Ray fails the test (the checks must come first)."""
-    import rollflow.flows.cli as cli_mod
-    import rollflow.flows.cli_align as align_mod
+    import rollflow.flows.cli.root as cli_mod
+    import rollflow.flows.cli.align as align_mod
     import rollflow.flows.group  # noqa: F401  imported before the patch, so it never binds the stub for good
     import rollflow.infra.workers as workers
 
@@ -162,7 +162,7 @@ def test_dead_engine_reported_as_dead():
     assert isinstance(err, workers.WorkerDied)
     assert "died during the run" in str(err) and "start the run's workers first" not in str(err)
 
-    from rollflow.flows.cli_common import error_line
+    from rollflow.flows.cli.common import error_line
 
     class RayActorError(Exception):
         pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollflow.tasks.train.vocab_parallel import vocab_parallel_log_probs
+from rollflow.tasks.train.megatron.vocab_parallel import vocab_parallel_log_probs
 
 
 def test_one_rank_equals_log_softmax_values_and_grads():

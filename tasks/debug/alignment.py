@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from rollflow.artifacts.sample import Sample
-from rollflow.tasks.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
+from rollflow.tasks.debug.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
 from rollflow.tasks.debug.faults import (AlignmentFaults, apply_sync_fault, perturb_module, perturb_tensors,
                                          scramble_module)
 from rollflow.tasks.debug.memory import peak_memory
@@ -40,8 +40,10 @@ from rollflow.tasks.debug.coherence import NAME as COHERENCE, answer_format, coh
 from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import prompts_for
+from rollflow.tasks.rollout.worker import RolloutWorker
 from rollflow.tasks.debug.sync_check import NAME as SYNC, sync_check
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
+from rollflow.tasks.train.worker import TrainWorker
 from rollflow.tasks.debug.train_checks import (
     FIRST_STEP, MISMATCH, MISMATCH_KL, REF_EQUAL, backend_of, first_step_check, first_step_figures, mismatch_check,
     mismatch_kl_check,
@@ -103,7 +105,7 @@ def _torch_model(obj: Any, attr: str, fault: str):
 
 def engine_describe(worker: Any) -> dict[str, Any]:
     cfg = getattr(worker, "rollout_cfg", None)
-    info = dict(worker.describe()) if hasattr(worker, "describe") else {}
+    info = dataclasses.asdict(worker.describe()) if hasattr(worker, "describe") else {}
     return {"backend": info.get("backend", "?"), "model": info.get("model", "?"),
             "weight_version": int(worker.engine.weight_version),
             "dtype": getattr(cfg, "dtype", "?"), "device": getattr(cfg, "device", "?")}
@@ -394,9 +396,6 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
 
 def alignment_workers(cfg: Any) -> tuple[Any, Any]:
     """Fresh `RolloutWorker` + `TrainWorker` for `cfg`, trainer at one optimizer step per rollout."""
-    from rollflow.tasks.rollout.worker import RolloutWorker
-    from rollflow.tasks.train.worker import TrainWorker
-
     optim = cfg.train.model_copy(update={"num_steps_per_rollout": 1})
     scoring = cfg.scoring_layout() if hasattr(cfg, "scoring_layout") else None  # rollout.logprobs='teacher_forced'
     rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data, scoring=scoring)

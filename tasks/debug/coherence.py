@@ -17,7 +17,8 @@ from collections import Counter
 from typing import Any
 
 from rollflow.artifacts.sample import Sample, Status
-from rollflow.tasks.checks import FAIL, PASS, AlignmentThresholds, CheckResult
+from rollflow.tasks.debug.checks import FAIL, PASS, AlignmentThresholds, CheckResult
+from rollflow.tasks.model.tokenizer import is_hf_tokenizer
 
 NAME = "coherence"
 
@@ -76,8 +77,6 @@ def retokenize_agreement(tokenizer: Any, samples: list[Sample]) -> float | None:
     (random or shuffled weights) decode to text that the tokenizer splits differently. None for
     rollflow's char tokenizer, where every sequence is canonical.
     """
-    from rollflow.tasks.model.tokenizer import is_hf_tokenizer
-
     if not is_hf_tokenizer(tokenizer):
         return None
     specials = _special_ids(tokenizer)

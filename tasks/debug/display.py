@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rollflow.artifacts.codec import arrow_owned
 from rollflow.artifacts.columns import SampleColumns
 from rollflow.artifacts.errors import ArtifactNotFound, format_ids
 from rollflow.artifacts.pipeline_meta import WEIGHT_VERSIONS, weight_version_text
@@ -692,10 +693,9 @@ def train_dump_summary(loader: RolloutLoader) -> dict[str, Any] | None:
         return None
     with store.open(rel, "rb") as f:
         data = f.read()
-    from rollflow.artifacts.codec import _arrow_owned
 
-    # Not the Python file object: Arrow's threads would call into Python (see codec._arrow_owned).
-    table = pq.read_table(pa.BufferReader(_arrow_owned(data)), pre_buffer=False)
+    # Not the Python file object: Arrow's threads would call into Python (see codec.arrow_owned).
+    table = pq.read_table(pa.BufferReader(arrow_owned(data)), pre_buffer=False)
     summary: dict[str, Any] = {"uri": store.path_uri(rel), "rows": table.num_rows}
     for name in ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns"):
         if name in table.column_names and table.column(name).null_count < table.num_rows:

@@ -6,12 +6,17 @@ them, tests and users reproducing a failure do too. Each one breaks exactly what
 
 from __future__ import annotations
 
+import copy
 import re
+import time
 from collections.abc import Iterable
 from typing import Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from rollflow.tasks.progress import Progress
+from rollflow.tasks.rollout.hf_engine import HFEngine
 
 GibberishMode = Literal["shuffle", "random"]
 SyncFault = Literal["corrupt_tensor", "swap_layers"]
@@ -33,6 +38,12 @@ class AlignmentFaults(BaseModel):
         0.0, ge=0, description="noise added to the policy after the old log-probs, before the first step (check 4)")
     sync: Optional[SyncFault] = Field(None, description="corrupt one tensor or swap two layers in transit (check 5)")
     sync_tensor: Optional[str] = Field(None, description="tensor that `sync` corrupts (default: one of the last layer)")
+    nondeterministic_logits_std: float = Field(
+        0.0, ge=0, description="reproducibility gate: the second run's trainer adds noise from an unseeded generator "
+                               "to its logits (tasks/debug/repro_faults.py)")
+    greedy_sampling: bool = Field(
+        False, description="reproducibility gate: both runs' engines sample greedily (top_k=1) at the configured "
+                           "temperature > 0 (the group-diversity guard's fault)")
     seed: int = 0
 
     @property
@@ -51,7 +62,16 @@ class AlignmentFaults(BaseModel):
             out.append(f"perturb_policy_std={self.perturb_policy_std:g} (after old log-probs)")
         if self.sync:
             out.append(f"sync={self.sync}" + (f" ({self.sync_tensor})" if self.sync_tensor else ""))
+        if self.nondeterministic_logits_std:
+            out.append(f"nondeterministic_logits_std={self.nondeterministic_logits_std:g} (second gate run's trainer)")
+        if self.greedy_sampling:
+            out.append("greedy_sampling (engine, temperature unchanged)")
         return out
+
+    @property
+    def repro_only(self) -> list[str]:
+        """The faults only the reproducibility gate applies (refused without it: a fault that does nothing)."""
+        return [name for name in ("nondeterministic_logits_std", "greedy_sampling") if getattr(self, name)]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -133,3 +153,23 @@ def apply_sync_fault(named: dict[str, torch.Tensor], fault: SyncFault, tensor: s
                 out[name] = named[twin]
         return out, f"swapped layers {a} and {b}"
     raise ValueError(f"sync fault {fault!r}: expected 'corrupt_tensor' or 'swap_layers'")
+
+
+def freeze_serving_model(engine: HFEngine) -> None:
+    """Stale serving (the post-sync probe's fault): from now on the hf engine generates from a frozen copy of its
+    current model, while weight updates keep landing in the original tensors, which are also the ones its
+    checksums read. Every parity check passes; only what the engine serves is stale, as with a KV / prefix cache
+    not flushed or a CUDA graph captured before the update (SkyRL#1680, verl#7904)."""
+    engine.model = copy.deepcopy(engine.model)
+
+
+SLOW_TICK_S = 0.25
+
+
+def slow_down(progress: Progress, seconds: float) -> None:
+    """A slow call that keeps making progress (debug.slow_train_s): the stall deadline must leave it alone, and a
+    SIGSTOP of the stall drill lands inside the call instead of between two calls (docs/checks.md)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        time.sleep(min(SLOW_TICK_S, max(0.0, until - time.monotonic())))
+        progress.tick()

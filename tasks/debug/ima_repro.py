@@ -31,15 +31,13 @@ import time
 import traceback
 from typing import Any, Sequence
 
-from rollflow.tasks.debug.ima import (
-    EXIT_UNSUPPORTED,
-    HFToggles,
-    Cell,
-    backend_toggles,
-    format_toggles,
-    load_config_arg,
-    parse_toggles,
-)
+from rollflow.tasks.debug.ima import load_config_arg
+from rollflow.tasks.debug.ima_logs import EXIT_UNSUPPORTED
+from rollflow.tasks.debug.ima_toggles import Cell, HFToggles, backend_toggles, format_toggles, parse_toggles
+from rollflow.tasks.model.teacher_forced import ScoringLayout
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+from rollflow.tasks.rollout.worker import RolloutWorker
+from rollflow.tasks.train.settings import OptimConfig
 
 FAULTS = ("auto", "abort", "raise", "triton_oob", "device_assert")
 _TRACE: dict[str, Any] = {"installed": False, "last": None}
@@ -106,7 +104,7 @@ def fire(kind: str, scores, step: int) -> None:
     if not scores.is_cuda:
         raise ValueError(f"fault {kind!r} needs the engine on a CUDA device (rollout.device=cuda)")
     if kind == "triton_oob":
-        from rollflow.tasks.debug.ima_kernels import oob_store
+        from rollflow.tasks.debug.ima_kernels import oob_store  # local: keeps Triton optional (this fault only)
 
         oob_store(scores)
         return
@@ -176,8 +174,6 @@ def run(args: argparse.Namespace) -> dict:
     if args.backend != "hf":
         raise Unsupported(f"engine {args.backend!r} is not in this build; its flags for this cell would be: "
                           f"{' '.join(plan.engine_flags)}")
-    from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
-    from rollflow.tasks.rollout.worker import RolloutWorker
 
     rollout = RolloutConfig.model_validate({**config.get("rollout", {}), **plan.rollout_overrides})
     data = DataConfig.model_validate(config.get("data", {}))
@@ -188,9 +184,6 @@ def run(args: argparse.Namespace) -> dict:
              if armed else "not armed"), flush=True)
     scoring = None
     if rollout.logprobs == "teacher_forced":  # the run's config asks the engine to rescore like its trainer
-        from rollflow.tasks.model.teacher_forced import ScoringLayout
-        from rollflow.tasks.train.settings import OptimConfig
-
         scoring = ScoringLayout.of(OptimConfig.model_validate(config.get("train", {})))
     worker = RolloutWorker(model_spec, rollout, data, scoring=scoring)
     headroom = mapping.prompt_lookup_num_tokens if isinstance(mapping, HFToggles) else 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollflow.tasks.checks import FAIL, PASS, CheckResult
+from rollflow.tasks.debug.checks import FAIL, PASS, CheckResult
 from rollflow.tasks.sync.parity import ParityReport
 
 NAME = "weight_sync_parity"

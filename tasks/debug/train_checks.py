@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from rollflow.artifacts.sample import Sample
-from rollflow.tasks.checks import FAIL, PASS, WARN, AlignmentThresholds, CheckResult
+from rollflow.tasks.debug.checks import FAIL, PASS, WARN, AlignmentThresholds, CheckResult
 from rollflow.tasks.debug.faults import perturb_module
 from rollflow.tasks.train.losses import masked_mean
 from rollflow.tasks.train.settings import AlgoConfig

@@ -6,7 +6,7 @@ longest one, position ids from the mask (cumsum - 1), rows split into micro-batc
 sampling (KV cache, one step at a time, left padding) differ from that by up to ~1e-5 in fp32 and ~1e-2 in
 bf16. With `rollout.logprobs='teacher_forced'` the engine rescores its samples with *these*
 functions, on the same rows in the same order, so both sides run the same kernels on the same
-shapes and their log-probs are bitwise equal (DESIGN.md section 8, "Log-prob exactness").
+shapes and their log-probs are bitwise equal (docs/architecture.md section 10, "Log-prob exactness").
 
 It lives below tasks/rollout and tasks/train (which never import each other): one copy of the
 numerics, not two that drift.

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from rollflow.tasks.model.source import check_model_dir
 from rollflow.tasks.model.tokenizer import CharTokenizer
 
 # Digits plus the operator characters of the synthetic task; small on purpose (ids 0-2 are special).
@@ -51,8 +52,6 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, dev
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from rollflow.tasks.model.source import check_model_dir
 
     hf_logging.disable_progress_bar()  # one bar per actor per load clutters the run's terminal
     model_dir = Path(model_dir)

@@ -4,7 +4,7 @@ A whole-model recipe (it trains the model and measures it by generating), so it 
 tasks/rollout and tasks/train (rollflow.tasks.recipes), not inside either.
 
 RL needs a policy that is sometimes right: learning here is a sharp phase transition, so training
-stops on held-out greedy accuracy, not after a fixed time (DESIGN.md section 8).
+stops on held-out greedy accuracy, not after a fixed time (docs/architecture.md section 10, "The demo recipe").
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import posixpath
 import random
 from typing import Any
 
+from rollflow.artifacts.storage import open_fs
 from rollflow.tasks.rollout.prompts import PromptItem
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -90,8 +91,6 @@ def load_records(path: str, fmt: str = "auto") -> Records:
     Cached per process on (path, size, modification stamp): a file changed under a long-lived
     process is read again (and its new sha256 then stops a resume that expected the old one).
     """
-    from rollflow.artifacts.storage import open_fs
-
     fs, fs_path = open_fs(path)
     try:
         fs.invalidate_cache(fs_path)
@@ -104,8 +103,6 @@ def load_records(path: str, fmt: str = "auto") -> Records:
 
 @functools.lru_cache(maxsize=16)
 def _read_records(path: str, fmt: str, stamp: str) -> Records:
-    from rollflow.artifacts.storage import open_fs
-
     kind = detect_format(path, fmt)
     fs, fs_path = open_fs(path)
     with fs.open(fs_path, "rb") as f:

@@ -14,6 +14,7 @@ from typing import Callable
 from rollflow.artifacts.pipeline_meta import mark_filtered
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.rollout.addition import addition_prompts
+from rollflow.tasks.rollout.dataset import train_items
 from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.prompts import PromptItem
 
@@ -41,8 +42,6 @@ def oversample_prompts(data, rollout_id: int, attempt: int) -> list[PromptItem]:
     if attempt < 1:
         raise ValueError("attempt 0 is the rollout's own prompts (prompts_for)")
     if getattr(data, "task", "addition") == "dataset":
-        from rollflow.tasks.rollout.dataset import train_items
-
         return train_items(data, OVERSAMPLE_SEED_OFFSET + rollout_id * ATTEMPT_STRIDE + attempt)
     return addition_prompts(data.prompts_per_rollout,
                             seed=data.seed + OVERSAMPLE_SEED_OFFSET + rollout_id * ATTEMPT_STRIDE + attempt,

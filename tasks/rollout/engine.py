@@ -40,6 +40,9 @@ class GenerationOutput:
 
 
 class RolloutEngine(Protocol):
+    """What every engine does (HFEngine, SGLangEngine). What only some do (abort, offload, sessions, weight
+    groups, ...) are the capability protocols of tasks/rollout/capabilities.py, asked with `isinstance`."""
+
     weight_version: int
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
@@ -51,6 +54,11 @@ class RolloutEngine(Protocol):
     def named_weights(self) -> dict[str, torch.Tensor]: ...
 
     def describe(self) -> dict[str, str]: ...
+
+    # colocation: free / bring back GPU memory around the trainer's turn (tags as SGLang's: weights, kv_cache)
+    def release_memory(self, tags: list[str] | None = None) -> None: ...
+
+    def resume_memory(self, tags: list[str] | None = None) -> None: ...
 
 
 def sample_seed(call_seed: int, sample: int) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
+from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync.copy_plan import MEMCPY_BYTES, CopyPlan, plan_key, run_plan
 from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
@@ -99,6 +100,8 @@ class HFEngine:
             check_scoring(self.model, scoring)
         # Set from another thread (the actor's control group) to cut a running generate short: partial rollouts.
         self._abort = threading.Event()
+        # Decode steps done, read from the control group: a stall deadline tells a long rollout from a stuck one.
+        self.progress = Progress()
 
     @property
     def uses_static_cache(self) -> bool:
@@ -164,13 +167,14 @@ class HFEngine:
             decoded = self._static_decoder().run(ids.to(self.device), mask.to(self.device),
                                                  max_new_tokens=params.max_new_tokens,
                                                  temperature=params.temperature, stop_ids=stops,
-                                                 pad_id=self.pad_token_id, abort=self._abort)
+                                                 pad_id=self.pad_token_id, abort=self._abort,
+                                                 progress=self.progress)
             return _outputs(decoded.tokens, decoded.log_probs, n_real, set(stops), aborted=decoded.aborted)
         # On CPU the log-probs come from `output_logits` (unchanged numerics); elsewhere from a
         # recorder that keeps one step of full-vocabulary log-probs at a time, on the device.
         recorder = None if self.device.type == "cpu" else _StepLogProbs(scale)
         extra = {"cache_implementation": "static"} if static else {}
-        extra["stopping_criteria"] = _abort_criteria(self._abort)
+        extra["stopping_criteria"] = _abort_criteria(self._abort, self.progress)
         if recorder is not None:
             from transformers import LogitsProcessorList
 
@@ -309,12 +313,15 @@ def _outputs(new_tokens: torch.Tensor, log_probs: torch.Tensor, n_real: int, sto
     return results
 
 
-def _abort_criteria(event: threading.Event):
-    """A stopping criterion that ends generation for every row once `event` is set."""
+def _abort_criteria(event: threading.Event, progress: Progress | None = None):
+    """A stopping criterion that ends generation for every row once `event` is set (asked once per decode
+    step, so it also counts the steps into `progress`)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class _Abort(StoppingCriteria):
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            if progress is not None:
+                progress.tick()
             return torch.full((input_ids.shape[0],), event.is_set(), dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([_Abort()])

@@ -24,6 +24,8 @@ from typing import Any, Callable
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.addition import addition_reward
+from rollflow.tasks.rollout.feedback import feedback_reward
+from rollflow.tasks.rollout.remote_reward import RemoteReward
 
 RewardFn = Callable[[Sample], Any]
 GROUP = "group"
@@ -178,8 +180,6 @@ def resolve_reward_fn(spec: str, *, remote: Any = None) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if is_url(spec):
-        from rollflow.tasks.rollout.remote_reward import RemoteReward
-
         return RemoteReward.from_config(spec, remote)
     return load_callable("rollout.reward", spec,
                          f"a built-in ({', '.join(BUILTIN_REWARDS)}), a dotted path like 'my_pkg.rewards:score', "
@@ -189,8 +189,6 @@ def resolve_reward_fn(spec: str, *, remote: Any = None) -> RewardFn:
 def reward_fn_from_config(rollout: Any) -> RewardFn:
     """The reward function of a RolloutConfig (spec, remote settings, scope)."""
     if rollout.reward == "conversation_feedback":
-        from rollflow.tasks.rollout.feedback import feedback_reward
-
         return feedback_reward(resolve_reward_fn(rollout.feedback.judge), rollout.feedback.votes)
     fn = resolve_reward_fn(rollout.reward, remote=getattr(rollout, "remote_reward", None))
     if getattr(rollout, "reward_scope", SAMPLE) == GROUP and reward_scope(fn) != GROUP:

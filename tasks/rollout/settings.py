@@ -6,11 +6,15 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollflow.artifacts.storage import redact_url
 from rollflow.tasks.rollout.addition import addition_prompts
+from rollflow.tasks.rollout.agent import resolve_rollout_fn
 from rollflow.tasks.rollout.agent_settings import AgentConfig, FeedbackConfig
+from rollflow.tasks.rollout.dataset import eval_items, train_items
 from rollflow.tasks.rollout.engine import SamplingParams
 from rollflow.tasks.rollout.prompts import PromptItem
-from rollflow.tasks.rollout.sglang_config import SGLangConfig
+from rollflow.tasks.rollout.rewards import resolve_reward_fn
+from rollflow.tasks.rollout.sglang.config import SGLangConfig
 
 
 class _Strict(BaseModel):
@@ -146,8 +150,6 @@ class RolloutConfig(_Strict):
     @classmethod
     def _function_importable(cls, value: str) -> str:
         if value != "single_turn":
-            from rollflow.tasks.rollout.agent import resolve_rollout_fn
-
             resolve_rollout_fn(value)  # ValueError naming rollout.function and what is wrong
         return value
 
@@ -156,8 +158,6 @@ class RolloutConfig(_Strict):
     def _reward_url_without_credentials(cls, value: str) -> str:
         # The config travels as Prefect parameters and into logs: a token in the URL would be stored there.
         if "://" in value:
-            from rollflow.artifacts.storage import redact_url
-
             if redact_url(value) != value:
                 raise ValueError(
                     f"rollout.reward={redact_url(value)!r} carries credentials (user:secret@ or a token query "
@@ -177,8 +177,6 @@ class RolloutConfig(_Strict):
             raise ValueError("rollout.reward='conversation_feedback' needs a judge: set rollout.feedback.judge to a "
                              "dotted path 'pkg.mod:judge' (docs/agents.md)")
         if self.feedback.judge:
-            from rollflow.tasks.rollout.rewards import resolve_reward_fn
-
             try:
                 resolve_reward_fn(self.feedback.judge)
             except ValueError as exc:
@@ -225,8 +223,6 @@ def prompts_for(data: DataConfig, rollout_id: int, split: str = "train") -> list
     tasks/rollout/dataset.py; the eval split is the whole eval set, in file order.
     """
     if data.task == "dataset":
-        from rollflow.tasks.rollout.dataset import eval_items, train_items
-
         return eval_items(data) if split == "eval" else train_items(data, rollout_id)
     if split == "eval":
         return addition_prompts(data.eval_prompts, seed=data.seed + EVAL_SEED_OFFSET, digits=data.digits)

@@ -28,6 +28,8 @@ from collections import OrderedDict
 
 import torch
 
+from rollflow.tasks.progress import Progress
+
 MAX_CACHED_SHAPES = 4
 
 
@@ -92,9 +94,10 @@ class StaticDecoder:
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
-            stop_ids: list[int], pad_id: int, abort: threading.Event | None = None) -> Decoded:
+            stop_ids: list[int], pad_id: int, abort: threading.Event | None = None,
+            progress: Progress | None = None) -> Decoded:
         """`ids`/`mask`: [B, W] left-padded prompts on the model's device. `abort`, set from another
-        thread, ends the loop after the current step (partial rollouts)."""
+        thread, ends the loop after the current step (partial rollouts). `progress` counts the decode steps."""
         batch, width = ids.shape
         device = ids.device
         total = width + max_new_tokens
@@ -124,6 +127,8 @@ class StaticDecoder:
             tokens[:, t] = torch.where(done, pad_id, token)
             log_probs[:, t] = torch.where(done, 0.0, lp)
             done |= torch.isin(token, stops)
+            if progress is not None:
+                progress.tick()
             if t + 1 == max_new_tokens:
                 break
             if abort is not None and abort.is_set():

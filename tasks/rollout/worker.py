@@ -12,16 +12,32 @@ from pathlib import Path
 import torch
 
 from rollflow.artifacts.sample import Sample
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.model.tokenizer import load_tokenizer
-from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
+from rollflow.tasks.progress import Progress, progress_of
+from rollflow.tasks.rollout.agent import resolve_rollout_fn, run_rollout_function
+from rollflow.tasks.rollout.capabilities import (Abortable, BucketedWeightSync, Liveness, Offloadable,
+                                                 ReportsInflight, ReportsModelInfo, ServesWeightsByName, StickyAbort,
+                                                 WeightGroupMember, WeightUpdateSession)
+from rollflow.tasks.rollout.dynamic_sampling import oversample_prompts
+from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, sample_seed
 from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.hf_engine import HFEngine
+from rollflow.tasks.rollout.partial import aborted_groups, continue_groups, renumber
+from rollflow.tasks.rollout.probe import probe_samples
+from rollflow.tasks.rollout.results import EngineChecks, EngineDescription, WeightOverwriteCheck
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
-from rollflow.tasks.sync.parity import checksums
+from rollflow.tasks.rollout.sglang import weights_check
+from rollflow.tasks.rollout.sglang.from_config import engine_from_config
+from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError
+from rollflow.tasks.rollout.sglang.weights_check import WeightsCheckerMissing, compare_engines, engine_checksums
+from rollflow.tasks.sync.capabilities import weights_in_place
+from rollflow.tasks.sync.parity import checksums, tensor_prefix
+from rollflow.tasks.sync.probe import ProbeSpec
 
 
 def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,
@@ -34,8 +50,6 @@ def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int
         raise ValueError("rollout.logprobs='teacher_forced' needs the trainer's scoring layout: build the worker "
                          "with scoring=cfg.scoring_layout(), or set rollout.logprobs='engine'")
     if rollout.engine == "sglang":
-        from rollflow.tasks.rollout.sglang_engine import engine_from_config
-
         path = resolve_model_path(model_spec)
         engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version,
                                     base_gpu_id=base_gpu_id, servers=servers)
@@ -76,6 +90,7 @@ class RolloutWorker:
         self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers,
                                                    scoring=scoring)
         self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
+        self._progress = Progress()  # weight buckets taken (the engine counts its own decode steps or requests)
         if weights is not None:
             # Start from a checkpoint's weights: the engine is at that checkpoint's version.
             self.engine.weight_version = weight_version - 1
@@ -83,14 +98,13 @@ class RolloutWorker:
 
     def ping(self) -> bool:
         """False when the engine's server process died: `ensure_engine` then restarts this actor."""
-        alive = getattr(self.engine, "alive", None)
-        return True if alive is None else bool(alive())
+        return bool(self.engine.alive()) if isinstance(self.engine, Liveness) else True
 
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def describe(self) -> dict[str, str]:
-        return self.engine.describe()
+    def describe(self) -> EngineDescription:
+        return EngineDescription.of(self.engine.describe())
 
     def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False, attempt: int = 0,
                 continue_from: str | None = None, max_staleness: int = 0) -> list[Sample]:
@@ -98,13 +112,10 @@ class RolloutWorker:
 
         `attempt` >= 1: an over-sampling call of dynamic sampling (its own prompts and seed). `continue_from`:
         the previous rollout's artifact URI, whose aborted groups are continued first (partial rollouts)."""
-        if attempt == 0 and hasattr(self.engine, "reset_abort"):
+        if attempt == 0 and isinstance(self.engine, StickyAbort):
             self.engine.reset_abort()  # an abort meant for the previous rollout does not cut this one
         continued = self._continued(rollout_id, continue_from, max_staleness) if continue_from else []
         if attempt:
-            from rollflow.tasks.rollout.dynamic_sampling import oversample_prompts
-            from rollflow.tasks.rollout.engine import sample_seed
-
             params = self.rollout_cfg.sampling(rollout_id)
             params = dataclasses.replace(params, seed=sample_seed(params.seed, 1_000_000 + attempt),
                                          stop_token_ids=params.stop_token_ids + self.stop_token_ids)
@@ -113,7 +124,6 @@ class RolloutWorker:
         fresh = self._rollout(rollout_id, split, greedy=greedy)
         if not continued:
             return fresh
-        from rollflow.tasks.rollout.partial import renumber
 
         n = self.rollout_cfg.n_samples_per_prompt
         groups = continued + [fresh[i : i + n] for i in range(0, len(fresh), n)]
@@ -121,17 +131,12 @@ class RolloutWorker:
 
     def _continued(self, rollout_id: int, uri: str, max_staleness: int) -> list[list[Sample]]:
         """The aborted groups of the artifact at `uri`, continued under the engine's current weights."""
-        from rollflow.artifacts.store import ArtifactRef, RolloutStore
-        from rollflow.tasks.rollout.partial import aborted_groups
-
         ref = ArtifactRef.from_uri(uri)
         artifact = RolloutStore(ref.root).load_uri(uri)
         return self._continue_groups(rollout_id, aborted_groups(artifact.samples), ref.rollout_id, max_staleness)
 
     def _continue_groups(self, rollout_id: int, groups: list[list[Sample]], source_rollout_id: int,
                          max_staleness: int) -> list[list[Sample]]:
-        from rollflow.tasks.rollout.partial import continue_groups
-
         params = self.rollout_cfg.sampling(rollout_id)
         params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
         return continue_groups(self.engine, self.tokenizer, groups, params, source_rollout_id=source_rollout_id,
@@ -140,9 +145,7 @@ class RolloutWorker:
     def finish_aborted(self, rollout_id: int, samples: list[Sample]) -> list[Sample]:
         """Partial rollouts, when an abort left a rollout without one finished group: generate the aborted groups
         of `samples` to the end now, before any weight change (same weights, so the rollout is an ordinary one)."""
-        from rollflow.tasks.rollout.partial import aborted_groups
-
-        if hasattr(self.engine, "reset_abort"):
+        if isinstance(self.engine, StickyAbort):
             self.engine.reset_abort()
         done = self._continue_groups(rollout_id, aborted_groups(samples), rollout_id, max_staleness=rollout_id + 1)
         return [s for group in done for s in group]  # group indices kept: the caller puts them back in place
@@ -158,8 +161,6 @@ class RolloutWorker:
         if self.stop_token_ids:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
         if self.rollout_cfg.function != "single_turn":
-            from rollflow.tasks.rollout.agent import resolve_rollout_fn, run_rollout_function
-
             return run_rollout_function(resolve_rollout_fn(self.rollout_cfg.function), self.engine, self.tokenizer,
                                         items, params, n, self.rollout_cfg.agent.limits())
         return generate_samples(self.engine, self.tokenizer, items, params, n)
@@ -167,21 +168,30 @@ class RolloutWorker:
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
         return self.engine.generate(requests, params)
 
+    def probe(self, spec: ProbeSpec) -> list[Sample]:
+        """The post-sync probe's sequences, generated the way rollouts are (tasks/rollout/probe.py)."""
+        if isinstance(self.engine, StickyAbort):
+            self.engine.reset_abort()  # a partial rollout's abort came before this sync; the probe must run whole
+        return probe_samples(self.engine, self.tokenizer, self.data_cfg, self.rollout_cfg, spec, self.stop_token_ids)
+
     # -- control: infra runs these in the actor's "control" concurrency group, so they answer while a
     # rollout is running in the default group
     def abort(self, rids: list[str] | None = None) -> int:
         """Abort the running rollout's requests (all, or these rids); aborted samples come back with
         status aborted. Returns the number of abort calls sent (0 for engines that cannot abort)."""
-        abort = getattr(self.engine, "abort", None)
-        return int(abort(rids) or 0) if abort is not None else 0
+        return int(self.engine.abort(rids) or 0) if isinstance(self.engine, Abortable) else 0
 
     def inflight(self) -> list[str]:
         """Request ids in flight now (SGLang engines; empty for in-process engines)."""
-        inflight = getattr(self.engine, "inflight", None)
-        return list(inflight()) if inflight is not None else []
+        return list(self.engine.inflight()) if isinstance(self.engine, ReportsInflight) else []
+
+    def progress(self) -> int:
+        """Work done so far (decode steps or requests, weight buckets); a stall deadline watches it move."""
+        return self._progress.value + progress_of(self.engine)
 
     def update_weights(self, named: dict[str, torch.Tensor], weight_version: int) -> int:
         self.engine.update_weights(named, weight_version)
+        self._progress.tick()
         return self.engine.weight_version
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -191,7 +201,7 @@ class RolloutWorker:
     # release -> train -> resume(["weights"]) -> update weights -> resume(["kv_cache"])
     def release_memory(self) -> None:
         """Free the engine's weights and KV cache for the colocated trainer (SGLang: offload())."""
-        if hasattr(self.engine, "offload"):
+        if isinstance(self.engine, Offloadable):
             self.engine.offload()
         else:
             self.engine.release_memory()
@@ -205,15 +215,12 @@ class RolloutWorker:
         on every server; a server disagreeing with the first one reports the name as `name@url`, so
         parity fails on an engine that missed an update). None when the served model cannot answer
         (SGLang implements /get_weights_by_name per model class; e.g. not for Qwen2 in 0.5.23)."""
-        from rollflow.tasks.sync.parity import tensor_prefix
-
-        if not hasattr(self.engine, "get_weights_by_name"):
+        if not isinstance(self.engine, ServesWeightsByName):
             own = self.engine.named_weights()
             return {name: tensor_prefix(own[name], n) for name in names if name in own}
-        from rollflow.tasks.rollout.sglang_engine import SGLangRequestError
 
         out: dict[str, list[float]] = {}
-        for i, url in enumerate(getattr(self.engine, "urls", [None])):
+        for i, url in enumerate(self.engine.urls):
             for j, name in enumerate(names):
                 try:
                     values = self.engine.get_weights_by_name(name, truncate_size=n, url=url)
@@ -230,13 +237,12 @@ class RolloutWorker:
                     out[f"{name}@{url}"] = head
         return out
 
-    def engine_checks(self, weight_version: int) -> dict:
+    def engine_checks(self, weight_version: int) -> EngineChecks:
         """After a sync, engine-side checks needing no trainer data: every server reports the expected
         weight_version, and (several servers) all hold identical tensors by SGLang's /weights_checker
         checksums. Empty for in-process engines."""
-        if not hasattr(self.engine, "model_info"):
-            return {"mismatched": [], "notes": []}
-        from rollflow.tasks.rollout.sglang_weights_check import WeightsCheckerMissing, compare_engines, engine_checksums
+        if not isinstance(self.engine, ReportsModelInfo):
+            return EngineChecks(mismatched=[], notes=[])
 
         mismatched, notes = [], []
         for url in self.engine.urls:
@@ -249,48 +255,43 @@ class RolloutWorker:
                 mismatched += [f"{name}@{url}" for url, names in check.by_url.items() for name in names]
             except WeightsCheckerMissing as exc:
                 notes.append(f"servers not compared with each other: {exc}")
-        return {"mismatched": mismatched, "notes": notes}
+        return EngineChecks(mismatched=mismatched, notes=notes)
 
     # -- whole-tensor check (debug.check_weight_update_equal, slime's --check-weight-update-equal) --------
     def prepare_overwrite_check(self) -> None:
         """Snapshot every server's weights, then randomise them (the next sync must overwrite all)."""
-        from rollflow.tasks.rollout.sglang_weights_check import prepare_overwrite_check
+        weights_check.prepare_overwrite_check(self.engine)
 
-        prepare_overwrite_check(self.engine)
-
-    def finish_overwrite_check(self) -> dict:
+    def finish_overwrite_check(self) -> WeightOverwriteCheck:
         """Compare every server's weights with its snapshot, value for value."""
-        from rollflow.tasks.rollout.sglang_weights_check import finish_overwrite_check
+        return WeightOverwriteCheck(**weights_check.finish_overwrite_check(self.engine).to_dict())
 
-        return finish_overwrite_check(self.engine).to_dict()
-
-    # -- weight sync driven by the trainer (flows/weight_sync.py) -----------------------------------
+    # -- weight sync driven by the trainer (flows/weight_sync/) -------------------------------------
     def weight_sync_mode(self) -> str:
         """How this engine takes weights: object_store (in-process engines), disk, tensor or distributed."""
-        return getattr(self.engine, "weight_sync", "object_store")
+        return self.engine.weight_sync if isinstance(self.engine, BucketedWeightSync) else "object_store"
 
     def payloads_per_bucket(self) -> int:
         """Serialized copies of each bucket the trainer makes: one per TP rank of every server."""
-        return getattr(self.engine, "payloads_per_bucket", 1)
+        return self.engine.payloads_per_bucket if isinstance(self.engine, BucketedWeightSync) else 1
 
     def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int,
                                 load_format: str | None = None) -> int:
         self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version, load_format=load_format)
+        self._progress.tick()
         return self.engine.weight_version
 
     def begin_weight_update(self) -> None:
         """SGLang's weight-update session around tensor / distributed updates (no-op for other engines)."""
-        begin = getattr(self.engine, "begin_weight_update", None)
-        if begin is not None:
-            begin()
+        if isinstance(self.engine, WeightUpdateSession):
+            self.engine.begin_weight_update()
 
     def end_weight_update(self) -> None:
-        end = getattr(self.engine, "end_weight_update", None)
-        if end is not None:
-            end()
+        if isinstance(self.engine, WeightUpdateSession):
+            self.engine.end_weight_update()
 
     def in_weight_group(self, group_name: str) -> bool:
-        return getattr(self.engine, "weight_group", None) == group_name
+        return isinstance(self.engine, WeightGroupMember) and self.engine.weight_group == group_name
 
     def weight_group_world_size(self) -> int:
         return self.engine.weight_group_world_size
@@ -300,12 +301,12 @@ class RolloutWorker:
 
     def receive_weight_bucket(self, metas: list[dict], last: bool, weight_version: int, group_name: str) -> int:
         self.engine.receive_bucket(metas, last=last, weight_version=weight_version, group_name=group_name)
+        self._progress.tick()
         return self.engine.weight_version
 
     def weight_checksums(self) -> dict[str, str]:
         # Fingerprints computed where the weights live (tasks/sync/parity.py): no copy to the host.
-        resident = getattr(self.engine, "weight_tensors", None)
-        return checksums(resident() if resident is not None else self.engine.named_weights())
+        return checksums(weights_in_place(self.engine))
 
 
 def _flatten(values) -> list:

@@ -29,6 +29,8 @@ import torch
 from torch.multiprocessing import reductions
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from rollflow.tasks.sync.buckets import buckets_by_bytes
+
 # Position of `storage_device` in the args of torch.multiprocessing.reductions.rebuild_cuda_tensor
 # (the same index SGLang's patch rewrites).
 DEVICE_SLOT = 6
@@ -233,8 +235,6 @@ def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
     `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time.
     `flattened`: each payload is one flattened bucket (SGLang's load_format="flattened_bucket"), so a
     bucket is one IPC handle however many tensors it holds."""
-    from rollflow.tasks.sync.buckets import buckets_by_bytes
-
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     converted = ((name, t.detach().to(device=device, dtype=dtype)) for name, t in named)

@@ -3,7 +3,8 @@ gloo on CPU): the trainer is rank 0, every TP rank of every SGLang engine joins 
 (`/init_weights_update_group`), and each bucket is broadcast from rank 0.
 
 Below both sides: the trainer's `WeightSender` (tasks/train/weight_sender.py) joins through
-`init_weight_group`, the engine client (tasks/rollout/sglang_engine.py) names the group.
+`init_weight_group`, the SGLang engine (tasks/rollout/sglang/weight_receiver.py) names the group; the path reads
+top to bottom in flows/weight_sync/distributed.py.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import posixpath
 import signal
 
 from rollflow.artifacts.storage import open_fs, storage_errors
+from rollflow.artifacts.store import RolloutStore
 
 PAYLOAD_NAME = "trainer.pt"
 MARKER_NAME = "meta.json"
@@ -36,8 +37,6 @@ def _fs(root: str, storage_options: dict | None):
 
 
 def _store(root: str, storage_options: dict | None):
-    from rollflow.artifacts.store import RolloutStore
-
     return RolloutStore(root, storage_options)
 
 
@@ -248,28 +247,3 @@ def load_state(uri: str, *, storage_options: dict | None = None) -> bytes:
     if hashlib.sha256(payload).hexdigest() != expected:
         raise CheckpointError(f"trainer state {uri} fails its checksum; delete it to recompute")
     return payload
-
-
-def hf_weights_of_checkpoint(payload: bytes, model_path: str | os.PathLike) -> dict:
-    """The HF-named weights of a committed checkpoint's payload, read without a trainer (an engine that starts
-    from a checkpoint while no trainer runs). A torch backend's checkpoint holds them as they are; a one-rank
-    megatron checkpoint holds Megatron-named tensors, converted with the model's HF config (`model_path`); a
-    sharded trainer's (Megatron's distributed format) only the trainer ranks can read."""
-    import io
-
-    import torch
-
-    if is_distributed_payload(payload):
-        raise ValueError("the checkpoint is a sharded megatron trainer's (Megatron's distributed format): only the "
-                         "trainer ranks read it; start the trainer first and take the engine's weights from it")
-    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    if state.get("format") != "rollflow-megatron-1":
-        return state["model"]
-    from transformers import AutoConfig
-
-    from rollflow.tasks.sync import megatron_names as mn
-
-    model = state["model"]
-    spec = "te" if any(name.endswith("layer_norm_weight") for name in model) else "local"  # TE fuses the norms
-    layout = mn.MegatronLayout.from_hf_config(AutoConfig.from_pretrained(str(model_path)), spec=spec)
-    return {name: tensor.clone() for name, tensor in mn.megatron_to_hf(model, layout).items()}

@@ -109,6 +109,12 @@ class CriticBackend:
                                            weight_decay=optim.weight_decay,
                                            betas=(optim.adam_beta1, optim.adam_beta2))
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The backbone's HF config's vocabulary size (None: its config does not say)."""
+        value = getattr(self.model.backbone.config, "vocab_size", None)
+        return value if isinstance(value, int) else None
+
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """Old values [B, L-1] with the training forward's micro-batch split (the same numerics)."""

@@ -14,7 +14,10 @@ A plain class, run by `infra/` as a Ray actor beside the policy trainer (flows/g
 
 from __future__ import annotations
 
+from rollflow.artifacts.slime import check_token_ids
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.tasks.model.dtypes import DTYPES
+from rollflow.tasks.progress import Progress, progress_of
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.train.advantages import gae_advantages
@@ -36,7 +39,6 @@ class CriticWorker:
         if optim.backend != "torch":
             raise NotImplementedError(f"the ppo critic runs on the torch backend only (train.backend="
                                       f"{optim.backend!r}); use train.backend=torch")
-        from rollflow.tasks.model.dtypes import DTYPES
 
         self.optim, self.algo = optim, algo
         self.store_root, self.run, self.storage_options = store_root, run, storage_options
@@ -44,6 +46,7 @@ class CriticWorker:
         causal_lm = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
         self.backend = CriticBackend(causal_lm, optim, algo)
         self._batch: TrainBatch | None = None  # the last estimated rollout, which `update` trains on
+        self._progress = Progress()  # estimates and updates done, for a stall deadline
         if resume_iteration:
             uri = critic_state_uri(store_root, run, resume_iteration)
             try:
@@ -56,14 +59,15 @@ class CriticWorker:
     def ping(self) -> bool:
         return True
 
-    def estimate(self, ref: dict, reward_key: str | None = None) -> CriticEstimate:
-        """Old values and GAE advantages / returns of the artifact's samples, in their order."""
-        from rollflow.artifacts.slime import check_token_ids
+    def progress(self) -> int:
+        return self._progress.value + progress_of(self.backend)
 
-        uri = ArtifactRef.from_dict(ref).uri
+    def estimate(self, ref: ArtifactRef, reward_key: str | None = None) -> CriticEstimate:
+        """Old values and GAE advantages / returns of the artifact's samples, in their order."""
+        uri = ref.uri
         artifact = self.store.load_uri(uri)
         samples = artifact.samples
-        check_token_ids(samples, getattr(self.backend.model.backbone.config, "vocab_size", None),
+        check_token_ids(samples, self.backend.vocab_size,
                         rollout_id=artifact.manifest.rollout_id, split=artifact.manifest.split, uri=uri)
         if reward_key is not None:  # the run's key of dict rewards, as the trainer applies it
             for sample in samples:
@@ -75,6 +79,7 @@ class CriticWorker:
         batch.advantages, batch.returns = gae_advantages(batch.rewards, batch.values, batch.response_mask,
                                                          gamma=self.algo.gamma, lambd=self.algo.lambd)
         self._batch = batch
+        self._progress.tick()
         return CriticEstimate(values=batch.values, advantages=batch.advantages.float(), returns=batch.returns)
 
     def update(self) -> dict[str, float]:
@@ -82,7 +87,9 @@ class CriticWorker:
         if self._batch is None:
             raise RuntimeError("CriticWorker.update before estimate: nothing to train on")
         batch, self._batch = self._batch, None
-        return self.backend.train(batch)
+        metrics = self.backend.train(batch)
+        self._progress.tick()
+        return metrics
 
     def save_checkpoint(self, iteration: int) -> str:
         """`critic.pt` (+ its sha256 sidecar) in checkpoint `iteration`'s folder; its URI."""

@@ -128,7 +128,7 @@ class AlgoConfig(_Strict):
 
 
 class MegatronSettings(_Strict):
-    """Knobs of the `megatron` backend (tasks/train/megatron_backend.py); ignored by `torch`."""
+    """Knobs of the `megatron` backend (tasks/train/megatron/); ignored by `torch`."""
 
     layer_spec: Literal["auto", "te", "sdpa", "local"] = Field(
         "auto", description="auto: te when transformer-engine imports, else sdpa (local spec + torch SDPA attention)")

@@ -1,6 +1,6 @@
 """One train call on one rollout: score it, compute advantages, step the optimizer.
 
-Read top to bottom; every backend goes through here (DESIGN.md section 7).
+Read top to bottom; every backend goes through here (docs/architecture.md section 11).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 
 class TrainBackend(Protocol):
+    """What every backend does (TorchBackend, MegatronBackend). What only some do (sharding, offload, bucket
+    export, ...) are the capability protocols of tasks/train/capabilities.py, asked with `isinstance`."""
+
     name: str
 
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor: ...

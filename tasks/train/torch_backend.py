@@ -11,6 +11,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES, cast_model
 from rollflow.tasks.model.teacher_forced import gather_log_probs, next_token_logits, teacher_forced_log_probs
+from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.train.batch import TrainBatch
 from rollflow.tasks.train.losses import entropy_from_logits
@@ -68,6 +69,9 @@ class TorchBackend:
         # Parameters cast, RoPE inv_freq kept as loaded: the same model as an engine loaded in this dtype.
         self.model = cast_model(model, DTYPES[optim.dtype], optim.device)
         self._resident: ResidentWeights | None = None
+        self._offloaded = False  # `offload` moved the state to host memory; `onload` brings it back
+        # Micro-batches trained and batches scored, read from the control group by a stall deadline.
+        self.progress = Progress()
         if self.group is not None:
             broadcast_module(self.model, self.group)
         # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
@@ -81,13 +85,19 @@ class TorchBackend:
     def rank(self) -> int:
         return self.dp.rank if self.group is not None else 0
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The HF config's vocabulary size (None: the model has no config saying it)."""
+        value = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return value if isinstance(value, int) else None
+
     # -- colocated placement: free the GPU while the engine generates -----------------------------------
 
     def offload(self) -> None:
         """Policy and reference weights and the AdamW state to pinned host memory (grads dropped: every train
         call starts from zeroed grads) while a colocated engine generates; `onload` brings them back bit for
         bit. A no-op off CUDA and when already offloaded."""
-        if torch.device(self.optim_cfg.device).type != "cuda" or getattr(self, "_offloaded", False):
+        if torch.device(self.optim_cfg.device).type != "cuda" or self._offloaded:
             return
         self.optimizer.zero_grad(set_to_none=True)
         for t in self._movable():
@@ -102,7 +112,7 @@ class TorchBackend:
 
     def onload(self) -> None:
         """Undo `offload`."""
-        if not getattr(self, "_offloaded", False):
+        if not self._offloaded:
             return
         device = torch.device(self.optim_cfg.device)
         for t in self._movable():
@@ -133,6 +143,7 @@ class TorchBackend:
         # Data parallel: every rank scores the whole batch, no collective. Advantages need every row
         # anyway, the old/ref log-probs are then bitwise the single-rank ones on every rank, and this
         # method can be called on one rank alone (alignment checks). The cost is redundant forwards.
+        self.progress.tick()
         return teacher_forced_log_probs(model, batch.tokens, batch.attention_mask, batch.position_ids,
                                         temperature=self.temperature, micro_batch_size=self.optim_cfg.micro_batch_size)
 
@@ -146,6 +157,7 @@ class TorchBackend:
             log_probs, entropy = response_log_probs(self.model, micro, self.temperature, True)
             loss, stats = micro_batch_objective(log_probs, entropy, micro, algo, denom)
             loss.backward()
+            self.progress.tick()
             return stats
 
         local_rows = stats_sum = None

@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rollflow.tasks.train.returns import discounted_returns, whiten
+
 Unit = tuple[int, int, float]  # start, end (exclusive, response offsets), reward
 TURN_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
@@ -69,8 +71,6 @@ def turn_advantages(estimator: str, rewards: torch.Tensor, masks: list[torch.Ten
                     units: list[list[Unit]], *, normalize_std: bool, penalty: list[torch.Tensor], gamma: float,
                     eps: float, whiten_eps: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`compute_advantages` with turn rewards (masks in the rewards' dtype; `penalty` the per-token KL penalty)."""
-    from rollflow.tasks.train.advantages import _discounted_returns, whiten
-
     if estimator not in TURN_ESTIMATORS:
         raise ValueError(f"turn-level rewards (metadata turns with 'reward') work with {TURN_ESTIMATORS}, not "
                          f"algo.advantage_estimator={estimator!r}; pick one of those")
@@ -84,7 +84,7 @@ def turn_advantages(estimator: str, rewards: torch.Tensor, masks: list[torch.Ten
             for idx, value in credit:
                 tr[int(idx[-1])] += value
             token_rewards.append(tr)
-        returns = _discounted_returns(token_rewards, gamma)
+        returns = discounted_returns(token_rewards, gamma)
         return whiten(returns, masks, eps=whiten_eps), returns
     advantages = []
     for g in range(0, len(masks), group_size):

@@ -9,9 +9,10 @@
 
 A plain class over a source of buckets (a whole dict cut into buckets, or the megatron backend's per-layer
 export, which a sharded trainer's ranks make together); `TrainWorker` owns one and exposes its methods to
-the sync task (flows/weight_sync.py), which drives both actors in SGLang's call order, bucket by bucket until
-the one marked last. A bucket is made when it is asked for (one bucket of look-ahead), so a sync holds a
-bucket or two beside the weights, never a second copy of the model.
+the sync task (flows/weight_sync/tensor.py and distributed.py, one module per path), which drives both actors
+in SGLang's call order, bucket by bucket until the one marked last. The engine's side of both paths is
+tasks/rollout/sglang/weight_receiver.py. A bucket is made when it is asked for (one bucket of look-ahead), so a
+sync holds a bucket or two beside the weights, never a second copy of the model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.net import free_port, node_ip
+from rollflow.tasks.sync.buckets import buckets_by_bytes
+from rollflow.tasks.sync.ipc import ipc_buckets
+from rollflow.tasks.sync.weight_group import init_weight_group
+from rollflow.tasks.train.results import BroadcastBucket, IpcBucket
 
 NamedTensors = Callable[[], dict[str, torch.Tensor]]
 
@@ -47,8 +52,6 @@ BucketSource = Callable[[int, "str | None"], Iterable[list[tuple[str, torch.Tens
 
 def dict_buckets(named_tensors: NamedTensors) -> BucketSource:
     """Buckets of a callable's whole dict (one snapshot per sync), sized in the sent dtype."""
-    from rollflow.tasks.sync.buckets import buckets_by_bytes
-
     def source(bucket_bytes: int, dtype: str | None):
         named = named_tensors()
         sent = ((name, t if dtype is None else t.to(DTYPES[dtype])) for name, t in named.items())
@@ -93,26 +96,24 @@ class WeightSender:
         self._ipc_args = (tp_size, device, flattened)
         self._held = None
 
-    def ipc_next(self) -> dict:
+    def ipc_next(self) -> IpcBucket:
         """The next bucket's payloads (one base64 string per copy), its tensor names, whether it is the last, and
         the GPU they were made on (this process's CUDA_VISIBLE_DEVICES, as the scheduler numbers GPUs; None
         without); the previous bucket's tensors are released (the engine has loaded them by now)."""
-        from rollflow.tasks.sync.ipc import ipc_buckets
-
         if self._stream is None:
             raise RuntimeError("ipc_next before ipc_begin")
         self._held = None
         pairs, last = next(self._stream)
         tp_size, device, flattened = self._ipc_args
         visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
-        out = {"payloads": [], "names": [n for n, _ in pairs], "last": last,
-               "nbytes": sum(t.numel() * t.element_size() for _, t in pairs),
-               "gpu": visible.split(",")[0] if visible else None}
+        out = IpcBucket(payloads=[], names=[n for n, _ in pairs], last=last,
+                        nbytes=sum(t.numel() * t.element_size() for _, t in pairs),
+                        gpu=visible.split(",")[0] if visible else None)
         if tp_size and pairs:
             bucket = next(ipc_buckets(pairs, 1 << 62, tp_size=tp_size, device=device,
                                       flattened=flattened))  # the source's bucket, as one IPC bucket
             self._held = bucket
-            out.update(payloads=list(bucket.payloads), nbytes=int(bucket.nbytes))
+            out = dataclasses.replace(out, payloads=list(bucket.payloads), nbytes=int(bucket.nbytes))
         return out
 
     def ipc_end(self) -> None:
@@ -132,8 +133,6 @@ class WeightSender:
                    backend: str = "nccl", timeout_s: float = 600.0) -> None:
         """Rank 0 of the group (blocks until every engine rank has joined). A previous group (engines
         restarted since) is destroyed first."""
-        from rollflow.tasks.sync.weight_group import init_weight_group
-
         self.leave_group()
         self._group = init_weight_group(master_address, master_port, rank=0, world_size=world_size,
                                         group_name=group_name, backend=backend, timeout_s=timeout_s)
@@ -143,7 +142,7 @@ class WeightSender:
         self._stream = _with_last(self._source(bucket_bytes, dtype))
         self._current = None
 
-    def next_bucket(self, keep: bool = True) -> dict:
+    def next_bucket(self, keep: bool = True) -> BroadcastBucket:
         """The next bucket's metadata (name, dtype, shape of each tensor, in broadcast order) and whether it is
         the last; kept for `broadcast_current` unless `keep` is false (a rank that only steps along)."""
         if self._stream is None:
@@ -153,7 +152,7 @@ class WeightSender:
         if last:
             self._stream = None
         metas = [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in pairs]
-        return {"metas": [dataclasses.asdict(m) for m in metas], "last": last}
+        return BroadcastBucket(metas=[dataclasses.asdict(m) for m in metas], last=last)
 
     def broadcast_current(self, device: str | None = None) -> int:
         """Broadcast the bucket `next_bucket` gave (the engines are receiving it); bytes sent."""

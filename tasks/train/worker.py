@@ -11,24 +11,37 @@ arguments; everything else is local (and the ranks' weights are identical, so ra
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import torch
 
 from rollflow.artifacts.pipeline_meta import trained_rows
+from rollflow.artifacts.sample import Sample
+from rollflow.artifacts.slime import check_token_ids
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.artifacts.storage import open_fs
+from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
-from rollflow.tasks.sync.parity import checksums
+from rollflow.tasks.progress import Progress, progress_of
+from rollflow.tasks.sync.capabilities import weights_in_place
+from rollflow.tasks.sync.parity import checksums, tensor_prefix
+from rollflow.tasks.train.capabilities import BucketExporter, KnowsVocabSize, Offloadable, Sharded
 from rollflow.tasks.train.critic import CriticEstimate
 from rollflow.tasks.train.checkpoint import (checkpoint_dir, distributed_payload, is_distributed_payload,
                                              load_checkpoint, load_state, save_checkpoint, save_state)
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.dump import train_dump_bytes
+from rollflow.tasks.train.records import records_bytes, sample_records
+from rollflow.tasks.train.megatron.backend import build_megatron_backend  # megatron-core itself loads on use
 from rollflow.tasks.train.mismatch import corrects
+from rollflow.tasks.train.results import BroadcastBucket, IpcBucket, TrainerDescription
 from rollflow.tasks.train.replay import infer_group_size, subsample_groups
+from rollflow.tasks.train.probe import probe_log_probs
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.step import train_on_samples
 from rollflow.tasks.train.torch_backend import TorchBackend
+from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
 
 
 MEGATRON_DP_REFUSED = ("multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer "
@@ -51,13 +64,10 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp
         # Refused before anything loads or joins a group.
         raise NotImplementedError(f"{why} (got world_size={dp.world_size})")
     if optim.backend == "megatron":
-        from rollflow.tasks.train.megatron_backend import build_megatron_backend  # imports megatron-core lazily
-
         return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature,
                                       dp=dp if multi_rank else None)
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
-    from rollflow.tasks.model.dtypes import DTYPES
 
     # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
     model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
@@ -79,10 +89,13 @@ class TrainWorker:
         self.store = RolloutStore(store_root, storage_options)
         self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp)
         # No rank holds the whole state (megatron tp / pp > 1, ...): checkpoints are distributed, weight reads collective.
-        self.sharded = bool(getattr(self.backend, "sharded", False))
+        self.sharded = isinstance(self.backend, Sharded) and bool(self.backend.sharded)
         self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call
         self._consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
         self._trained = False  # a train call ran (a sharded trainer's initial state is then gone)
+        self._loaded: tuple[str, Any] | None = None  # (uri, artifact) of `load_artifact`, taken by the next train call
+        self._weight_sender: WeightSender | None = None  # made on the first weight sync
+        self._progress = Progress()  # artifacts loaded, weight buckets sent (the backend counts its micro-batches)
         # The exact starting state (weights, empty optimizer, RNG), so a replay can start from it again.
         self._initial_state = None if self.sharded else self.backend.checkpoint_bytes()
         if resume_iteration is not None:
@@ -99,46 +112,49 @@ class TrainWorker:
     def ping(self) -> bool:
         return True
 
+    def progress(self) -> int:
+        """Work done so far (micro-batches, weight buckets); a stall deadline watches it move."""
+        return self._progress.value + progress_of(self.backend)
+
     @property
     def is_primary(self) -> bool:
         """Rank 0 (or the only rank): the one that writes checkpoints, states and dumps."""
         return self.dp is None or self.dp.is_primary
 
-    def describe(self) -> dict:
-        """Backend and data-parallel placement of this worker (small JSON, for logs and checks)."""
-        return {"backend": self.backend.name, "rank": self.dp.rank if self.dp else 0,
-                "world_size": self.dp.world_size if self.dp else 1,
-                "dp_backend": self.dp.backend if self.dp and self.dp.enabled else None, "sharded": self.sharded}
+    def describe(self) -> TrainerDescription:
+        """Backend and data-parallel placement of this worker (for logs and checks)."""
+        return TrainerDescription(backend=self.backend.name, rank=self.dp.rank if self.dp else 0,
+                                  world_size=self.dp.world_size if self.dp else 1,
+                                  dp_backend=self.dp.backend if self.dp and self.dp.enabled else None,
+                                  sharded=self.sharded)
 
-    def load_artifact(self, ref: dict) -> int:
+    def load_artifact(self, ref: ArtifactRef) -> int:
         """Load (and checksum) a rollout artifact ahead of `train_on_artifact`; returns its sample count.
 
         Kept separate so the orchestrator can retry a transient storage failure of the load without
         ever retrying a train step that may already have stepped the optimizer.
         """
-        uri = ArtifactRef.from_dict(ref).uri
+        uri = ref.uri
         artifact = self.store.load_uri(uri)
+        self._progress.tick()
         self._loaded = (uri, artifact)
         return len(artifact)  # the artifact stays columnar: no Sample objects are built
 
-    def _artifact(self, ref: dict):
-        uri = ArtifactRef.from_dict(ref).uri
-        loaded, self._loaded = getattr(self, "_loaded", None), None
+    def _artifact(self, ref: ArtifactRef):
+        uri = ref.uri
+        loaded, self._loaded = self._loaded, None
         if loaded is not None and loaded[0] == uri:
             return loaded[1]
         return self.store.load_uri(uri)
 
     def _vocab_size(self) -> int | None:
-        config = getattr(getattr(self.backend, "model", None), "config", None)
-        value = getattr(config, "vocab_size", None)
-        return int(value) if isinstance(value, int) else None
+        return self.backend.vocab_size if isinstance(self.backend, KnowsVocabSize) else None
 
-    def train_on_artifact(self, ref: dict, *, subsample: float | None = None,
+    def train_on_artifact(self, ref: ArtifactRef, *, subsample: float | None = None,
                           dump_uri: str | None = None, reward_key: str | None = None,
-                          critic: CriticEstimate | None = None) -> dict[str, float]:
-        """`critic`: advantage_estimator='ppo' only, the critic actor's estimate for this same artifact."""
-        from rollflow.artifacts.slime import check_token_ids
-
+                          critic: CriticEstimate | None = None, record_uri: str | None = None) -> dict[str, float]:
+        """`critic`: advantage_estimator='ppo' only, the critic actor's estimate for this same artifact;
+        `record_uri`: where the per-sample train records go (tasks/train/records.py; stage replay reads them)."""
         if critic is not None and subsample is not None:
             raise ValueError("a critic estimate covers the whole rollout; it cannot be combined with subsample")
 
@@ -147,7 +163,7 @@ class TrainWorker:
         samples = artifact.columns  # the batch is built from the columns: no Python object per token
         # An id >= the vocab would be an IndexError deep in the forward (a device-side assert on GPU).
         check_token_ids(samples, self._vocab_size(), rollout_id=artifact.manifest.rollout_id,
-                        split=artifact.manifest.split, uri=ArtifactRef.from_dict(ref).uri)
+                        split=artifact.manifest.split, uri=ref.uri)
         if reward_key is not None:  # the run's key of dict rewards wins over the samples' own (as slime)
             samples = samples.with_reward_key(reward_key)
         # Groups kept in the artifact but not trained (dynamic-sampling filter, partial rollouts): a replay of
@@ -172,6 +188,8 @@ class TrainWorker:
         self._count_skips(result.steps, artifact.manifest.rollout_id)
         if dump_uri is not None and self.is_primary:
             self._write(dump_uri, train_dump_bytes(result.batch, artifact.manifest.rollout_id))
+        if record_uri is not None and self.is_primary:
+            self._write(record_uri, records_bytes(sample_records(result.batch, artifact.manifest.rollout_id)))
         metrics = result.metrics | {"train/n_samples": float(len(samples))}
         if missing:
             for key in ("train/train_rollout_logprob_abs_diff", "rollout/rollout_log_probs"):
@@ -204,7 +222,7 @@ class TrainWorker:
         rank, like its metrics). Kept apart from the metrics so their dict stays one row of floats."""
         return list(self._steps)
 
-    def replay_step(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
+    def replay_step(self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str,
                     subsample: float | None = None, dump_uri: str | None = None,
                     reward_key: str | None = None) -> dict[str, float]:
         """Train on one pinned artifact from a given state, and save the resulting state."""
@@ -222,7 +240,7 @@ class TrainWorker:
             save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
         return metrics
 
-    def _replay_step_distributed(self, ref: dict, *, start_state_uri: str | None, out_state_uri: str,
+    def _replay_step_distributed(self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str,
                                  **train_kwargs) -> dict[str, float]:
         """`replay_step` of a sharded trainer: the states are Megatron distributed checkpoints in a `dist/` folder
         beside the state file, which holds the format's stub and is committed (sidecar) after every rank wrote."""
@@ -246,8 +264,6 @@ class TrainWorker:
     def _write(self, uri: str, data: bytes) -> None:
         import posixpath
 
-        from rollflow.artifacts.storage import open_fs
-
         fs, path = open_fs(uri, self.storage_options)
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         with fs.open(path, "wb") as f:
@@ -262,8 +278,6 @@ class TrainWorker:
         if self.sharded:  # every rank writes its shards: call it on every rank at once
             return self._save_distributed(iteration, extra)
         if not self.is_primary:
-            from rollflow.artifacts.storage import open_fs
-
             return checkpoint_dir(open_fs(self.store_root, self.storage_options)[1], self.run, iteration)
         bad = [name for name, t in self.backend.named_weights().items()
                if t.is_floating_point() and not bool(torch.isfinite(t).all())]
@@ -276,8 +290,6 @@ class TrainWorker:
     def _dist_dir(self, iteration: int) -> str:
         import os
 
-        from rollflow.artifacts.storage import open_fs
-
         base = open_fs(self.store_root, self.storage_options)[1]
         return os.path.join(self._local_path(checkpoint_dir(base, self.run, iteration)), "dist")
 
@@ -289,8 +301,6 @@ class TrainWorker:
 
     def _local_path(self, uri: str) -> str:
         """`uri` as a local path every rank can write (distributed checkpoints), or one line naming the fix."""
-        from rollflow.artifacts.storage import open_fs
-
         fs, path = open_fs(uri, self.storage_options)
         if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
             raise ValueError(f"store.root={self.store_root!r}: a sharded megatron trainer writes Megatron's distributed "
@@ -326,6 +336,11 @@ class TrainWorker:
                              "resume it with the layout that wrote it, or start a new run from the HF model")
         self.backend.load_distributed(self._dist_dir(iteration))
 
+    def score_probe(self, samples: list[Sample]) -> list[list[float]]:
+        """The post-sync probe: the policy's teacher-forced log-probs of the engine's probe tokens
+        (tasks/train/probe.py). A sharded backend's forward is a collective: every rank is called."""
+        return probe_log_probs(self.backend, samples)
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.named_weights()
 
@@ -341,49 +356,37 @@ class TrainWorker:
     def offload(self) -> bool:
         """Weights, grads and optimizer state of this rank to host memory; False when the backend keeps them
         (it has no offload). Nothing that reads the weights may run until `onload`."""
-        move = getattr(self.backend, "offload", None)
-        if move is None:
+        if not isinstance(self.backend, Offloadable):
             return False
-        move()
+        self.backend.offload()
         return True
 
     def onload(self) -> bool:
-        move = getattr(self.backend, "onload", None)
-        if move is None:
+        if not isinstance(self.backend, Offloadable):
             return False
-        move()
+        self.backend.onload()
         return True
 
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
         """First `n` values of every tensor (cast like the engine holds them), for prefix parity."""
-        from rollflow.tasks.sync.parity import tensor_prefix
-        from rollflow.tasks.model.dtypes import DTYPES
-
         dtype = DTYPES[as_dtype] if as_dtype else None
         return {k: tensor_prefix(v.to(dtype) if dtype else v, n) for k, v in self.backend.named_weights().items()}
 
     def weight_checksums(self, as_dtype: str | None = None) -> dict[str, str]:
         """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
         # Fingerprints computed where the weights live (tasks/sync/parity.py): no copy to the host.
-        resident = getattr(self.backend, "weight_tensors", None)
-        named = resident() if resident is not None else self.backend.named_weights()
+        named = weights_in_place(self.backend)
         if as_dtype is not None:
-            from rollflow.tasks.model.dtypes import DTYPES
-
             named = {k: v.to(DTYPES[as_dtype]) for k, v in named.items()}
         return checksums(named)
 
-    # -- weight sync into SGLang engines, driven by flows/weight_sync.py (rank 0 only) -------------------
-    def _sender(self):
-        from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
-
-        if getattr(self, "_weight_sender", None) is None:
-            export = getattr(self.backend, "export_buckets", None)
-            if export is not None:  # megatron: streamed per layer, no whole-model copy (collective when sharded)
-                def source(size: int, dtype: str | None):
-                    from rollflow.tasks.model.dtypes import DTYPES
-
-                    return export(size, DTYPES[dtype] if dtype else None)
+    # -- weight sync into SGLang engines, driven by flows/weight_sync/ (rank 0 only) ---------------------
+    def _sender(self) -> WeightSender:
+        if self._weight_sender is None:
+            backend = self.backend
+            if isinstance(backend, BucketExporter):  # megatron: streamed per layer, no whole-model copy
+                def source(size: int, dtype: str | None):  # (a collective when sharded)
+                    return backend.export_buckets(size, DTYPES[dtype] if dtype else None)
             else:
                 source = dict_buckets(self._device_weights)
             self._weight_sender = WeightSender(source)
@@ -391,9 +394,8 @@ class TrainWorker:
 
     def _device_weights(self) -> dict[str, torch.Tensor]:
         """HF-named tensors where they live (the trainer's GPU): IPC handles and broadcasts need no copy."""
-        model = getattr(self.backend, "model", None)
-        if isinstance(self.backend, TorchBackend) and model is not None:
-            return {k: v.detach() for k, v in model.state_dict().items()}
+        if isinstance(self.backend, TorchBackend):
+            return {k: v.detach() for k, v in self.backend.model.state_dict().items()}
         return self.backend.named_weights()
 
     def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None, flattened: bool = False) -> None:
@@ -402,7 +404,8 @@ class TrainWorker:
         device = self.optim.device if str(self.optim.device).startswith("cuda") else None
         self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device, flattened)
 
-    def ipc_next(self) -> dict:
+    def ipc_next(self) -> IpcBucket:
+        self._progress.tick()
         return self._sender().ipc_next()
 
     def visible_gpu(self) -> str | None:
@@ -425,10 +428,12 @@ class TrainWorker:
     def weight_buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
         self._sender().buckets_begin(bucket_bytes, dtype)
 
-    def next_weight_bucket(self) -> dict:
+    def next_weight_bucket(self) -> BroadcastBucket:
         """The next bucket's metadata; rank 0 keeps its tensors to broadcast, a sharded trainer's other ranks only
         take part in making it."""
+        self._progress.tick()
         return self._sender().next_bucket(keep=self.is_primary)
 
     def broadcast_weight_bucket(self, device: str | None = None) -> int:
+        self._progress.tick()
         return self._sender().broadcast_current(device)

@@ -1,0 +1,28 @@
+"""The capability both sides share: weights readable where they live (engines and trainers alike).
+
+A `@runtime_checkable` protocol instead of a `getattr(x, "weight_tensors")` probe: an engine or backend
+declares the capability by having the method, and callers ask with `isinstance`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ResidentTensors(Protocol):
+    """The weights as they sit in memory (on the GPU: no host copy), for fingerprints computed in place.
+    HFEngine and TorchBackend have it; the others only give host copies (`named_weights`)."""
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+class NamedWeights(Protocol):
+    def named_weights(self) -> dict[str, torch.Tensor]: ...
+
+
+def weights_in_place(holder: NamedWeights) -> dict[str, torch.Tensor]:
+    """`holder`'s weights where they live when it can give them so, else its host copies."""
+    return holder.weight_tensors() if isinstance(holder, ResidentTensors) else holder.named_weights()
