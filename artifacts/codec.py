@@ -30,8 +30,15 @@ CODEC_NAME = PAYLOAD_FORMAT.encode()
 _SCALARS = [f.name for f in SAMPLES_SCHEMA if f.name not in PER_TOKEN]
 
 __all__ = [
-    "CODEC_NAME", "PAYLOAD_FORMAT", "READABLE_FORMATS", "SAMPLES_SCHEMA", "SampleColumns", "columns_from_parquet",
-    "columns_to_parquet", "samples_from_parquet_bytes", "samples_table_from_parquet_bytes",
+    "CODEC_NAME",
+    "PAYLOAD_FORMAT",
+    "READABLE_FORMATS",
+    "SAMPLES_SCHEMA",
+    "SampleColumns",
+    "columns_from_parquet",
+    "columns_to_parquet",
+    "samples_from_parquet_bytes",
+    "samples_table_from_parquet_bytes",
     "samples_to_parquet_bytes",
 ]
 
@@ -46,8 +53,9 @@ def columns_to_parquet(columns: SampleColumns) -> pa.Buffer:
     sink = pa.BufferOutputStream()
     table = columns.table.replace_schema_metadata({b"rollflow.codec": CODEC_NAME})
     rows = max(1, int(ROW_GROUP_BYTES * len(columns) / max(1, columns.nbytes)))
-    pq.write_table(table, sink, compression="zstd", use_dictionary=_SCALARS, write_statistics=_SCALARS,
-                   row_group_size=rows)
+    pq.write_table(
+        table, sink, compression="zstd", use_dictionary=_SCALARS, write_statistics=_SCALARS, row_group_size=rows
+    )
     return sink.getvalue()
 
 
@@ -139,7 +147,8 @@ def columns_from_parquet(data: bytes | pa.Buffer) -> SampleColumns:
     if pc.any(both).as_py():
         row = int(pc.index(both, True).as_py())
         raise ArtifactSchemaError(
-            f"row {row}: both 'reward' and 'reward_json' are set; exactly one may hold the reward", field="reward")
+            f"row {row}: both 'reward' and 'reward_json' are set; exactly one may hold the reward", field="reward"
+        )
     return SampleColumns(table)
 
 

@@ -164,8 +164,9 @@ class SampleColumns:
         metadata = self.table.column("metadata")
         rows = np.flatnonzero(pc.match_substring(metadata, json.dumps(name)).to_numpy(zero_copy_only=False))
         texts = metadata.take(pa.array(rows, pa.int64())).to_pylist()
-        return any(_from_json(text, column="metadata", row=int(row), expected=dict).get(name)
-                   for row, text in zip(rows, texts))
+        return any(
+            _from_json(text, column="metadata", row=int(row), expected=dict).get(name) for row, text in zip(rows, texts)
+        )
 
     # -- checks
 
@@ -237,20 +238,31 @@ class SampleColumns:
                 if reward is not None:
                     raise ArtifactSchemaError(
                         f"row {row}: both 'reward' and 'reward_json' are set; exactly one may hold the reward",
-                        field="reward")
+                        field="reward",
+                    )
                 reward = _from_json(plain["reward_json"][i], column="reward_json", row=row, expected=dict)
             try:
                 status = Status.parse(plain["status"][i])
             except ValueError as exc:
                 raise ArtifactSchemaError(f"row {row}: column 'status': {exc}", field="status") from None
-            samples.append(Sample(
-                group_index=plain["group_index"][i], index=plain["index"][i], prompt=prompt,
-                tokens=per_token["tokens"][i], response=plain["response"][i],
-                response_length=plain["response_length"][i], loss_mask=per_token["loss_mask"][i],
-                rollout_log_probs=per_token["rollout_log_probs"][i], reward=reward, label=plain["label"][i],
-                status=status, weight_version=plain["weight_version"][i], reward_key=plain["reward_key"][i],
-                metadata=_from_json(plain["metadata"][i], column="metadata", row=row, expected=dict),
-            ))
+            samples.append(
+                Sample(
+                    group_index=plain["group_index"][i],
+                    index=plain["index"][i],
+                    prompt=prompt,
+                    tokens=per_token["tokens"][i],
+                    response=plain["response"][i],
+                    response_length=plain["response_length"][i],
+                    loss_mask=per_token["loss_mask"][i],
+                    rollout_log_probs=per_token["rollout_log_probs"][i],
+                    reward=reward,
+                    label=plain["label"][i],
+                    status=status,
+                    weight_version=plain["weight_version"][i],
+                    reward_key=plain["reward_key"][i],
+                    metadata=_from_json(plain["metadata"][i], column="metadata", row=row, expected=dict),
+                )
+            )
         return samples
 
     def take(self, rows: Sequence[int] | np.ndarray) -> "SampleColumns":
@@ -271,16 +283,20 @@ class SampleColumns:
             if is_chat and not isinstance(sample.prompt, list):
                 raise ArtifactSchemaError(
                     f"{where}: prompt must be a str or a list of chat messages, got {type(sample.prompt).__name__}",
-                    field="prompt")
+                    field="prompt",
+                )
             if sample.label is not None and not isinstance(sample.label, str):
                 raise ArtifactSchemaError(
                     f"{where}: label must be a str or None, got {type(sample.label).__name__}; "
-                    "convert it (e.g. str() or json.dumps) before storing", field="label")
+                    "convert it (e.g. str() or json.dumps) before storing",
+                    field="label",
+                )
             reward, reward_json = _encode_reward(sample, where)
             scalars["group_index"].append(sample.group_index)
             scalars["index"].append(sample.index)
-            scalars["prompt"].append(_to_json(sample.prompt, column="prompt", where=where) if is_chat
-                                     else sample.prompt)
+            scalars["prompt"].append(
+                _to_json(sample.prompt, column="prompt", where=where) if is_chat else sample.prompt
+            )
             scalars["prompt_is_chat"].append(is_chat)
             scalars["response"].append(sample.response)
             scalars["response_length"].append(sample.response_length)
@@ -301,14 +317,25 @@ class SampleColumns:
                 arrays.append(pa.array(values, type=field.type))
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 raise ArtifactSchemaError(
-                    f"column {field.name!r} cannot be stored as {field.type} ({exc})", field=field.name) from None
+                    f"column {field.name!r} cannot be stored as {field.type} ({exc})", field=field.name
+                ) from None
         return cls(pa.Table.from_arrays(arrays, schema=SAMPLES_SCHEMA))
 
     @classmethod
-    def from_arrays(cls, *, group_index: np.ndarray, index: np.ndarray, tokens: ListColumn,
-                    response_length: np.ndarray, loss_mask: np.ndarray, rollout_log_probs: np.ndarray,
-                    reward: np.ndarray, status: Sequence[str] | str = Status.COMPLETED.value,
-                    prompt: Sequence[str] | str = "", weight_version: int = 0) -> "SampleColumns":
+    def from_arrays(
+        cls,
+        *,
+        group_index: np.ndarray,
+        index: np.ndarray,
+        tokens: ListColumn,
+        response_length: np.ndarray,
+        loss_mask: np.ndarray,
+        rollout_log_probs: np.ndarray,
+        reward: np.ndarray,
+        status: Sequence[str] | str = Status.COMPLETED.value,
+        prompt: Sequence[str] | str = "",
+        weight_version: int = 0,
+    ) -> "SampleColumns":
         """Columns straight from numpy (an engine's output, benchmarks): `loss_mask` and `rollout_log_probs`
         are flat over the responses (each row's last `response_length` tokens), in row order."""
         n = len(group_index)
@@ -317,24 +344,30 @@ class SampleColumns:
 
         def lst(offsets: np.ndarray, values: np.ndarray, type_: pa.DataType) -> pa.Array:
             # list<> has int32 offsets: one column chunk holds < 2**31 tokens (a 67M-token rollout is fine).
-            return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int32)),
-                                            pa.array(values, type=type_.value_type))
+            return pa.ListArray.from_arrays(
+                pa.array(np.asarray(offsets, dtype=np.int32)), pa.array(values, type=type_.value_type)
+            )
 
         def repeat(value, type_):
             return pa.array([value] * n if isinstance(value, str) else value, type=type_)
 
         arrays = {
-            "group_index": pa.array(group_index, pa.int64()), "index": pa.array(index, pa.int64()),
-            "prompt": repeat(prompt, pa.string()), "prompt_is_chat": pa.array(np.zeros(n, dtype=bool)),
+            "group_index": pa.array(group_index, pa.int64()),
+            "index": pa.array(index, pa.int64()),
+            "prompt": repeat(prompt, pa.string()),
+            "prompt_is_chat": pa.array(np.zeros(n, dtype=bool)),
             "tokens": lst(tokens.offsets, tokens.values, SAMPLES_SCHEMA.field("tokens").type),
-            "response": repeat("", pa.string()), "response_length": pa.array(response_length, pa.int64()),
+            "response": repeat("", pa.string()),
+            "response_length": pa.array(response_length, pa.int64()),
             "loss_mask": lst(resp_offsets, loss_mask, SAMPLES_SCHEMA.field("loss_mask").type),
-            "rollout_log_probs": lst(resp_offsets, rollout_log_probs,
-                                     SAMPLES_SCHEMA.field("rollout_log_probs").type),
-            "reward": pa.array(reward, pa.float64()), "reward_json": pa.nulls(n, pa.string()),
-            "label": pa.nulls(n, pa.string()), "status": repeat(status, pa.string()),
+            "rollout_log_probs": lst(resp_offsets, rollout_log_probs, SAMPLES_SCHEMA.field("rollout_log_probs").type),
+            "reward": pa.array(reward, pa.float64()),
+            "reward_json": pa.nulls(n, pa.string()),
+            "label": pa.nulls(n, pa.string()),
+            "status": repeat(status, pa.string()),
             "weight_version": pa.array(np.full(n, weight_version, dtype=np.int64)),
-            "reward_key": pa.nulls(n, pa.string()), "metadata": repeat("{}", pa.string()),
+            "reward_key": pa.nulls(n, pa.string()),
+            "metadata": repeat("{}", pa.string()),
         }
         return cls(pa.Table.from_arrays([arrays[f.name] for f in SAMPLES_SCHEMA], schema=SAMPLES_SCHEMA))
 

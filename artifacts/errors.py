@@ -115,9 +115,19 @@ class ArtifactCorrupt(ArtifactError):
 
     def __reduce__(self):
         # Keyword-only fields: the default exception pickling would fail across Ray/Prefect processes.
-        return (_rebuild_kw, (type(self), (self.uri,), {
-            "expected_sha256": self.expected_sha256, "actual_sha256": self.actual_sha256,
-            "expected_size": self.expected_size, "actual_size": self.actual_size}))
+        return (
+            _rebuild_kw,
+            (
+                type(self),
+                (self.uri,),
+                {
+                    "expected_sha256": self.expected_sha256,
+                    "actual_sha256": self.actual_sha256,
+                    "expected_size": self.expected_size,
+                    "actual_size": self.actual_size,
+                },
+            ),
+        )
 
 
 class ArtifactExists(ArtifactError, FileExistsError):
@@ -127,8 +137,12 @@ class ArtifactExists(ArtifactError, FileExistsError):
         self.uri = uri
         self.note = note
         self.in_progress = in_progress
-        state = ("is being written by another writer right now (its payload appeared after this writer "
-                 "checked the id was free)" if in_progress else "is already committed (manifest.json exists)")
+        state = (
+            "is being written by another writer right now (its payload appeared after this writer "
+            "checked the id was free)"
+            if in_progress
+            else "is already committed (manifest.json exists)"
+        )
         super().__init__(
             f"rollout artifact {uri} {state} and committed "
             "artifacts are immutable: write the new data under a new rollout id, or start a new "
@@ -154,8 +168,10 @@ class ArtifactSchemaError(ArtifactError, ValueError):
         super().__init__(f"{where}{message}")
 
     def __reduce__(self):
-        return (_rebuild_kw, (type(self), (getattr(self, "_message", str(self)),),
-                              {"field": self.field, "uri": self.uri}))
+        return (
+            _rebuild_kw,
+            (type(self), (getattr(self, "_message", str(self)),), {"field": self.field, "uri": self.uri}),
+        )
 
 
 def _rebuild_kw(cls, args, kwargs):
@@ -171,8 +187,9 @@ class StorageError(ArtifactError, OSError):
 
     transient = False
 
-    def __init__(self, message: str, *, uri: str | None = None, endpoint: str | None = None,
-                 bucket: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, uri: str | None = None, endpoint: str | None = None, bucket: str | None = None
+    ) -> None:
         super().__init__(message)
         self.uri = uri
         self.endpoint = endpoint

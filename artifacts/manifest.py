@@ -141,9 +141,7 @@ class Manifest(BaseModel):
         try:
             raw = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ArtifactSchemaError(
-                f"manifest is not valid JSON ({exc})", field="manifest", uri=uri
-            ) from None
+            raise ArtifactSchemaError(f"manifest is not valid JSON ({exc})", field="manifest", uri=uri) from None
         if not isinstance(raw, dict):
             raise ArtifactSchemaError("manifest must be a JSON object", field="manifest", uri=uri)
         # Check the version first: a newer writer's manifest would otherwise be reported as a
@@ -168,9 +166,7 @@ def _unsupported_version_message(value: Any) -> str:
 def schema_error_from_validation(exc: ValidationError, *, uri: str | None = None) -> ArtifactSchemaError:
     first = exc.errors()[0]
     field = ".".join(str(part) for part in first["loc"]) or "manifest"
-    details = "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'manifest'}: {err['msg']}" for err in exc.errors()
-    )
+    details = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'manifest'}: {err['msg']}" for err in exc.errors())
     return ArtifactSchemaError(f"invalid manifest field {field!r}: {details}", field=field, uri=uri)
 
 

@@ -48,8 +48,10 @@ def token_weight_versions(sample: Sample) -> list[int]:
     if versions is None:
         return [int(sample.weight_version)] * sample.response_length
     if len(versions) != sample.response_length:
-        raise ValueError(f"Sample (group {sample.group_index}, index {sample.index}): metadata.weight_versions has "
-                         f"{len(versions)} entries for response_length={sample.response_length}")
+        raise ValueError(
+            f"Sample (group {sample.group_index}, index {sample.index}): metadata.weight_versions has "
+            f"{len(versions)} entries for response_length={sample.response_length}"
+        )
     return [int(v) for v in versions]
 
 
@@ -106,11 +108,18 @@ class PipelineStats:
     continued_samples: int
 
     def metrics(self) -> dict[str, float]:
-        out = {"pipeline/staleness_mean": self.staleness_mean, "pipeline/staleness_max": float(self.staleness_max),
-               "pipeline/oldest_weight_version": float(self.oldest_weight_version),
-               "pipeline/continued_samples": float(self.continued_samples)}
-        out.update({f"pipeline/filtered_groups_{reason}": float(self.filtered_groups.get(reason, 0))
-                    for reason in FILTER_REASONS})
+        out = {
+            "pipeline/staleness_mean": self.staleness_mean,
+            "pipeline/staleness_max": float(self.staleness_max),
+            "pipeline/oldest_weight_version": float(self.oldest_weight_version),
+            "pipeline/continued_samples": float(self.continued_samples),
+        }
+        out.update(
+            {
+                f"pipeline/filtered_groups_{reason}": float(self.filtered_groups.get(reason, 0))
+                for reason in FILTER_REASONS
+            }
+        )
         return out
 
 
@@ -145,6 +154,10 @@ def pipeline_stats(columns: SampleColumns, trainer_version: int, group_size: int
         if tokens:
             worst = max(worst, trainer_version - min(tokens))
             oldest = min(tokens) if oldest is None else min(oldest, min(tokens))
-    return PipelineStats(staleness_mean=total / count if count else 0.0, staleness_max=worst,
-                         oldest_weight_version=int(oldest if oldest is not None else trainer_version),
-                         filtered_groups=reasons, continued_samples=continued)
+    return PipelineStats(
+        staleness_mean=total / count if count else 0.0,
+        staleness_max=worst,
+        oldest_weight_version=int(oldest if oldest is not None else trainer_version),
+        filtered_groups=reasons,
+        continued_samples=continued,
+    )

@@ -66,8 +66,9 @@ class Sample:
         `rollout.eval_reward_key` for eval, as slime's `--reward-key`), else at the sample's own `reward_key`."""
         if self.reward is None:
             raise ValueError(f"Sample (group {self.group_index}, index {self.index}) has no reward yet")
-        return reward_value(self.reward, reward_key or self.reward_key,
-                            where=f"Sample (group {self.group_index}, index {self.index})")
+        return reward_value(
+            self.reward, reward_key or self.reward_key, where=f"Sample (group {self.group_index}, index {self.index})"
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the sample breaks the data contract."""
@@ -77,9 +78,7 @@ class Sample:
                 f"{where}: response_length={self.response_length} outside 0..len(tokens)={len(self.tokens)}"
             )
         if len(self.loss_mask) != self.response_length:
-            raise ValueError(
-                f"{where}: len(loss_mask)={len(self.loss_mask)} != response_length={self.response_length}"
-            )
+            raise ValueError(f"{where}: len(loss_mask)={len(self.loss_mask)} != response_length={self.response_length}")
         if len(self.rollout_log_probs) != self.response_length:
             raise ValueError(
                 f"{where}: len(rollout_log_probs)={len(self.rollout_log_probs)} "
@@ -117,9 +116,12 @@ def reward_value(reward: Any, reward_key: str | None, *, where: str = "Sample") 
         if not reward_key:
             raise ValueError(
                 f"{where}: reward is a dict with keys {sorted(reward)} but no reward key is set: set "
-                "rollout.reward_key (and rollout.eval_reward_key for eval) to one of them, as slime's --reward-key")
+                "rollout.reward_key (and rollout.eval_reward_key for eval) to one of them, as slime's --reward-key"
+            )
         if reward_key not in reward:
-            raise ValueError(f"{where}: reward key {reward_key!r} is not in the dict reward (keys {sorted(reward)}); "
-                             "set rollout.reward_key to one of them")
+            raise ValueError(
+                f"{where}: reward key {reward_key!r} is not in the dict reward (keys {sorted(reward)}); "
+                "set rollout.reward_key to one of them"
+            )
         return float(reward[reward_key])
     return float(reward)

@@ -147,9 +147,7 @@ def discover_template_ids(template: str, storage_options: dict[str, Any] | None 
     fs, glob_path = url_to_fs(glob_text, **(storage_options or {}))
     marked_path = fs._strip_protocol(marked)
     pieces = marked_path.split(_SENTINEL)
-    regex = re.compile(
-        "^" + r"(eval_)?(\d+)".join(re.escape(p) for p in pieces) + "$"
-    )
+    regex = re.compile("^" + r"(eval_)?(\d+)".join(re.escape(p) for p in pieces) + "$")
     try:
         fs.invalidate_cache()
         matches = fs.glob(glob_path)
@@ -208,8 +206,7 @@ def read_pt_bytes(path_or_url: str, storage_options: dict[str, Any] | None = Non
         raise ArtifactNotFound(f"no slime .pt file at {path_or_url!r}") from None
 
 
-def load_plain_pt(path_or_url: str, storage_options: dict[str, Any] | None = None, *,
-                  data: bytes | None = None) -> Any:
+def load_plain_pt(path_or_url: str, storage_options: dict[str, Any] | None = None, *, data: bytes | None = None) -> Any:
     """`torch.load(weights_only=True)` of any fsspec URL (or of its bytes, `data`); code-carrying pickles
     are refused."""
     if data is None:
@@ -333,8 +330,9 @@ def slime_dict_to_sample(raw: dict[str, Any], *, position: int = 0, uri: str | N
     return sample
 
 
-def import_slime_pt(path_or_url: str, storage_options: dict[str, Any] | None = None, *,
-                    data: bytes | None = None) -> tuple[int, list[Sample]]:
+def import_slime_pt(
+    path_or_url: str, storage_options: dict[str, Any] | None = None, *, data: bytes | None = None
+) -> tuple[int, list[Sample]]:
     """Read one slime debug-rollout dump: (rollout_id, samples). Only plain-data .pt files load."""
     payload = load_plain_pt(path_or_url, storage_options, data=data)
     if not isinstance(payload, dict) or "samples" not in payload:
@@ -367,8 +365,14 @@ class TokenOutOfVocab(ArtifactSchemaError):
     """A sample holds a token id the model cannot embed (>= its vocabulary size, or negative)."""
 
 
-def check_token_ids(samples: Sequence[Sample] | Any, vocab_size: int | None, *, rollout_id: int, split: str = "train",
-                    uri: str | None = None) -> None:
+def check_token_ids(
+    samples: Sequence[Sample] | Any,
+    vocab_size: int | None,
+    *,
+    rollout_id: int,
+    split: str = "train",
+    uri: str | None = None,
+) -> None:
     """One line naming the rollout, the sample, the largest id and the vocab size when an id is out of range."""
     if not vocab_size:
         return
@@ -387,8 +391,9 @@ def check_token_ids(samples: Sequence[Sample] | Any, vocab_size: int | None, *, 
         _check_sample_tokens(position, sample, vocab_size, rollout_id, split, uri)
 
 
-def _check_sample_tokens(position: int, sample: Sample, vocab_size: int, rollout_id: int, split: str,
-                         uri: str | None) -> None:
+def _check_sample_tokens(
+    position: int, sample: Sample, vocab_size: int, rollout_id: int, split: str, uri: str | None
+) -> None:
     if sample.tokens:
         largest, smallest = max(sample.tokens), min(sample.tokens)
         if largest >= vocab_size or smallest < 0:
@@ -396,7 +401,10 @@ def _check_sample_tokens(position: int, sample: Sample, vocab_size: int, rollout
             raise TokenOutOfVocab(
                 f"{split} rollout {rollout_id}, sample {position} (group {sample.group_index}, index {sample.index}): "
                 f"token id {bad} is outside the model's vocabulary (vocab size {vocab_size}, largest id in the "
-                f"sample {largest}); the dump was made with another tokenizer or model", field="tokens", uri=uri)
+                f"sample {largest}); the dump was made with another tokenizer or model",
+                field="tokens",
+                uri=uri,
+            )
 
 
 class SlimeImportConflict(ArtifactError, ValueError):
@@ -452,16 +460,25 @@ def import_slime_into_store(
         raise SlimeImportConflict(
             f"{source} (sha256 {digest}) differs from what run {run!r} imported as {split} rollout {rollout_id} "
             f"(sha256 {old}, from {existing.extra.get('imported_from', '?')}); refusing to use the old import: "
-            f"{new_run_hint}, or delete {ref.uri}")
+            f"{new_run_hint}, or delete {ref.uri}"
+        )
     check_token_ids(samples, vocab_size, rollout_id=rollout_id, split=split, uri=source)
     if n_samples_per_prompt is None:
         sizes = Counter(Counter(s.group_index for s in samples).values())
         n_samples_per_prompt = sizes.most_common(1)[0][0] if sizes else 1
-    engine = EngineInfo(backend=backend, model=model,
-                        weight_version=max((s.weight_version for s in samples), default=0))
-    store.write(run, split, rollout_id, samples, n_samples_per_prompt=n_samples_per_prompt, engine=engine,
-                config_hash=config_hash or f"slime-import-{digest[:16]}",
-                extra={"imported_from": source, SOURCE_SHA_KEY: digest})
+    engine = EngineInfo(
+        backend=backend, model=model, weight_version=max((s.weight_version for s in samples), default=0)
+    )
+    store.write(
+        run,
+        split,
+        rollout_id,
+        samples,
+        n_samples_per_prompt=n_samples_per_prompt,
+        engine=engine,
+        config_hash=config_hash or f"slime-import-{digest[:16]}",
+        extra={"imported_from": source, SOURCE_SHA_KEY: digest},
+    )
     return ref, True
 
 
@@ -528,9 +545,7 @@ def export_slime_pt(
     return target
 
 
-def export_many(
-    rollouts: Sequence[tuple[str, int, Sequence[Sample]]], template: str, **kwargs: Any
-) -> list[str]:
+def export_many(rollouts: Sequence[tuple[str, int, Sequence[Sample]]], template: str, **kwargs: Any) -> list[str]:
     """Export several (split, rollout_id, samples) through one `{rollout_id}` template."""
     if len(rollouts) > 1 and not has_rollout_id(template):
         expand_template(template, 0)  # the standard error naming the template

@@ -39,23 +39,73 @@ from .errors import (
 
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
 SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
-SECRET_OPTION_KEYS = ("key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
-                      "aws_session_token")
+SECRET_OPTION_KEYS = (
+    "key",
+    "secret",
+    "token",
+    "password",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+)
 
 # Exception class names (botocore, aiohttp, urllib3) that mean "the endpoint did not answer".
-_UNREACHABLE_NAMES = frozenset({
-    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-    "ProxyConnectionError", "HTTPClientError", "ClientConnectorError", "ClientConnectionError",
-    "ServerDisconnectedError", "ClientOSError", "ServerTimeoutError", "NewConnectionError",
-    "FSTimeoutError", "IncompleteRead", "ClientPayloadError",
-})
-_NO_CREDENTIALS_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
-                                   "ProfileNotFound", "SSOTokenLoadError", "UnauthorizedSSOTokenError"})
-_AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                         "InvalidToken", "TokenRefreshRequired", "InvalidClientTokenId", "AllAccessDisabled",
-                         "AccountProblem", "403"})
-_SERVER_BUSY_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
-                                "RequestTimeTooSkewed", "500", "502", "503", "504"})
+_UNREACHABLE_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ProxyConnectionError",
+        "HTTPClientError",
+        "ClientConnectorError",
+        "ClientConnectionError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "ServerTimeoutError",
+        "NewConnectionError",
+        "FSTimeoutError",
+        "IncompleteRead",
+        "ClientPayloadError",
+    }
+)
+_NO_CREDENTIALS_NAMES = frozenset(
+    {
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "CredentialRetrievalError",
+        "ProfileNotFound",
+        "SSOTokenLoadError",
+        "UnauthorizedSSOTokenError",
+    }
+)
+_AUTH_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "InvalidClientTokenId",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "403",
+    }
+)
+_SERVER_BUSY_CODES = frozenset(
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
 
 
 def protocol_of(url: str) -> str:
@@ -137,7 +187,9 @@ _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinf
 # ?key=...&secret=...: credential-looking query parameters.
 _SECRET_QUERY = re.compile(
     r"(?P<key>[?&](?:[A-Za-z0-9_.-]*(?:key|secret|token|password|signature|credential)[A-Za-z0-9_.-]*)=)"
-    r"(?P<value>[^&\s'\"]+)", re.I)
+    r"(?P<value>[^&\s'\"]+)",
+    re.I,
+)
 
 
 def redact_url(url: str) -> str:
@@ -225,8 +277,9 @@ def _short(exc: BaseException, storage_options: dict[str, Any] | None) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def classify(exc: BaseException, *, uri: str, action: str, fs: Any = None,
-             storage_options: dict[str, Any] | None = None) -> StorageError | None:
+def classify(
+    exc: BaseException, *, uri: str, action: str, fs: Any = None, storage_options: dict[str, Any] | None = None
+) -> StorageError | None:
     """A StorageError with an actionable message for `exc`, or None if it is not a storage failure.
 
     `action` reads like "writing" / "reading" / "listing"; `uri` names the object.
@@ -244,33 +297,42 @@ def classify(exc: BaseException, *, uri: str, action: str, fs: Any = None,
             f"no usable credentials for {where} while {action} {uri} ({detail}); set AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile in ~/.aws/credentials), in the environment of "
             "every process that reads or writes the store",
-            uri=uri, endpoint=endpoint, bucket=bucket,
+            uri=uri,
+            endpoint=endpoint,
+            bucket=bucket,
         )
     if codes & _AUTH_CODES or (is_s3(uri) and any(isinstance(i, PermissionError) for i in _causes(exc))):
         return StorageAuthError(
             f"{where} refused the request while {action} {uri} ({detail}); check AWS_ACCESS_KEY_ID / "
             "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and that these credentials may read and write this bucket",
-            uri=uri, endpoint=endpoint, bucket=bucket,
+            uri=uri,
+            endpoint=endpoint,
+            bucket=bucket,
         )
     if "NoSuchBucket" in codes or (is_s3(uri) and "bucket does not exist" in str(exc).lower()):
         return StorageBucketNotFound(
             f"bucket {bucket!r} does not exist at {endpoint} ({action} {uri}); create it (e.g. "
             f"`aws s3 mb s3://{bucket}`) or fix store.root / AWS_ENDPOINT_URL",
-            uri=uri, endpoint=endpoint, bucket=bucket,
+            uri=uri,
+            endpoint=endpoint,
+            bucket=bucket,
         )
     if is_transient(exc):
         return StorageUnavailable(
             f"cannot reach {where} while {action} {uri} ({detail}); check connectivity to the endpoint "
             "(is it up? is AWS_ENDPOINT_URL right? proxy, DNS, firewall). Nothing half-written is "
             "visible: an artifact exists only once its manifest is committed, so running again is safe",
-            uri=uri, endpoint=endpoint, bucket=bucket,
+            uri=uri,
+            endpoint=endpoint,
+            bucket=bucket,
         )
     return None
 
 
 @contextmanager
-def storage_errors(uri: str, action: str, *, fs: Any = None,
-                   storage_options: dict[str, Any] | None = None) -> Iterator[None]:
+def storage_errors(
+    uri: str, action: str, *, fs: Any = None, storage_options: dict[str, Any] | None = None
+) -> Iterator[None]:
     """Re-raise storage failures inside the block as StorageError subclasses with clear messages.
 
     Everything else (and every ArtifactError) passes through unchanged; plain "file not found"

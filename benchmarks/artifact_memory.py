@@ -44,15 +44,22 @@ def _columns(prompts: int, per_prompt: int, prompt_len: int, response_len: int):
     n = prompts * per_prompt
     rng = np.random.default_rng(0)
     length = prompt_len + response_len
-    tokens = ListColumn(np.arange(n + 1, dtype=np.int64) * length,
-                        rng.integers(3, 32000, size=n * length, dtype=np.int32))
+    tokens = ListColumn(
+        np.arange(n + 1, dtype=np.int64) * length, rng.integers(3, 32000, size=n * length, dtype=np.int32)
+    )
     # Engines report float32 log-probs: stored as float64 they carry float32's precision, as here.
     log_probs = -rng.random(n * response_len, dtype=np.float32).astype(np.float64) * 4
     return SampleColumns.from_arrays(
-        group_index=np.arange(n) // per_prompt, index=np.arange(n), tokens=tokens,
-        response_length=np.full(n, response_len), loss_mask=np.ones(n * response_len, dtype=np.int8),
-        rollout_log_probs=log_probs, reward=(rng.random(n) > 0.5).astype(np.float64), status="truncated",
-        prompt=[f"prompt {i // per_prompt}" for i in range(n)])
+        group_index=np.arange(n) // per_prompt,
+        index=np.arange(n),
+        tokens=tokens,
+        response_length=np.full(n, response_len),
+        loss_mask=np.ones(n * response_len, dtype=np.int8),
+        rollout_log_probs=log_probs,
+        reward=(rng.random(n) > 0.5).astype(np.float64),
+        status="truncated",
+        prompt=[f"prompt {i // per_prompt}" for i in range(n)],
+    )
 
 
 def main(argv: list[str]) -> dict:
@@ -69,8 +76,15 @@ def main(argv: list[str]) -> dict:
         out["tokens"] = int(columns.list_column("tokens").values.size)
         peak = Peak()
         t0 = time.perf_counter()
-        store.write(run, "train", 0, columns, n_samples_per_prompt=per_prompt,
-                    engine=EngineInfo(backend="bench", model="synthetic", weight_version=0), config_hash="bench")
+        store.write(
+            run,
+            "train",
+            0,
+            columns,
+            n_samples_per_prompt=per_prompt,
+            engine=EngineInfo(backend="bench", model="synthetic", weight_version=0),
+            config_hash="bench",
+        )
         out["write_s"] = time.perf_counter() - t0
         out["write_peak"] = peak.now()
         out["payload_bytes"] = store.manifest(run, "train", 0).file("samples.parquet").size
@@ -90,8 +104,9 @@ def main(argv: list[str]) -> dict:
         batch = batch_from_columns(columns, group_size=store.manifest(run, "train", 0).n_samples_per_prompt)
         out["batch_s"] = time.perf_counter() - t1
         out["load_batch_peak"] = peak.now()
-        out["batch_bytes"] = sum(t.numel() * t.element_size() for t in vars(batch).values()
-                                 if isinstance(t, torch.Tensor))
+        out["batch_bytes"] = sum(
+            t.numel() * t.element_size() for t in vars(batch).values() if isinstance(t, torch.Tensor)
+        )
     elif role == "show":
         from rollflow.tasks.debug.display import load_sample_table, page_records, rollout_metrics
 

@@ -12,8 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.core import SCHEMA, BenchContext, default_out, git_sha, machine_info, print_report, versions, \
-    write_json
+from benchmarks.core import SCHEMA, BenchContext, default_out, git_sha, machine_info, print_report, versions, write_json
 
 # Canonical order: replay quotes the orchestration suite's iteration when both run.
 SUITES = {
@@ -25,24 +24,46 @@ SUITES = {
     "replay": "benchmarks.suite_replay",
     "async": "benchmarks.suite_async",
 }
-ALIASES = {"1": "orchestration", "2": "artifact_io", "3": "rollout", "4": "train", "5": "sync", "6": "replay",
-           "7": "async", "artifacts": "artifact_io", "io": "artifact_io", "artifact-io": "artifact_io", "overhead": "orchestration"}
+ALIASES = {
+    "1": "orchestration",
+    "2": "artifact_io",
+    "3": "rollout",
+    "4": "train",
+    "5": "sync",
+    "6": "replay",
+    "7": "async",
+    "artifacts": "artifact_io",
+    "io": "artifact_io",
+    "artifact-io": "artifact_io",
+    "overhead": "orchestration",
+}
 GPU_SUITES = ("rollout", "train", "sync")  # need neither Prefect nor Ray
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    ap.add_argument("--suite", "-s", action="append", default=None, metavar="NAME",
-                    help=f"suite to run (repeatable; default: all on CPU, {', '.join(GPU_SUITES)} on CUDA): "
-                         f"{', '.join(SUITES)} or 1-7")
+    ap.add_argument(
+        "--suite",
+        "-s",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help=f"suite to run (repeatable; default: all on CPU, {', '.join(GPU_SUITES)} on CUDA): "
+        f"{', '.join(SUITES)} or 1-7",
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer repeats (a smoke run)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default benchmarks/results/<cpu|gpu name>-<date>.json)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default benchmarks/results/<cpu|gpu name>-<date>.json)"
+    )
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per figure (default per suite)")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     ap.add_argument("--train-backends", default=None, help="comma list for the train suite (default torch,megatron)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads on CPU (default 1, as RunConfig's rollout.threads / train.threads)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads on CPU (default 1, as RunConfig's rollout.threads / train.threads)",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp folder, removed)")
     ap.add_argument("--no-table", action="store_true", help="skip the rich table (the JSON is still written)")
     return ap.parse_args(argv)
@@ -90,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
-    ctx = BenchContext(quick=args.quick, repeats=args.repeats, workdir=workdir, device=device,
-                       services=Services(workdir))
+    ctx = BenchContext(
+        quick=args.quick, repeats=args.repeats, workdir=workdir, device=device, services=Services(workdir)
+    )
     if args.train_backends:
         ctx.options["train_backends"] = [b.strip() for b in args.train_backends.split(",") if b.strip()]
     started = time.perf_counter()
@@ -100,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         "schema": SCHEMA,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "quick": args.quick, "device": device, "git_sha": git_sha(), "machine": machine_info(),
-        "versions": versions(), "suites": {},
+        "quick": args.quick,
+        "device": device,
+        "git_sha": git_sha(),
+        "machine": machine_info(),
+        "versions": versions(),
+        "suites": {},
     }
     try:
         for name in suites:

@@ -59,9 +59,14 @@ class Figure:
     def to_dict(self) -> dict[str, Any]:
         vals = [float(v) for v in self.values]
         out: dict[str, Any] = {
-            "name": self.name, "unit": self.unit, "kind": self.kind, "n": len(vals),
-            "min": min(vals) if vals else None, "median": self.median if vals else None,
-            "max": max(vals) if vals else None, "values": vals,
+            "name": self.name,
+            "unit": self.unit,
+            "kind": self.kind,
+            "n": len(vals),
+            "min": min(vals) if vals else None,
+            "median": self.median if vals else None,
+            "max": max(vals) if vals else None,
+            "values": vals,
         }
         if self.goal is not None:
             out["goal"] = self.goal.to_dict()
@@ -90,23 +95,44 @@ class SuiteResult:
         self.error: Optional[str] = None
         self.elapsed_s: float = 0.0
 
-    def add(self, name: str, unit: str, values: Iterable[float], *, goal: Optional[Goal] = None,
-            kind: str = "value", note: str = "", limit: str = "") -> Figure:
+    def add(
+        self,
+        name: str,
+        unit: str,
+        values: Iterable[float],
+        *,
+        goal: Optional[Goal] = None,
+        kind: str = "value",
+        note: str = "",
+        limit: str = "",
+    ) -> Figure:
         fig = Figure(name, unit, [float(v) for v in values], goal, kind, note, limit)
         self.figures.append(fig)
         return fig
 
-    def ratio(self, name: str, values: Iterable[float], *, goal: Optional[Goal] = None, note: str = "",
-              limit: str = "", unit: str = "x") -> Figure:
+    def ratio(
+        self,
+        name: str,
+        values: Iterable[float],
+        *,
+        goal: Optional[Goal] = None,
+        note: str = "",
+        limit: str = "",
+        unit: str = "x",
+    ) -> Figure:
         return self.add(name, unit, values, goal=goal, kind="ratio", note=note, limit=limit)
 
     def figure(self, name: str) -> Optional[Figure]:
         return next((f for f in self.figures if f.name == name), None)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"title": self.title, "params": self.params,
-                               "figures": [f.to_dict() for f in self.figures], "notes": self.notes,
-                               "elapsed_s": round(self.elapsed_s, 2)}
+        out: dict[str, Any] = {
+            "title": self.title,
+            "params": self.params,
+            "figures": [f.to_dict() for f in self.figures],
+            "notes": self.notes,
+            "elapsed_s": round(self.elapsed_s, 2),
+        }
         if self.unavailable:
             out["unavailable"] = self.unavailable
         if self.error:
@@ -200,9 +226,14 @@ def _mem_gib() -> Optional[float]:
 
 
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"hostname": platform.node(), "platform": platform.platform(),
-                            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "mem_gib": _mem_gib(),
-                            "python": sys.version.split()[0]}
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "mem_gib": _mem_gib(),
+        "python": sys.version.split()[0],
+    }
     try:
         import torch
 
@@ -218,8 +249,20 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-VERSIONED = ("torch", "transformers", "prefect", "ray", "fsspec", "s3fs", "moto", "pyarrow", "pydantic",
-             "megatron-core", "sglang", "rich")
+VERSIONED = (
+    "torch",
+    "transformers",
+    "prefect",
+    "ray",
+    "fsspec",
+    "s3fs",
+    "moto",
+    "pyarrow",
+    "pydantic",
+    "megatron-core",
+    "sglang",
+    "rich",
+)
 
 
 def versions() -> dict[str, Optional[str]]:
@@ -271,10 +314,19 @@ def print_report(report: dict[str, Any], console=None) -> None:
         console = Console()
         if not console.is_terminal:  # logs and CI: wide enough that names are not wrapped
             console = Console(width=200)
-    table = Table(title=f"rollflow benchmarks ({report['machine'].get('gpu') or report['machine']['cpu']})",
-                  show_lines=False)
-    for col, just in (("suite", "left"), ("figure", "left"), ("median", "right"), ("min", "right"),
-                      ("max", "right"), ("unit", "left"), ("goal", "left"), ("", "left")):
+    table = Table(
+        title=f"rollflow benchmarks ({report['machine'].get('gpu') or report['machine']['cpu']})", show_lines=False
+    )
+    for col, just in (
+        ("suite", "left"),
+        ("figure", "left"),
+        ("median", "right"),
+        ("min", "right"),
+        ("max", "right"),
+        ("unit", "left"),
+        ("goal", "left"),
+        ("", "left"),
+    ):
         # Figure names are what people grep for: never wrapped; the status column folds instead.
         table.add_column(col, justify=just, no_wrap=col != "", overflow="fold" if col == "" else "ellipsis")
     for suite_name, suite in report["suites"].items():
@@ -285,13 +337,21 @@ def print_report(report: dict[str, Any], console=None) -> None:
             if goal is not None:
                 status = "[green]ok[/]" if fig.get("meets_goal") else "[red]miss[/]"
             name = fig["name"] if fig["kind"] != "ratio" else f"[bold]{fig['name']}[/]"
-            table.add_row(suite_name if first else "", name, fmt(fig["median"], fig["unit"]),
-                          fmt(fig["min"], fig["unit"]), fmt(fig["max"], fig["unit"]), unit_label(fig["unit"]),
-                          goal["text"] if goal else "", status)
+            table.add_row(
+                suite_name if first else "",
+                name,
+                fmt(fig["median"], fig["unit"]),
+                fmt(fig["min"], fig["unit"]),
+                fmt(fig["max"], fig["unit"]),
+                unit_label(fig["unit"]),
+                goal["text"] if goal else "",
+                status,
+            )
             first = False
         for what, why in suite.get("unavailable", {}).items():
-            table.add_row(suite_name if first else "", f"[dim]{what}[/]", "-", "", "", "", "",
-                          f"[dim]n/a: {why[:60]}[/]")
+            table.add_row(
+                suite_name if first else "", f"[dim]{what}[/]", "-", "", "", "", "", f"[dim]n/a: {why[:60]}[/]"
+            )
             first = False
         if suite.get("error"):
             table.add_row(suite_name if first else "", "[red]error[/]", "", "", "", "", "", suite["error"][:80])

@@ -1,4 +1,5 @@
-"""GPU checks of the megatron backend (issue 6), runnable with torch + transformers + a few wheels (scripts/use_checkout.sh), rollflow uninstalled.
+"""GPU checks of the megatron backend (issue 6), runnable with torch + transformers + a few wheels
+(scripts/use_checkout.sh), rollflow uninstalled.
 
     python benchmarks/gpu_checks.py --out $OUT            # scripts/gpu_checks.sh runs it on the H200
 
@@ -42,14 +43,32 @@ DEVICE = "cuda"  # --device cpu: a smoke test of this script (sdpa spec, torch o
 SETTINGS: dict = {}  # --settings: extra train.megatron settings for every megatron backend built here
 
 
-def llama_config(vocab: int = 32000, hidden: int = 1024, layers: int = 8, heads: int = 16, kv_heads: int = 4,
-                 ffn: int = 2816, max_pos: int = 4096):
+def llama_config(
+    vocab: int = 32000,
+    hidden: int = 1024,
+    layers: int = 8,
+    heads: int = 16,
+    kv_heads: int = 4,
+    ffn: int = 2816,
+    max_pos: int = 4096,
+):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                       rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa",
-                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def hf_model(config, seed: int = 0):
@@ -74,17 +93,36 @@ def fixed_samples(vocab: int, *, n: int = 16, group: int = 4, seed: int = 7) -> 
         tokens = torch.randint(3, vocab, (plen + rlen,), generator=g).tolist()
         mask = [1] * rlen
         if i % 5 == 0:
-            mask[rlen // 2: rlen // 2 + 7] = [0] * 7  # tool-output style holes in the loss mask
-        out.append(Sample(group_index=i // group, index=i, prompt=f"p{i // group}", tokens=tokens, response="",
-                          response_length=rlen, loss_mask=mask, rollout_log_probs=[-10.0] * rlen,
-                          reward=float(torch.rand(1, generator=g) > 0.5)))
+            mask[rlen // 2 : rlen // 2 + 7] = [0] * 7  # tool-output style holes in the loss mask
+        out.append(
+            Sample(
+                group_index=i // group,
+                index=i,
+                prompt=f"p{i // group}",
+                tokens=tokens,
+                response="",
+                response_length=rlen,
+                loss_mask=mask,
+                rollout_log_probs=[-10.0] * rlen,
+                reward=float(torch.rand(1, generator=g) > 0.5),
+            )
+        )
     return out
 
 
 def optim_config(backend: str, dtype: str, **megatron) -> OptimConfig:
     megatron = {**SETTINGS, **megatron} if backend == "megatron" else {}
-    return OptimConfig(backend=backend, dtype=dtype, device=DEVICE, micro_batch_size=4, num_steps_per_rollout=1,
-                       lr=1e-4, grad_clip=1.0, threads=4, megatron=megatron)
+    return OptimConfig(
+        backend=backend,
+        dtype=dtype,
+        device=DEVICE,
+        micro_batch_size=4,
+        num_steps_per_rollout=1,
+        lr=1e-4,
+        grad_clip=1.0,
+        threads=4,
+        megatron=megatron,
+    )
 
 
 def free():
@@ -95,8 +133,12 @@ def free():
 
 def diff_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
     d = (a.double() - b.double())[mask > 0].abs()
-    return {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()), "n_tokens": int(d.numel()),
-            "mean_log_prob_hf": float(b.double()[mask > 0].mean())}
+    return {
+        "max_abs_diff": float(d.max()),
+        "mean_abs_diff": float(d.mean()),
+        "n_tokens": int(d.numel()),
+        "mean_log_prob_hf": float(b.double()[mask > 0].mean()),
+    }
 
 
 def check_log_prob_parity(results: dict, specs: list[str]) -> None:
@@ -116,18 +158,24 @@ def check_log_prob_parity(results: dict, specs: list[str]) -> None:
         for spec in specs:
             key = f"logprob_parity/{spec}/{dtype}"
             try:
-                mb = MegatronBackend(config, state, optim_config("megatron", dtype, layer_spec=spec, optimizer="torch"),
-                                     keep_ref=False)
+                mb = MegatronBackend(
+                    config, state, optim_config("megatron", dtype, layer_spec=spec, optimizer="torch"), keep_ref=False
+                )
                 lp = mb.compute_log_probs(batch)
                 stats = diff_stats(lp, ref, batch.response_mask)
-                tol_max, tol_mean = (FP32_MAX_TOL, FP32_MAX_TOL) if dtype == "float32" else (BF16_MAX_TOL, BF16_MEAN_TOL)
+                tol_max, tol_mean = (
+                    (FP32_MAX_TOL, FP32_MAX_TOL) if dtype == "float32" else (BF16_MAX_TOL, BF16_MEAN_TOL)
+                )
                 stats["pass"] = stats["max_abs_diff"] <= tol_max and stats["mean_abs_diff"] <= tol_mean
                 stats["layer_spec"] = mb.layer_spec
                 results[key] = stats
                 del mb
             except Exception as exc:  # record and go on: one failing spec must not hide the others
-                results[key] = {"pass": False, "error": f"{type(exc).__name__}: {exc}",
-                                "traceback": traceback.format_exc()[-3000:]}
+                results[key] = {
+                    "pass": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             free()
             print(key, json.dumps({k: v for k, v in results[key].items() if k != "traceback"}), flush=True)
 
@@ -170,8 +218,9 @@ def check_train_step(results: dict, optimizers: list[str], spec: str) -> None:
             # Engine-side log-probs from the synced weights vs the trainer's (bf16 tolerance).
             eng = TorchBackend(engine.to(DEVICE), optim_config("torch", "bfloat16"), keep_ref=False)
             batch = batch_from_samples(samples, group_size=4)
-            out["synced_engine_vs_trainer"] = diff_stats(eng.compute_log_probs(batch), be.compute_log_probs(batch),
-                                                         batch.response_mask)
+            out["synced_engine_vs_trainer"] = diff_stats(
+                eng.compute_log_probs(batch), be.compute_log_probs(batch), batch.response_mask
+            )
             del eng, engine
             # Checkpoint round trip into a fresh backend.
             blob = be.checkpoint_bytes()
@@ -181,10 +230,18 @@ def check_train_step(results: dict, optimizers: list[str], spec: str) -> None:
             out["checkpoint_bytes"] = len(blob)
             out["checkpoint_log_probs_equal"] = bool(torch.equal(be2.compute_log_probs(batch), lp_before))
             del be2
-            out["pass"] = (out["log_probs_equal_ref"] == 1.0 and out["kl"] == 0.0 and out["ppo_kl"] == 0.0
-                           and out["step1_ppo_kl"] == 0.0 and out["grad_norm"] > 0 and report.ok
-                           and not missing and not unexpected and out["checkpoint_log_probs_equal"]
-                           and out["iter2_kl"] != 0.0)
+            out["pass"] = (
+                out["log_probs_equal_ref"] == 1.0
+                and out["kl"] == 0.0
+                and out["ppo_kl"] == 0.0
+                and out["step1_ppo_kl"] == 0.0
+                and out["grad_norm"] > 0
+                and report.ok
+                and not missing
+                and not unexpected
+                and out["checkpoint_log_probs_equal"]
+                and out["iter2_kl"] != 0.0
+            )
             del be
         except Exception as exc:
             out.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
@@ -202,23 +259,38 @@ def torch_backend_reference(results: dict) -> None:
     model = hf_model(config, seed=1).to(DEVICE)
     be = TorchBackend(model, optim_config("torch", "bfloat16"))
     res = train_on_samples(be, samples, AlgoConfig(), group_size=4)
-    results["train_step/torch_backend_reference"] = {k: res.metrics[k] for k in (
-        "rollout/log_probs_equal_ref", "rollout/kl", "train/ppo_kl", "train/loss", "train/grad_norm",
-        "train/entropy_loss")}
+    results["train_step/torch_backend_reference"] = {
+        k: res.metrics[k]
+        for k in (
+            "rollout/log_probs_equal_ref",
+            "rollout/kl",
+            "train/ppo_kl",
+            "train/loss",
+            "train/grad_norm",
+            "train/entropy_loss",
+        )
+    }
     del be, model
     free()
 
 
 def environment() -> dict:
-    from rollflow.tasks.train.megatron.process import have_transformer_engine, megatron_version
-
     import transformers
 
+    from rollflow.tasks.train.megatron.process import have_transformer_engine, megatron_version
+
     name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "cpu"
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "megatron_core": megatron_version(), "transformer_engine": have_transformer_engine(),
-            "device": name, "python": sys.version.split()[0],
-            "date": time.strftime("%Y-%m-%d"), "host_note": os.environ.get("GPU_CHECK_NOTE", "")}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "megatron_core": megatron_version(),
+        "transformer_engine": have_transformer_engine(),
+        "device": name,
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d"),
+        "host_note": os.environ.get("GPU_CHECK_NOTE", ""),
+    }
 
 
 def main(argv=None) -> int:
@@ -261,8 +333,20 @@ def main(argv=None) -> int:
     (Path(args.out) / f"{args.name}.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"\n== {args.name} (megatron settings {json.dumps(SETTINGS)}) ==")
     for key, value in checks.items():
-        figures = {k: value[k] for k in ("max_abs_diff", "mean_abs_diff", "log_probs_equal_ref", "kl", "ppo_kl",
-                                         "step1_ppo_kl", "grad_norm", "error") if k in value}
+        figures = {
+            k: value[k]
+            for k in (
+                "max_abs_diff",
+                "mean_abs_diff",
+                "log_probs_equal_ref",
+                "kl",
+                "ppo_kl",
+                "step1_ppo_kl",
+                "grad_norm",
+                "error",
+            )
+            if k in value
+        }
         print(f"{'PASS' if value['pass'] else 'FAIL'}  {key}  {json.dumps(figures, default=str)[:300]}")
     print(f"all_pass={results['all_pass']}  ({results['seconds']:.0f} s)")
     return 0 if results["all_pass"] else 1

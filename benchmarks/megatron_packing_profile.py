@@ -1,6 +1,7 @@
 """One train() call of the ~0.9B megatron backend under torch.profiler, padded vs packed rows (packing='thd').
 
-    python3 benchmarks/megatron_packing_profile.py     # one CUDA GPU; megatron-core installed (or scripts/use_checkout.sh)
+    # one CUDA GPU; megatron-core installed (or scripts/use_checkout.sh)
+    python3 benchmarks/megatron_packing_profile.py
 
 Rows of uniform random length in [1024, 4096] (8 of them, one per micro-batch), full recompute, the distributed
 optimizer, bf16. Prints, per layout, the wall time of one call and the profiler's tables (by CUDA time, by host time).
@@ -29,13 +30,27 @@ def main() -> None:
     torch.cuda.set_device(0)
     config = megatron_scale._llama("0.9b")
     for port, packing in enumerate(("off", "thd"), start=29511):
-        megatron = {"packing": packing, "use_distributed_optimizer": True, "layer_spec": "sdpa",
-                    "optimizer": "megatron", "recompute_granularity": "full", "recompute_method": "uniform",
-                    "recompute_num_layers": 1}
-        optim = OptimConfig(backend="megatron", device="cuda:0", dtype="bfloat16", lr=1e-6, num_steps_per_rollout=1,
-                            micro_batch_size=1, megatron=megatron)
-        be = MegatronBackend(config, None, optim, keep_ref=False,
-                             dp=DataParallel(0, 1, "127.0.0.1", port, backend="nccl"))
+        megatron = {
+            "packing": packing,
+            "use_distributed_optimizer": True,
+            "layer_spec": "sdpa",
+            "optimizer": "megatron",
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+        optim = OptimConfig(
+            backend="megatron",
+            device="cuda:0",
+            dtype="bfloat16",
+            lr=1e-6,
+            num_steps_per_rollout=1,
+            micro_batch_size=1,
+            megatron=megatron,
+        )
+        be = MegatronBackend(
+            config, None, optim, keep_ref=False, dp=DataParallel(0, 1, "127.0.0.1", port, backend="nccl")
+        )
         batch = megatron_scale._batch(8, 4096, config.vocab_size, ragged=True)
         batch.log_probs = be.compute_log_probs(batch) * batch.response_mask
         algo = AlgoConfig()

@@ -40,8 +40,14 @@ PRESETS = {
     "70b": (128256, 8192, 80, 64, 8, 28672),  # Llama-3-70B
 }
 # Layouts documented in docs/megatron.md (preset, gpus, tp, pp, distributed optimizer).
-DOC_LAYOUTS = [("7b", 8, 2, 1, True), ("7b", 8, 1, 1, True), ("7b", 2, 2, 1, False), ("70b", 64, 8, 4, True),
-               ("70b", 64, 8, 2, True), ("70b", 16, 8, 2, False)]
+DOC_LAYOUTS = [
+    ("7b", 8, 2, 1, True),
+    ("7b", 8, 1, 1, True),
+    ("7b", 2, 2, 1, False),
+    ("70b", 64, 8, 4, True),
+    ("70b", 64, 8, 2, True),
+    ("70b", 16, 8, 2, False),
+]
 
 
 def params(preset: str) -> dict:
@@ -59,21 +65,36 @@ def memory_gib(preset: str, gpus: int, tp: int, pp: int, distributed_optimizer: 
     dp = gpus // (tp * pp)
     shard = params(preset)["total"] / (tp * pp)
     weights, grads, optim = 2 * shard, 4 * shard, 12 * shard / (dp if distributed_optimizer else 1)
-    gib = 2 ** 30
-    return {"preset": preset, "gpus": gpus, "tp": tp, "pp": pp, "dp": dp,
-            "distributed_optimizer": distributed_optimizer,
-            "params_per_gpu_b": round(shard / 1e9, 2), "weights_gib": round(weights / gib, 1),
-            "grads_gib": round(grads / gib, 1), "optimizer_gib": round(optim / gib, 1),
-            "total_gib": round((weights + grads + optim) / gib, 1)}
+    gib = 2**30
+    return {
+        "preset": preset,
+        "gpus": gpus,
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "distributed_optimizer": distributed_optimizer,
+        "params_per_gpu_b": round(shard / 1e9, 2),
+        "weights_gib": round(weights / gib, 1),
+        "grads_gib": round(grads / gib, 1),
+        "optimizer_gib": round(optim / gib, 1),
+        "total_gib": round((weights + grads + optim) / gib, 1),
+    }
 
 
 def _llama(preset: str):
     from transformers import LlamaConfig
 
     v, h, layers, heads, kv, ffn = PRESETS[preset]
-    return LlamaConfig(vocab_size=v, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, intermediate_size=ffn, max_position_embeddings=8192,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=v,
+        hidden_size=h,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
 
 
 def _lengths(n: int, seq: int, ragged: bool) -> torch.Tensor:
@@ -93,10 +114,16 @@ def _batch(n: int, seq: int, vocab: int, ragged: bool = False):
     tokens = torch.randint(0, vocab, (n, seq), generator=g) * attention
     # target-aligned (column j scores token j + 1): a quarter of each row prompt, the rest response
     resp = ((cols[None, 1:] >= (lengths // 4)[:, None]) & (cols[None, 1:] < lengths[:, None])).float()
-    return TrainBatch(tokens=tokens, lengths=lengths, response_mask=resp,
-                      rewards=torch.zeros(n, dtype=torch.float64), rollout_log_probs=torch.zeros(n, seq - 1),
-                      group_size=n, truncated=torch.zeros(n, dtype=torch.bool),
-                      advantages=torch.randn(n, seq - 1, generator=g) * resp)
+    return TrainBatch(
+        tokens=tokens,
+        lengths=lengths,
+        response_mask=resp,
+        rewards=torch.zeros(n, dtype=torch.float64),
+        rollout_log_probs=torch.zeros(n, seq - 1),
+        group_size=n,
+        truncated=torch.zeros(n, dtype=torch.bool),
+        advantages=torch.randn(n, seq - 1, generator=g) * resp,
+    )
 
 
 def _matmul_rate(device) -> float:
@@ -109,7 +136,7 @@ def _matmul_rate(device) -> float:
     for _ in range(20):
         a @ b
     torch.cuda.synchronize()
-    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+    return 20 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
 def _rank(rank: int, world: int, port: int, args) -> None:
@@ -121,21 +148,39 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    megatron = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "sequence_parallel": args.sp, "packing": args.packing,
-                "pack_multiple": args.pack_multiple,
-                "use_distributed_optimizer": not args.no_dist_opt, "layer_spec": args.spec}
+    megatron = {
+        "tp": args.tp,
+        "pp": args.pp,
+        "cp": args.cp,
+        "sequence_parallel": args.sp,
+        "packing": args.packing,
+        "pack_multiple": args.pack_multiple,
+        "use_distributed_optimizer": not args.no_dist_opt,
+        "layer_spec": args.spec,
+    }
     if not args.no_recompute:
         megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     dp = world // (args.tp * args.pp * args.cp)
     megatron["optimizer"] = "megatron"
     if not cuda:
         megatron.update(layer_spec="sdpa", fusions="off", log_prob_impl="chunked", rope_fusion="none")
-    optim = OptimConfig(backend="megatron", device=f"cuda:{rank}" if cuda else "cpu",
-                        dtype="bfloat16" if cuda else "float32", lr=1e-6,
-                        num_steps_per_rollout=1, micro_batch_size=args.micro_batch, megatron=megatron)
+    optim = OptimConfig(
+        backend="megatron",
+        device=f"cuda:{rank}" if cuda else "cpu",
+        dtype="bfloat16" if cuda else "float32",
+        lr=1e-6,
+        num_steps_per_rollout=1,
+        micro_batch_size=args.micro_batch,
+        megatron=megatron,
+    )
     config = _llama(args.preset)
-    be = MegatronBackend(config, None, optim, keep_ref=False,
-                         dp=DataParallel(rank, world, "127.0.0.1", port, backend="nccl" if cuda else "gloo"))
+    be = MegatronBackend(
+        config,
+        None,
+        optim,
+        keep_ref=False,
+        dp=DataParallel(rank, world, "127.0.0.1", port, backend="nccl" if cuda else "gloo"),
+    )
     n_params = sum(p.numel() for chunk in be.chunks for p in chunk.parameters())
     matmul = torch.tensor([_matmul_rate(be.device) if cuda else 1.0], device=be.device)
     torch.distributed.all_reduce(matmul, op=torch.distributed.ReduceOp.MIN)
@@ -146,7 +191,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     be.train(batch, algo)  # warm-up (the optimizer state is allocated at its first step)
     if cuda:
         torch.cuda.synchronize()
-        state_gib = torch.cuda.memory_allocated() / 2 ** 30
+        state_gib = torch.cuda.memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.iters):
@@ -156,30 +201,52 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    mem = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
-                        state_gib if cuda else 0.0, float(n_params)], device=be.device, dtype=torch.float64)
+    mem = torch.tensor(
+        [torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, state_gib if cuda else 0.0, float(n_params)],
+        device=be.device,
+        dtype=torch.float64,
+    )
     torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MAX)
     peak, state, rank_params = mem.tolist()
     if rank == 0:
         v, h, layers, heads, _kv, _ffn = PRESETS[args.preset]
         lengths = _lengths(n, args.seq, args.ragged).double()
         tokens = int(lengths.sum())  # real tokens: padding is not work done
-        model_flops = 6 * params(args.preset)["matmul"] * tokens + 6 * layers * h * float((lengths ** 2).sum())
+        model_flops = 6 * params(args.preset)["matmul"] * tokens + 6 * layers * h * float((lengths**2).sum())
         step = sorted(times)[len(times) // 2]
         rate = model_flops / step / world
-        result = {"preset": args.preset, "packing": args.packing, "ragged": args.ragged, "real_tokens": tokens, "world": world, "tp": args.tp, "pp": args.pp, "cp": args.cp, "dp": dp,
-                  "micro_batch": args.micro_batch, "micro_batches_per_rank": args.micro_batches, "seq": args.seq,
-                  "settings": megatron, "train_call_s_median": step, "tokens_per_s": tokens / step,
-                  "tokens_per_s_per_gpu": tokens / step / world, "model_tflops_per_gpu": rate / 1e12,
-                  "mfu_vs_datasheet_989": rate / DATASHEET_BF16, "matmul_measured_tflops": float(matmul) / 1e12,
-                  "mfu_vs_measured_matmul": rate / float(matmul), "peak_mem_gib_max_rank": peak,
-                  "state_mem_gib_max_rank": state, "params_max_rank": rank_params,
-                  "peak_bytes_per_param": peak * 2 ** 30 / rank_params,
-                  "state_bytes_per_param": state * 2 ** 30 / rank_params,
-                  "grad_norm": stats["train/grad_norm"], "loss": stats["train/loss"],
-                  "memory_estimate": memory_gib(args.preset, world, args.tp, args.pp, not args.no_dist_opt),
-                  "flops_formula": "6*N_matmul*T + 6*L*h*sum(s_i^2) over rows (causal); T = real tokens (padding not "
-                                   "counted); recompute's extra forward not counted"}
+        result = {
+            "preset": args.preset,
+            "packing": args.packing,
+            "ragged": args.ragged,
+            "real_tokens": tokens,
+            "world": world,
+            "tp": args.tp,
+            "pp": args.pp,
+            "cp": args.cp,
+            "dp": dp,
+            "micro_batch": args.micro_batch,
+            "micro_batches_per_rank": args.micro_batches,
+            "seq": args.seq,
+            "settings": megatron,
+            "train_call_s_median": step,
+            "tokens_per_s": tokens / step,
+            "tokens_per_s_per_gpu": tokens / step / world,
+            "model_tflops_per_gpu": rate / 1e12,
+            "mfu_vs_datasheet_989": rate / DATASHEET_BF16,
+            "matmul_measured_tflops": float(matmul) / 1e12,
+            "mfu_vs_measured_matmul": rate / float(matmul),
+            "peak_mem_gib_max_rank": peak,
+            "state_mem_gib_max_rank": state,
+            "params_max_rank": rank_params,
+            "peak_bytes_per_param": peak * 2**30 / rank_params,
+            "state_bytes_per_param": state * 2**30 / rank_params,
+            "grad_norm": stats["train/grad_norm"],
+            "loss": stats["train/loss"],
+            "memory_estimate": memory_gib(args.preset, world, args.tp, args.pp, not args.no_dist_opt),
+            "flops_formula": "6*N_matmul*T + 6*L*h*sum(s_i^2) over rows (causal); T = real tokens (padding not "
+            "counted); recompute's extra forward not counted",
+        }
         print(json.dumps(result, indent=1))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -205,15 +272,22 @@ def main() -> None:
     parser.add_argument("--no-recompute", action="store_true")
     parser.add_argument("--no-dist-opt", action="store_true")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: gloo ranks, fp32, sdpa spec, --preset tiny; megatron-core's optimizer needs CUDA, so "
-                             "this runs only under the test suite's CPU shims (tests/test_megatron_scale_script.py)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: gloo ranks, fp32, sdpa spec, --preset tiny; megatron-core's optimizer needs CUDA, so "
+        "this runs only under the test suite's CPU shims (tests/test_megatron_scale_script.py)",
+    )
     parser.add_argument("--packing", default="off", choices=["off", "thd"], help="train.megatron.packing")
     parser.add_argument("--pack-multiple", type=int, default=1, help="train.megatron.pack_multiple")
     parser.add_argument("--ragged", action="store_true", help="row lengths uniform in [seq/4, seq] (else all seq)")
     parser.add_argument("--estimate", action="store_true", help="print the memory table and exit")
-    parser.add_argument("--out", default=os.environ.get("OUT"),
-                        help="directory for the result JSON (named after the layout; default: $OUT)")
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT"),
+        help="directory for the result JSON (named after the layout; default: $OUT)",
+    )
     args = parser.parse_args()
     if args.estimate:
         for preset in PRESETS:

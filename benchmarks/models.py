@@ -11,14 +11,39 @@ import torch
 
 # Qwen2 shapes. `qwen2-0.5b` is Qwen2-0.5B's architecture (docs/performance.md measures it on the H200).
 SHAPES: dict[str, dict[str, Any]] = {
-    "cpu-tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=4, vocab_size=512),
-    "cpu-small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=4096),
-    "cpu-sync": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                     num_key_value_heads=8, vocab_size=32000),
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, rope_theta=1_000_000.0),
+    "cpu-tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+    ),
+    "cpu-small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=4096,
+    ),
+    "cpu-sync": dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1_000_000.0,
+    ),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,8 +52,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def qwen2(shape: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0, max_positions: int = 4096):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=max_positions, tie_word_embeddings=True,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    config = Qwen2Config(
+        **SHAPES[shape],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
@@ -64,9 +96,21 @@ def synthetic_samples(n: int, prompt_len: int, response_len: int, vocab: int, *,
     tokens = torch.randint(3, vocab, (n, prompt_len + response_len), generator=g).tolist()
     logps = (-torch.rand((n, response_len), generator=g) * 4).tolist()
     rewards = (torch.rand(n, generator=g) > 0.5).tolist()
-    return [Sample(group_index=i // group, index=i, prompt=f"prompt {i // group}", tokens=tokens[i], response="",
-                   response_length=response_len, loss_mask=[1] * response_len, rollout_log_probs=logps[i],
-                   reward=float(rewards[i]), status=Status.TRUNCATED) for i in range(n)]
+    return [
+        Sample(
+            group_index=i // group,
+            index=i,
+            prompt=f"prompt {i // group}",
+            tokens=tokens[i],
+            response="",
+            response_length=response_len,
+            loss_mask=[1] * response_len,
+            rollout_log_probs=logps[i],
+            reward=float(rewards[i]),
+            status=Status.TRUNCATED,
+        )
+        for i in range(n)
+    ]
 
 
 def save_model_dir(model, directory: Path) -> Path:

@@ -27,10 +27,16 @@ def isolate_env(workdir: Path) -> None:
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     os.environ["BENCH_PREFECT_PORT"] = str(port)
     for key, value in {
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "PREFECT_LOGGING_LEVEL": "WARNING",
-        "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "1",
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_EC2_METADATA_DISABLED": "true",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_DEDUP_LOGS": "1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_EC2_METADATA_DISABLED": "true",
         "TOKENIZERS_PARALLELISM": "false",
     }.items():
         os.environ[key] = value
@@ -72,8 +78,12 @@ class Services:
 
             boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
             # No region_name in client_kwargs: s3fs then fails mkdir with a location constraint.
-            self.s3 = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint},
-                       "skip_instance_cache": True}
+            self.s3 = {
+                "key": "testing",
+                "secret": "testing",
+                "client_kwargs": {"endpoint_url": endpoint},
+                "skip_instance_cache": True,
+            }
         return self.s3
 
     # -- Ray

@@ -34,8 +34,9 @@ def engine_side(port: int, inbox, outbox, nccl: bool) -> None:
     pg = None
     if nccl:
         torch.cuda.set_device(1)
-        pg = init_weight_group("127.0.0.1", port, rank=1, world_size=2, group_name="rollflow_weight_sync",
-                               backend="nccl")
+        pg = init_weight_group(
+            "127.0.0.1", port, rank=1, world_size=2, group_name="rollflow_weight_sync", backend="nccl"
+        )
         metas = inbox.get()
         sums = []
         for _name, dtype, shape in metas:
@@ -83,8 +84,9 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     ok = True
     if nccl:
-        pg = init_weight_group("127.0.0.1", port, rank=0, world_size=2, group_name="rollflow_weight_sync",
-                               backend="nccl")
+        pg = init_weight_group(
+            "127.0.0.1", port, rank=0, world_size=2, group_name="rollflow_weight_sync", backend="nccl"
+        )
         inbox.put([(n, torch_dtype_name(t.dtype), list(t.shape)) for n, t in named.items()])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -93,16 +95,20 @@ def main() -> int:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         got = outbox.get(timeout=120)
-        print(f"nccl broadcast: {len(named)} tensors, {nbytes / 2**20:.0f} MiB in {dt * 1e3:.1f} ms "
-              f"({nbytes / dt / 2**30:.1f} GiB/s incl. first-call setup); sums equal: {got == want}")
+        print(
+            f"nccl broadcast: {len(named)} tensors, {nbytes / 2**20:.0f} MiB in {dt * 1e3:.1f} ms "
+            f"({nbytes / dt / 2**30:.1f} GiB/s incl. first-call setup); sums equal: {got == want}"
+        )
         ok = got == want
     else:
         print("nccl broadcast: skipped (1 GPU; NCCL needs one GPU per rank)")
     payload = base64.b64encode(serialize_named_tensors(list(named.items()))).decode()
     inbox.put(payload)
     ipc = outbox.get(timeout=120)
-    print(f"cuda ipc: payload {len(payload)} base64 chars for {nbytes / 2**20:.0f} MiB of tensors; "
-          f"received {[(n, d) for n, _, d, _ in ipc]}; sums equal: {[s for _, s, _, _ in ipc] == want}")
+    print(
+        f"cuda ipc: payload {len(payload)} base64 chars for {nbytes / 2**20:.0f} MiB of tensors; "
+        f"received {[(n, d) for n, _, d, _ in ipc]}; sums equal: {[s for _, s, _, _ in ipc] == want}"
+    )
     inbox.put("done")
     proc.join(60)
     if nccl:

@@ -35,8 +35,15 @@ MEMORY_GOAL = Goal("<=", 2.0, "<= 2x artifact")
 def params_for(ctx: BenchContext) -> dict:
     big = dict(big_prompts=512, big_per_prompt=16, big_prompt_len=1024, big_response_len=7168)
     if ctx.quick:
-        return dict(samples=512, tokens=1024, response_len=768, big_prompts=32, big_per_prompt=16,
-                    big_prompt_len=256, big_response_len=768)
+        return dict(
+            samples=512,
+            tokens=1024,
+            response_len=768,
+            big_prompts=32,
+            big_per_prompt=16,
+            big_prompt_len=256,
+            big_response_len=768,
+        )
     return dict(samples=4096, tokens=1024, response_len=768, **big)
 
 
@@ -59,20 +66,28 @@ def run(ctx: BenchContext) -> SuiteResult:
     columns = SampleColumns.from_samples(samples)
     payload = columns_to_parquet(columns).to_pybytes()
     mb = len(payload) / 1e6
-    res.params = {**{k: v for k, v in p.items() if not k.startswith("big_")}, "repeats": repeats,
-                  "payload_mb": round(mb, 2), "columns_mb": round(columns.nbytes / 1e6, 2),
-                  "columns": "tokens int32 list, loss_mask int8 list, rollout_log_probs float64 list + scalars "
-                             "(payload format rollflow.samples/2, zstd)"}
+    res.params = {
+        **{k: v for k, v in p.items() if not k.startswith("big_")},
+        "repeats": repeats,
+        "payload_mb": round(mb, 2),
+        "columns_mb": round(columns.nbytes / 1e6, 2),
+        "columns": "tokens int32 list, loss_mask int8 list, rollout_log_probs float64 list + scalars "
+        "(payload format rollflow.samples/2, zstd)",
+    }
 
-    c: dict[str, list[float]] = {k: [] for k in ("enc", "dec", "sha", "from_samples", "to_samples",
-                                                 "batch_columns", "batch_samples")}
+    c: dict[str, list[float]] = {
+        k: [] for k in ("enc", "dec", "sha", "from_samples", "to_samples", "batch_columns", "batch_samples")
+    }
     for _ in range(repeats):
-        for key, fn in (("enc", lambda: columns_to_parquet(columns)), ("dec", lambda: columns_from_parquet(payload)),
-                        ("sha", lambda: hashlib.sha256(payload).hexdigest()),
-                        ("from_samples", lambda: SampleColumns.from_samples(samples)),
-                        ("to_samples", lambda: columns.to_samples()),
-                        ("batch_columns", lambda: batch_from_columns(columns, group_size=8)),
-                        ("batch_samples", lambda: batch_from_samples(samples, group_size=8))):
+        for key, fn in (
+            ("enc", lambda: columns_to_parquet(columns)),
+            ("dec", lambda: columns_from_parquet(payload)),
+            ("sha", lambda: hashlib.sha256(payload).hexdigest()),
+            ("from_samples", lambda: SampleColumns.from_samples(samples)),
+            ("to_samples", lambda: columns.to_samples()),
+            ("batch_columns", lambda: batch_from_columns(columns, group_size=8)),
+            ("batch_samples", lambda: batch_from_samples(samples, group_size=8)),
+        ):
             t0 = time.perf_counter()
             fn()
             c[key].append(time.perf_counter() - t0)
@@ -105,10 +120,12 @@ def run(ctx: BenchContext) -> SuiteResult:
             raw_path = f"{base}/raw/{run}-{i}.parquet"
             rounds = {
                 "raw_w": lambda: fs.pipe_file(raw_path, payload),
-                "st_w": lambda: store.write(run, "train", 2 * i, columns, n_samples_per_prompt=8, engine=engine,
-                                            config_hash="bench"),
-                "sm_w": lambda: store.write(run, "train", 2 * i + 1, samples, n_samples_per_prompt=8, engine=engine,
-                                            config_hash="bench"),
+                "st_w": lambda: store.write(
+                    run, "train", 2 * i, columns, n_samples_per_prompt=8, engine=engine, config_hash="bench"
+                ),
+                "sm_w": lambda: store.write(
+                    run, "train", 2 * i + 1, samples, n_samples_per_prompt=8, engine=engine, config_hash="bench"
+                ),
                 "raw_r": lambda: fs.cat_file(raw_path),
                 "st_r": lambda: store.load_columns(run, "train", 2 * i),
                 "sm_r": lambda: store.load(run, "train", 2 * i + 1).samples,
@@ -122,22 +139,36 @@ def run(ctx: BenchContext) -> SuiteResult:
         goal = GOALS[label]
         res.add(f"{label} raw write", "MB/s", [mb / x for x in t["raw_w"]])
         res.add(f"{label} store write", "MB/s", [mb / x for x in t["st_w"]], note="payload MB / time from columns")
-        res.add(f"{label} store write from Samples", "MB/s", [mb / x for x in t["sm_w"]],
-                note="the Sample-list API: + Samples -> columns")
+        res.add(
+            f"{label} store write from Samples",
+            "MB/s",
+            [mb / x for x in t["sm_w"]],
+            note="the Sample-list API: + Samples -> columns",
+        )
         res.add(f"{label} raw read", "MB/s", [mb / x for x in t["raw_r"]])
         res.add(f"{label} store read", "MB/s", [mb / x for x in t["st_r"]], note="payload MB / time to columns")
-        res.add(f"{label} store read into Samples", "MB/s", [mb / x for x in t["sm_r"]],
-                note="load + artifact.samples: + columns -> Samples")
+        res.add(
+            f"{label} store read into Samples",
+            "MB/s",
+            [mb / x for x in t["sm_r"]],
+            note="load + artifact.samples: + columns -> Samples",
+        )
         floor_w = _median(c["enc"]) + _median(c["sha"])
-        w_limit = (f"parquet encode ({_median(c['enc']):.3f} s, zstd) + sha256 ({_median(c['sha']):.3f} s) alone take "
-                   f"{floor_w / _median(t['raw_w']):.0f}x the raw write ({_median(t['raw_w']):.4f} s)")
+        w_limit = (
+            f"parquet encode ({_median(c['enc']):.3f} s, zstd) + sha256 ({_median(c['sha']):.3f} s) alone take "
+            f"{floor_w / _median(t['raw_w']):.0f}x the raw write ({_median(t['raw_w']):.4f} s)"
+        )
         floor_r = _median(c["dec"]) + _median(c["sha"])
-        r_limit = (f"parquet decode ({_median(c['dec']):.3f} s) + sha256 ({_median(c['sha']):.3f} s) alone take "
-                   f"{floor_r / _median(t['raw_r']):.0f}x the raw read ({_median(t['raw_r']):.4f} s)")
-        res.ratio(f"{label} write: raw / store time", ratios(t["raw_w"], t["st_w"]), goal=goal, limit=w_limit,
-                  unit="fraction")
-        res.ratio(f"{label} read: raw / store time", ratios(t["raw_r"], t["st_r"]), goal=goal, limit=r_limit,
-                  unit="fraction")
+        r_limit = (
+            f"parquet decode ({_median(c['dec']):.3f} s) + sha256 ({_median(c['sha']):.3f} s) alone take "
+            f"{floor_r / _median(t['raw_r']):.0f}x the raw read ({_median(t['raw_r']):.4f} s)"
+        )
+        res.ratio(
+            f"{label} write: raw / store time", ratios(t["raw_w"], t["st_w"]), goal=goal, limit=w_limit, unit="fraction"
+        )
+        res.ratio(
+            f"{label} read: raw / store time", ratios(t["raw_r"], t["st_r"]), goal=goal, limit=r_limit, unit="fraction"
+        )
         res.ratio(f"{label} write from Samples: raw / store time", ratios(t["raw_w"], t["sm_w"]), unit="fraction")
         res.ratio(f"{label} read into Samples: raw / store time", ratios(t["raw_r"], t["sm_r"]), unit="fraction")
         try:
@@ -160,8 +191,7 @@ def _big_rollout(ctx: BenchContext, res: SuiteResult, p: dict) -> None:
     n = p["big_prompts"] * p["big_per_prompt"]
     tokens = n * (p["big_prompt_len"] + p["big_response_len"])
     tag = f"{tokens / 1e6:.0f}M-token"
-    w = _child("write", root, "big", p["big_prompts"], p["big_per_prompt"], p["big_prompt_len"],
-               p["big_response_len"])
+    w = _child("write", root, "big", p["big_prompts"], p["big_per_prompt"], p["big_prompt_len"], p["big_response_len"])
     fs, base = url_to_fs(root)
     payload_path = f"{base}/big/rollouts/train/000000/samples.parquet"
     t0 = time.perf_counter()
@@ -175,43 +205,83 @@ def _big_rollout(ctx: BenchContext, res: SuiteResult, p: dict) -> None:
     shown = _child("show", root, "big")
     payload, cols = w["payload_bytes"], loaded["columns_bytes"]
     mb = payload / 1e6
-    res.params["big"] = {"samples": n, "tokens": tokens, "prompt_len": p["big_prompt_len"],
-                         "response_len": p["big_response_len"], "payload_mb": round(mb, 1),
-                         "columns_mb": round(cols / 1e6, 1), "batch_mb": round(loaded["batch_bytes"] / 1e6, 1)}
+    res.params["big"] = {
+        "samples": n,
+        "tokens": tokens,
+        "prompt_len": p["big_prompt_len"],
+        "response_len": p["big_response_len"],
+        "payload_mb": round(mb, 1),
+        "columns_mb": round(cols / 1e6, 1),
+        "batch_mb": round(loaded["batch_bytes"] / 1e6, 1),
+    }
     res.add(f"{tag} store write", "MB/s", [mb / w["write_s"]], note=f"{w['write_s']:.2f} s to persist the rollout")
     res.add(f"{tag} store read", "MB/s", [mb / loaded["load_s"]], note=f"{loaded['load_s']:.2f} s to columns")
     res.add(f"{tag} batch_from_columns", "s", [loaded["batch_s"]])
-    res.ratio(f"{tag} file write: raw / store time", [raw_w / w["write_s"]], goal=GOALS["file"], unit="fraction",
-              limit="parquet encode (zstd) + sha256 against a page-cache copy; see the 4,096 x 1,024 figures")
-    res.ratio(f"{tag} file read: raw / store time", [raw_r / loaded["load_s"]], goal=GOALS["file"],
-              unit="fraction", limit="parquet decode + sha256 against a page-cache copy")
+    res.ratio(
+        f"{tag} file write: raw / store time",
+        [raw_w / w["write_s"]],
+        goal=GOALS["file"],
+        unit="fraction",
+        limit="parquet encode (zstd) + sha256 against a page-cache copy; see the 4,096 x 1,024 figures",
+    )
+    res.ratio(
+        f"{tag} file read: raw / store time",
+        [raw_r / loaded["load_s"]],
+        goal=GOALS["file"],
+        unit="fraction",
+        limit="parquet decode + sha256 against a page-cache copy",
+    )
     art = "columns in memory"
-    res.ratio(f"{tag} load peak / artifact", [loaded["load_peak"] / cols], goal=MEMORY_GOAL, unit="x",
-              note=f"peak {loaded['load_peak'] / 1e6:.0f} MB over {art} {cols / 1e6:.0f} MB "
-                   f"(payload on disk {mb:.0f} MB: {loaded['load_peak'] / payload:.2f}x)")
-    res.ratio(f"{tag} load + batch peak / artifact", [loaded["load_batch_peak"] / cols], goal=MEMORY_GOAL, unit="x",
-              note=f"peak {loaded['load_batch_peak'] / 1e6:.0f} MB; the TrainBatch's own tensors are "
-                   f"{loaded['batch_bytes'] / 1e6:.0f} MB",
-              limit=f"TrainBatch holds {loaded['batch_bytes'] / tokens:.0f} bytes per token (int64 tokens [B, L]; "
-                    "float32 loss mask and log-probs, bool span [B, L-1]; mask and positions follow from row "
-                    f"lengths): {loaded['batch_bytes'] / cols:.1f}x the columns, built while the columns are held")
+    res.ratio(
+        f"{tag} load peak / artifact",
+        [loaded["load_peak"] / cols],
+        goal=MEMORY_GOAL,
+        unit="x",
+        note=f"peak {loaded['load_peak'] / 1e6:.0f} MB over {art} {cols / 1e6:.0f} MB "
+        f"(payload on disk {mb:.0f} MB: {loaded['load_peak'] / payload:.2f}x)",
+    )
+    res.ratio(
+        f"{tag} load + batch peak / artifact",
+        [loaded["load_batch_peak"] / cols],
+        goal=MEMORY_GOAL,
+        unit="x",
+        note=f"peak {loaded['load_batch_peak'] / 1e6:.0f} MB; the TrainBatch's own tensors are "
+        f"{loaded['batch_bytes'] / 1e6:.0f} MB",
+        limit=f"TrainBatch holds {loaded['batch_bytes'] / tokens:.0f} bytes per token (int64 tokens [B, L]; "
+        "float32 loss mask and log-probs, bool span [B, L-1]; mask and positions follow from row "
+        f"lengths): {loaded['batch_bytes'] / cols:.1f}x the columns, built while the columns are held",
+    )
     extra = loaded["load_batch_peak"] - cols - loaded["batch_bytes"]
-    res.ratio(f"{tag} load + batch peak / (artifact + TrainBatch)",
-              [loaded["load_batch_peak"] / (cols + loaded["batch_bytes"])], unit="x",
-              note=f"transient memory beyond the columns and the batch: {extra / 1e6:.0f} MB")
-    res.ratio(f"{tag} show peak / artifact", [shown["show_peak"] / cols], goal=MEMORY_GOAL, unit="x",
-              note=f"`rollflow show` engine (metrics + one page): peak {shown['show_peak'] / 1e6:.0f} MB, "
-                   f"{shown['show_s']:.1f} s",
-              limit="show's metrics copy the response tokens to int64 and hash n-grams as uint64 (repetition)")
+    res.ratio(
+        f"{tag} load + batch peak / (artifact + TrainBatch)",
+        [loaded["load_batch_peak"] / (cols + loaded["batch_bytes"])],
+        unit="x",
+        note=f"transient memory beyond the columns and the batch: {extra / 1e6:.0f} MB",
+    )
+    res.ratio(
+        f"{tag} show peak / artifact",
+        [shown["show_peak"] / cols],
+        goal=MEMORY_GOAL,
+        unit="x",
+        note=f"`rollflow show` engine (metrics + one page): peak {shown['show_peak'] / 1e6:.0f} MB, "
+        f"{shown['show_s']:.1f} s",
+        limit="show's metrics copy the response tokens to int64 and hash n-grams as uint64 (repetition)",
+    )
     res.notes.append(
         f"{tag} case: artifact size = its columns in memory ({cols / 1e6:.0f} MB; issue 23's '~0.8 GB with "
         f"log-probs'); the zstd payload on disk is {mb:.0f} MB. Peaks are high-water RSS above the process's RSS "
-        "before the step, each role in a fresh process.")
+        "before the step, each role in a fresh process."
+    )
 
 
 def _child(role: str, *args) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.artifact_memory", role, *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.artifact_memory", role, *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode:
         raise RuntimeError(f"artifact_memory {role} failed (rc {proc.returncode}): {proc.stderr[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -30,16 +30,18 @@ def _config(ctx: BenchContext, label: str, staleness: int, prompts: int, n: int,
     from rollflow.flows.config import RunConfig
 
     extra = CONFIGS[label]
-    return RunConfig.model_validate({
-        "run": f"async{staleness}-{uuid.uuid4().hex[:6]}",
-        "iterations": iterations,
-        "checkpoint_every": iterations,
-        "store": {"root": str(ctx.workdir / "async")},
-        "data": {"prompts_per_rollout": prompts, "eval_prompts": prompts},
-        "rollout": {"n_samples_per_prompt": n, **extra.get("rollout", {})},
-        "train": extra.get("train", {}),
-        "pipeline": {"max_staleness": staleness},
-    })
+    return RunConfig.model_validate(
+        {
+            "run": f"async{staleness}-{uuid.uuid4().hex[:6]}",
+            "iterations": iterations,
+            "checkpoint_every": iterations,
+            "store": {"root": str(ctx.workdir / "async")},
+            "data": {"prompts_per_rollout": prompts, "eval_prompts": prompts},
+            "rollout": {"n_samples_per_prompt": n, **extra.get("rollout", {})},
+            "train": extra.get("train", {}),
+            "pipeline": {"max_staleness": staleness},
+        }
+    )
 
 
 def _timeline(run: str) -> tuple[list[float], dict[str, list[float]]]:
@@ -47,16 +49,21 @@ def _timeline(run: str) -> tuple[list[float], dict[str, list[float]]]:
     and each task's durations, from the Prefect API."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
-        FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterName,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
     )
 
     async def read():
         async with get_client() as client:
             flows = await client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{run}/iter-")))
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{run}/iter-"))
+            )
             flows = sorted((f for f in flows if f.name.startswith(f"{run}/iter-")), key=lambda f: f.name)
-            tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(
-                flow_run_id=TaskRunFilterFlowRunId(any_=[f.id for f in flows])), limit=200)
+            tasks = await client.read_task_runs(
+                task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[f.id for f in flows])), limit=200
+            )
         return flows, tasks
 
     flows, tasks = asyncio.run(read())
@@ -79,8 +86,12 @@ def run(ctx: BenchContext) -> SuiteResult:
     prompts, n = (64, 4) if ctx.quick else (256, 8)
     iterations = 3 if ctx.quick else 5
     repeats = ctx.n(1, 1)
-    res.params = {"size": f"{prompts}x{n}", "iterations": iterations, "repeats": repeats,
-                  "configs": {k: v or "defaults" for k, v in CONFIGS.items()}}
+    res.params = {
+        "size": f"{prompts}x{n}",
+        "iterations": iterations,
+        "repeats": repeats,
+        "configs": {k: v or "defaults" for k, v in CONFIGS.items()},
+    }
     for label in CONFIGS:
         times: dict[int, list[float]] = {0: [], 1: []}
         tasks: dict[int, dict[str, list[float]]] = {0: {}, 1: {}}
@@ -96,8 +107,11 @@ def run(ctx: BenchContext) -> SuiteResult:
         res.add(f"{label}: iteration, max_staleness=1", "s", times[1])
         res.add(f"{label}: generate task (sync run)", "s", tasks[0].get("generate-train", []))
         res.add(f"{label}: train task (sync run)", "s", tasks[0].get("train", []))
-        res.ratio(f"{label}: speed-up (sync / async iteration)",
-                  [statistics.median(times[0]) / statistics.median(times[1])], goal=Goal(">=", 1.3),
-                  note="medians of the iterations after the first, both runs in this command",
-                  limit="the overlap hides at most the shorter of generate and train; both share the CPU cores")
+        res.ratio(
+            f"{label}: speed-up (sync / async iteration)",
+            [statistics.median(times[0]) / statistics.median(times[1])],
+            goal=Goal(">=", 1.3),
+            note="medians of the iterations after the first, both runs in this command",
+            limit="the overlap hides at most the shorter of generate and train; both share the CPU cores",
+        )
     return res

@@ -13,7 +13,8 @@ of both sides are checked to be identical). The bare loop runs before and after 
 each rollout id's two times are averaged, so drift on a shared box hits both sides alike.
 
 At the largest size a design alternative runs too (patched in for the run, flows/ unchanged): no
-sub-flow run per iteration. (flows/iteration.py already `quote()`s the Samples it hands to tasks.) Mechanism figures isolate
+sub-flow run per iteration. (flows/iteration.py already `quote()`s the Samples it hands to tasks.)
+Mechanism figures isolate
 Prefect's costs: a no-op task taking a rollout's Samples (plain and quoted), an empty
 rl_iteration-shaped sub-flow, the same six tasks without a sub-flow.
 """
@@ -42,15 +43,17 @@ def sizes_for(ctx: BenchContext) -> list[tuple[int, int, int]]:
 def _config(ctx: BenchContext, prompts: int, n: int, iterations: int):
     from rollflow.flows.config import RunConfig
 
-    return RunConfig.model_validate({
-        "run": f"orch-{prompts}x{n}-{uuid.uuid4().hex[:6]}",
-        "iterations": iterations,
-        "checkpoint_every": iterations,  # the bare loop checkpoints nothing: only the final one here
-        "eval_every": 0,
-        "store": {"root": str(ctx.workdir / "orchestration")},
-        "data": {"prompts_per_rollout": prompts, "eval_prompts": prompts},
-        "rollout": {"n_samples_per_prompt": n},
-    })
+    return RunConfig.model_validate(
+        {
+            "run": f"orch-{prompts}x{n}-{uuid.uuid4().hex[:6]}",
+            "iterations": iterations,
+            "checkpoint_every": iterations,  # the bare loop checkpoints nothing: only the final one here
+            "eval_every": 0,
+            "store": {"root": str(ctx.workdir / "orchestration")},
+            "data": {"prompts_per_rollout": prompts, "eval_prompts": prompts},
+            "rollout": {"n_samples_per_prompt": n},
+        }
+    )
 
 
 def bare_loop(cfg, count: int) -> dict:
@@ -71,17 +74,27 @@ def bare_loop(cfg, count: int) -> dict:
     for rollout_id in range(count):
         start = time.perf_counter()
         samples = score_samples(worker.rollout(rollout_id), reward_fn, reward_key=cfg.rollout.reward_key)
-        result = train_on_samples(backend, samples, cfg.algo, group_size=cfg.rollout.n_samples_per_prompt,
-                                  compute_ref=cfg.train.compute_ref_log_probs)
+        result = train_on_samples(
+            backend,
+            samples,
+            cfg.algo,
+            group_size=cfg.rollout.n_samples_per_prompt,
+            compute_ref=cfg.train.compute_ref_log_probs,
+        )
         worker.update_weights(backend.named_weights(), rollout_id + 1)
         out["iteration_s"].append(time.perf_counter() - start)
         out["metrics"].append(result.metrics)
         # What rl_iteration adds on top, timed here on their own: artifact round trip, parity check.
         t0 = time.perf_counter()
-        store.write(cfg.run + "-bare", "train", rollout_id, samples,
-                    n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-                    engine=EngineInfo(backend="hf", model=cfg.model.path, weight_version=rollout_id),
-                    config_hash=cfg.config_hash())
+        store.write(
+            cfg.run + "-bare",
+            "train",
+            rollout_id,
+            samples,
+            n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+            engine=EngineInfo(backend="hf", model=cfg.model.path, weight_version=rollout_id),
+            config_hash=cfg.config_hash(),
+        )
         store.load(cfg.run + "-bare", "train", rollout_id)
         t1 = time.perf_counter()
         compare(checksums(backend.named_weights()), worker.weight_checksums())
@@ -113,7 +126,6 @@ def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = Fa
     itself since this suite measured what Prefect's walk over them costs.)"""
     import contextlib
 
-    import rollflow.flows.iteration as iteration_mod
     import rollflow.flows.train as train_mod
     from rollflow.flows import reporting
     from rollflow.flows.reporting import read_metrics
@@ -139,8 +151,7 @@ def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = Fa
     its = sorted(stamps)
     intervals = {it: stamps[it + 1] - stamps[it] for it in its if it + 1 in stamps}
     rows = {row["rollout_id"]: row for row in read_metrics(cfg)}
-    return {"total_s": total, "setup_s": stamps[its[0]] - start if its else None,
-            "interval_s": intervals, "rows": rows}
+    return {"total_s": total, "setup_s": stamps[its[0]] - start if its else None, "interval_s": intervals, "rows": rows}
 
 
 class _patched:
@@ -224,11 +235,16 @@ def run(ctx: BenchContext) -> SuiteResult:
     ctx.services.ray()
     threads_before = torch.get_num_threads()
     sizes = sizes_for(ctx)
-    res.params = {"sizes": [f"{p}x{n}" for p, n, _ in sizes], "model": "builtin:addition",
-                  "flow_iterations": {f"{p}x{n}": k for p, n, k in sizes}, "prefect_api": api,
-                  "prefect_server_start_s": ctx.services.prefect_start_s, "ray_init_s": ctx.services.ray_start_s,
-                  "threads": "rollout.threads = train.threads = 1 (RunConfig defaults) on both sides",
-                  "checkpoint_every": "= iterations (the bare loop writes no checkpoints)"}
+    res.params = {
+        "sizes": [f"{p}x{n}" for p, n, _ in sizes],
+        "model": "builtin:addition",
+        "flow_iterations": {f"{p}x{n}": k for p, n, k in sizes},
+        "prefect_api": api,
+        "prefect_server_start_s": ctx.services.prefect_start_s,
+        "ray_init_s": ctx.services.ray_start_s,
+        "threads": "rollout.threads = train.threads = 1 (RunConfig defaults) on both sides",
+        "checkpoint_every": "= iterations (the bare loop writes no checkpoints)",
+    }
     largest = sizes[-1]
     headline = None
     try:
@@ -242,7 +258,8 @@ def run(ctx: BenchContext) -> SuiteResult:
             alts = {}
             if (prompts, n, k) == largest:
                 alts["no sub-flow per iteration"] = flow_loop(
-                    cfg.model_copy(update={"run": cfg.run + "-alt"}), inline_iterations=True)
+                    cfg.model_copy(update={"run": cfg.run + "-alt"}), inline_iterations=True
+                )
             again = bare_loop(cfg.model_copy(update={"run": cfg.run + "-again"}), k - 1)
             bare["iteration_s"] = [(a + b) / 2 for a, b in zip(bare["iteration_s"], again["iteration_s"])]
             ids = [rid for rid in range(1, k - 1) if (rid + 1) in flow["interval_s"]]
@@ -253,51 +270,90 @@ def run(ctx: BenchContext) -> SuiteResult:
             res.add(f"{label} rl_train iteration", "s", flow_s)
             res.add(f"{label} overhead per iteration", "s", over_s)
             is_largest = (prompts, n, k) == largest
-            fig = res.ratio(f"{label} overhead / rl_train iteration", [o / f for o, f in zip(over_s, flow_s)],
-                            unit="fraction", goal=GOAL if is_largest else None, note="paired by rollout id")
+            fig = res.ratio(
+                f"{label} overhead / rl_train iteration",
+                [o / f for o, f in zip(over_s, flow_s)],
+                unit="fraction",
+                goal=GOAL if is_largest else None,
+                note="paired by rollout id",
+            )
             if is_largest:
                 headline = fig
             res.add(f"{label} artifact write + read (in bare process)", "s", bare["artifact_s"][1:])
             res.add(f"{label} parity check (in bare process)", "s", bare["parity_s"][1:])
             if flow["setup_s"] is not None:
-                res.add(f"{label} rl_train start until iteration 1", "s", [flow["setup_s"]],
-                        note="Ray actors start, model loads, flow run creation")
+                res.add(
+                    f"{label} rl_train start until iteration 1",
+                    "s",
+                    [flow["setup_s"]],
+                    note="Ray actors start, model loads, flow run creation",
+                )
             same = [_same(bare["metrics"][rid], flow["rows"].get(rid, {})) for rid in range(k - 1)]
-            res.notes.append(f"{label}: bare and flow metrics identical for rollout ids 0..{k - 2}: {all(same)} "
-                             f"({sum(same)}/{len(same)})")
+            res.notes.append(
+                f"{label}: bare and flow metrics identical for rollout ids 0..{k - 2}: {all(same)} "
+                f"({sum(same)}/{len(same)})"
+            )
             if is_largest and over_s:
                 med = statistics.median(over_s)
-                res.add("iteration length at which the overhead is 2%", "s", [o / 0.02 for o in over_s],
-                        note=f"median fixed overhead {med:.2f} s per iteration / 0.02")
+                res.add(
+                    "iteration length at which the overhead is 2%",
+                    "s",
+                    [o / 0.02 for o in over_s],
+                    note=f"median fixed overhead {med:.2f} s per iteration / 0.02",
+                )
                 for vname, alt in alts.items():
                     ids_q = [rid for rid in ids if (rid + 1) in alt["interval_s"]]
                     q_s = [alt["interval_s"][rid + 1] for rid in ids_q]
                     q_over = [q - bare["iteration_s"][rid] for q, rid in zip(q_s, ids_q)]
-                    res.add(f"{label} rl_train iteration, {vname}", "s", q_s,
-                            note="design alternative, patched for the run (see flow_loop)")
+                    res.add(
+                        f"{label} rl_train iteration, {vname}",
+                        "s",
+                        q_s,
+                        note="design alternative, patched for the run (see flow_loop)",
+                    )
                     res.add(f"{label} overhead per iteration, {vname}", "s", q_over)
-                    res.ratio(f"{label} overhead / iteration, {vname}", [o / q for o, q in zip(q_over, q_s)],
-                              unit="fraction", note="paired by rollout id")
+                    res.ratio(
+                        f"{label} overhead / iteration, {vname}",
+                        [o / q for o, q in zip(q_over, q_s)],
+                        unit="fraction",
+                        note="paired by rollout id",
+                    )
                     same_alt = all(_same(bare["metrics"][rid], alt["rows"].get(rid, {})) for rid in range(k - 1))
                     res.notes.append(f"{label} {vname}: metrics identical to the bare loop: {same_alt}")
         samples_arg = _task_argument_cost(sizes[-1][0] * sizes[-1][1], 3 if ctx.quick else 5)
-        res.add("no-op task taking the rollout's Samples", "s", samples_arg["plain"],
-                note=f"{sizes[-1][0] * sizes[-1][1]} Samples of a builtin:addition rollout's length")
+        res.add(
+            "no-op task taking the rollout's Samples",
+            "s",
+            samples_arg["plain"],
+            note=f"{sizes[-1][0] * sizes[-1][1]} Samples of a builtin:addition rollout's length",
+        )
         res.add("no-op task taking the Samples quote()d", "s", samples_arg["quoted"])
         empty_train, tasks_only = _floor_flows()
         count = 4 if ctx.quick else 8
         floor = empty_train(count)[1:]
-        res.add("empty rl_iteration-shaped sub-flow (6 no-op tasks)", "s", floor,
-                note="Prefect's floor per iteration: flow run create/exit + 6 task runs")
+        res.add(
+            "empty rl_iteration-shaped sub-flow (6 no-op tasks)",
+            "s",
+            floor,
+            note="Prefect's floor per iteration: flow run create/exit + 6 task runs",
+        )
         with heartbeats(False):
             floor_quiet = empty_train(count)[1:]
-        res.add("empty rl_iteration-shaped sub-flow, heartbeats off", "s", floor_quiet,
-                note="PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset: no 1 s join at exit, but creating the next flow run "
-                     "then waits on the server")
+        res.add(
+            "empty rl_iteration-shaped sub-flow, heartbeats off",
+            "s",
+            floor_quiet,
+            note="PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset: no 1 s join at exit, but creating the next flow run "
+            "then waits on the server",
+        )
         tasks = tasks_only(count)[1:]
         res.add("6 no-op task runs without a sub-flow", "s", tasks)
-        res.ratio("sub-flow run share of the floor", [1 - t / f for t, f in zip(tasks, floor)], unit="fraction",
-                  note="what one flow run per iteration costs beyond its tasks")
+        res.ratio(
+            "sub-flow run share of the floor",
+            [1 - t / f for t, f in zip(tasks, floor)],
+            unit="fraction",
+            note="what one flow run per iteration costs beyond its tasks",
+        )
         if headline is not None:
             over = res.figure(f"{largest[0]}x{largest[1]} overhead per iteration")
             it = res.figure(f"{largest[0]}x{largest[1]} bare iteration")
@@ -307,7 +363,8 @@ def run(ctx: BenchContext) -> SuiteResult:
                 f"token of the Samples handed to the reward and persist tasks ({plain:.2f} s per call, "
                 f"{statistics.median(samples_arg['quoted']):.3f} s quote()d), and the rl_iteration sub-flow run "
                 f"costs {statistics.median(floor):.2f} s empty (its 6 tasks alone {statistics.median(tasks):.3f} s; "
-                f"the exit joins Prefect's heartbeat thread, which sleeps in 1 s steps)")
+                f"the exit joins Prefect's heartbeat thread, which sleeps in 1 s steps)"
+            )
     finally:
         torch.set_num_threads(threads_before)
     return res

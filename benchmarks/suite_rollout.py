@@ -36,11 +36,17 @@ def run(ctx: BenchContext) -> SuiteResult:
     p = params_for(ctx)
     p.update(ctx.options.get("rollout", {}))
     repeats = ctx.n(3, 2)
-    res.params = {**p, "repeats": repeats, "device": ctx.device, "sampling": "temperature 1, top_k 0, top_p 1",
-                  "threads": torch.get_num_threads()}
+    res.params = {
+        **p,
+        "repeats": repeats,
+        "device": ctx.device,
+        "sampling": "temperature 1, top_k 0, top_p 1",
+        "threads": torch.get_num_threads(),
+    }
     cuda = ctx.device.startswith("cuda")
-    model = qwen2(p["shape"], dtype=p["dtype"], device=ctx.device, max_positions=max(4096, p["prompt_len"] +
-                                                                                     p["new_tokens"] + 64))
+    model = qwen2(
+        p["shape"], dtype=p["dtype"], device=ctx.device, max_positions=max(4096, p["prompt_len"] + p["new_tokens"] + 64)
+    )
     vocab = SHAPES[p["shape"]]["vocab_size"]
     prompts = random_prompts(p["batch"], p["prompt_len"], vocab, seed=1)
     ids = torch.tensor(prompts, device=ctx.device)
@@ -51,9 +57,20 @@ def run(ctx: BenchContext) -> SuiteResult:
         def fn() -> int:
             torch.manual_seed(seed)
             extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=p["new_tokens"], eos_token_id=2, pad_token_id=0, **extra)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=p["new_tokens"],
+                eos_token_id=2,
+                pad_token_id=0,
+                **extra,
+            )
             return p["batch"] * (out.shape[1] - p["prompt_len"])
+
         return fn
 
     last_outputs: dict[int, list] = {}
@@ -67,6 +84,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             last_outputs[id(engine)] = [group[0] for group in outs]
             steps = max(len(group[0].response_ids) for group in outs)
             return p["batch"] * steps
+
         return fn
 
     # name -> (callable, warm-up calls). The baseline first: every ratio divides by it.
@@ -106,28 +124,47 @@ def run(ctx: BenchContext) -> SuiteResult:
     for name in candidates:
         res.add(f"{name} tokens/s", "tokens/s", tps[name])
     goal = Goal(">=", 2.5, ">= 2.5x") if cuda else None
-    limit = "" if cuda else ("CPU: transformers compiles the static-cache decode step only on CUDA, so the engine "
-                             "is generate + log-probs here")
-    fig = res.ratio(f"{hf_name} / {base}", ratios(tps[hf_name], tps[base]), goal=goal, limit=limit,
-                    note="paired per repeat")
+    limit = (
+        ""
+        if cuda
+        else (
+            "CPU: transformers compiles the static-cache decode step only on CUDA, so the engine "
+            "is generate + log-probs here"
+        )
+    )
+    fig = res.ratio(
+        f"{hf_name} / {base}", ratios(tps[hf_name], tps[base]), goal=goal, limit=limit, note="paired per repeat"
+    )
     if cuda and "generate (static cache)" in tps:
         fig.limit = static_limit(tps[hf_name], tps["generate (static cache)"], tps[base])
     for name in candidates:
         if name not in (base, hf_name):
             res.ratio(f"{name} / {base}", ratios(tps[name], tps[base]))
     if cuda and "generate (static cache)" in tps:
-        res.ratio(f"{hf_name} / generate (static cache)", ratios(tps[hf_name], tps["generate (static cache)"]),
-                  goal=Goal(">=", 1.0, ">= transformers' static generate"), note="paired per repeat")
+        res.ratio(
+            f"{hf_name} / generate (static cache)",
+            ratios(tps[hf_name], tps["generate (static cache)"]),
+            goal=Goal(">=", 1.0, ">= transformers' static generate"),
+            note="paired per repeat",
+        )
     for name, seconds in warmups.items():
         if "compiled" in name:
-            res.add(f"{name} warm-up calls", "s", seconds,
-                    note="one value per warm-up call, in order: the first ones pay torch.compile")
+            res.add(
+                f"{name} warm-up calls",
+                "s",
+                seconds,
+                note="one value per warm-up call, in order: the first ones pay torch.compile",
+            )
     # Correctness of what was timed: engine log-probs vs a teacher-forced forward of the same tokens.
     for name, eng in engines.items():
         outs = last_outputs.get(id(eng))
         if outs:
-            res.add(f"{name} |rollout - teacher-forced log-prob|", "nats", [_logprob_gap(model, prompts, outs)],
-                    note=f"mean over the first 8 samples' response tokens, {p['dtype']}")
+            res.add(
+                f"{name} |rollout - teacher-forced log-prob|",
+                "nats",
+                [_logprob_gap(model, prompts, outs)],
+                note=f"mean over the first 8 samples' response tokens, {p['dtype']}",
+            )
     if cuda:
         res.notes.append(f"max GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     del engine, candidates, model
@@ -142,8 +179,10 @@ def static_limit(engine: list[float], plain_static: list[float], dynamic: list[f
 
     lib = st.median(ratios(plain_static, dynamic))
     own = st.median(ratios(engine, plain_static))
-    return (f"transformers' own static-cache generate reaches {lib:.2f}x the dynamic cache in the same run; the "
-            f"engine (its own decode loop: tasks/rollout/static_decode.py) runs at {own:.2f}x of it")
+    return (
+        f"transformers' own static-cache generate reaches {lib:.2f}x the dynamic cache in the same run; the "
+        f"engine (its own decode loop: tasks/rollout/static_decode.py) runs at {own:.2f}x of it"
+    )
 
 
 @torch.no_grad()
@@ -155,6 +194,6 @@ def _logprob_gap(model, prompts: list[list[int]], outs: list, rows: int = 8) -> 
             continue
         ids = torch.tensor([prompt + list(out.response_ids)], device=device)
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
         gaps.append((lp.cpu() - torch.tensor(out.log_probs)).abs().mean().item())
     return sum(gaps) / max(1, len(gaps))

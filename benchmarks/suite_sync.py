@@ -49,12 +49,21 @@ def run(ctx: BenchContext) -> SuiteResult:
     repeats = ctx.n(5, 3)
     cuda = ctx.device.startswith("cuda")
     dev = ctx.device
-    backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device=dev, seed=1), OptimConfig(
-        dtype=p["dtype"], device=dev, threads=torch.get_num_threads()), keep_ref=False)
+    backend = TorchBackend(
+        qwen2(p["shape"], dtype=p["dtype"], device=dev, seed=1),
+        OptimConfig(dtype=p["dtype"], device=dev, threads=torch.get_num_threads()),
+        keep_ref=False,
+    )
     engine = HFEngine(qwen2(p["shape"], dtype=p["dtype"], device=dev, seed=2), pad_token_id=0, eos_token_id=2)
     n_bytes = state_bytes(backend.model.state_dict())
-    res.params = {**p, "repeats": repeats, "device": dev, "params": param_count(backend.model),
-                  "bytes": n_bytes, "tensors": len(backend.model.state_dict())}
+    res.params = {
+        **p,
+        "repeats": repeats,
+        "device": dev,
+        "params": param_count(backend.model),
+        "bytes": n_bytes,
+        "tensors": len(backend.model.state_dict()),
+    }
     version = itertools.count(1)
 
     src = torch.empty(n_bytes, dtype=torch.uint8, device=dev).random_(0, 255)
@@ -112,24 +121,44 @@ def run(ctx: BenchContext) -> SuiteResult:
         res.ratio(f"{name} / {base}", [a / b for a, b in zip(gbps[name], gbps[base])], goal=goal)
     if cuda:
         staging = next(n for n in paths if "host staging" in n)
-        res.ratio(f"{staging} / plain host round trip",
-                  [a / b for a, b in zip(gbps[staging], gbps["plain host round trip"])])
+        res.ratio(
+            f"{staging} / plain host round trip", [a / b for a, b in zip(gbps[staging], gbps["plain host round trip"])]
+        )
 
     def parity_check() -> None:
         assert compare(checksums(backend.weight_tensors()), checksums(engine.weight_tensors())).ok
 
     parity_check()  # warm-up (index ramps, kernels)
     check_s = [time_it(parity_check) for _ in range(max(1, repeats // 2))]
-    res.add("parity check (both sides) s", "s", check_s, goal=PARITY_GOAL if cuda else None,
-            note="fingerprints of every tensor on both sides, where the weights live, as rl_iteration's sync "
-                 "task does after each update")
-    sha_s = [time_it(lambda: [hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()
-                              for side in (backend.named_weights(), engine.named_weights()) for v in side.values()])]
-    res.add("sha256 of host copies (both sides) s", "s", sha_s,
-            note="the check before issue 23, for comparison: copy to host, sha256 per tensor")
-    res.add("sync + parity check GB/s", "GB/s",
-            [n_bytes / (t + c) / 1e9 for t, c in zip(times[next(iter(paths))], itertools.cycle(check_s))],
-            note="in-process update_weights plus the parity check")
+    res.add(
+        "parity check (both sides) s",
+        "s",
+        check_s,
+        goal=PARITY_GOAL if cuda else None,
+        note="fingerprints of every tensor on both sides, where the weights live, as rl_iteration's sync "
+        "task does after each update",
+    )
+    sha_s = [
+        time_it(
+            lambda: [
+                hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).digest()
+                for side in (backend.named_weights(), engine.named_weights())
+                for v in side.values()
+            ]
+        )
+    ]
+    res.add(
+        "sha256 of host copies (both sides) s",
+        "s",
+        sha_s,
+        note="the check before issue 23, for comparison: copy to host, sha256 per tensor",
+    )
+    res.add(
+        "sync + parity check GB/s",
+        "GB/s",
+        [n_bytes / (t + c) / 1e9 for t, c in zip(times[next(iter(paths))], itertools.cycle(check_s))],
+        note="in-process update_weights plus the parity check",
+    )
     del backend, engine, src, dst
     if cuda:
         torch.cuda.empty_cache()
@@ -149,11 +178,23 @@ def _ray_path(ctx: BenchContext, res: SuiteResult, model, repeats: int) -> list[
     run_name = "bench-sync"
     threads = torch.get_num_threads()
     start = time.perf_counter()
-    trainer = TrainerClient([start_actor(run_name, "trainer", TrainWorker, str(model_dir),
-                                         OptimConfig(threads=threads, compute_ref_log_probs=False), AlgoConfig(),
-                                         store_root=str(ctx.workdir / "sync-store"), run=run_name)])
-    engine = EngineClient(start_actor(run_name, "engine", RolloutWorker, str(model_dir),
-                                      RolloutConfig(threads=threads), DataConfig()))
+    trainer = TrainerClient(
+        [
+            start_actor(
+                run_name,
+                "trainer",
+                TrainWorker,
+                str(model_dir),
+                OptimConfig(threads=threads, compute_ref_log_probs=False),
+                AlgoConfig(),
+                store_root=str(ctx.workdir / "sync-store"),
+                run=run_name,
+            )
+        ]
+    )
+    engine = EngineClient(
+        start_actor(run_name, "engine", RolloutWorker, str(model_dir), RolloutConfig(threads=threads), DataConfig())
+    )
     res.add("ray actors start (trainer + engine)", "s", [time.perf_counter() - start])
     try:
         version = itertools.count(1)

@@ -25,8 +25,7 @@ PEAK_FLOPS = 790e12
 
 def params_for(ctx: BenchContext) -> dict:
     if ctx.device.startswith("cuda"):
-        return dict(shape="qwen2-0.5b", dtype="bfloat16", samples=64, prompt_len=128, response_len=256,
-                    micro_batch=16)
+        return dict(shape="qwen2-0.5b", dtype="bfloat16", samples=64, prompt_len=128, response_len=256, micro_batch=16)
     if ctx.quick:
         return dict(shape="cpu-tiny", dtype="float32", samples=16, prompt_len=16, response_len=48, micro_batch=8)
     return dict(shape="cpu-small", dtype="float32", samples=64, prompt_len=32, response_len=96, micro_batch=16)
@@ -48,16 +47,29 @@ def run(ctx: BenchContext) -> SuiteResult:
     repeats = ctx.n(3, 2)
     cuda = ctx.device.startswith("cuda")
     backends = ctx.options.get("train_backends") or ["torch", "megatron"]
-    res.params = {**p, "repeats": repeats, "device": ctx.device, "backends": backends,
-                  "optimizer_steps_per_call": 1, "threads": torch.get_num_threads(),
-                  "peak_flops": PEAK_FLOPS if cuda else None}
+    res.params = {
+        **p,
+        "repeats": repeats,
+        "device": ctx.device,
+        "backends": backends,
+        "optimizer_steps_per_call": 1,
+        "threads": torch.get_num_threads(),
+        "peak_flops": PEAK_FLOPS if cuda else None,
+    }
     vocab = SHAPES[p["shape"]]["vocab_size"]
     samples = synthetic_samples(p["samples"], p["prompt_len"], p["response_len"], vocab, group=4)
     seq = p["prompt_len"] + p["response_len"]
     tokens = p["samples"] * seq
     algo = AlgoConfig()
-    optim = OptimConfig(backend="torch", num_steps_per_rollout=1, micro_batch_size=p["micro_batch"],
-                        dtype=p["dtype"], device=ctx.device, threads=torch.get_num_threads(), lr=1e-5)
+    optim = OptimConfig(
+        backend="torch",
+        num_steps_per_rollout=1,
+        micro_batch_size=p["micro_batch"],
+        dtype=p["dtype"],
+        device=ctx.device,
+        threads=torch.get_num_threads(),
+        lr=1e-5,
+    )
     model = qwen2(p["shape"], dtype=p["dtype"], device="meta", max_positions=max(4096, seq))
     fpt = flops_per_token(model, seq)
     res.params["matmul_params"] = matmul_params(model)
@@ -69,15 +81,18 @@ def run(ctx: BenchContext) -> SuiteResult:
             continue
         try:
             if name == "torch":
-                backend = TorchBackend(qwen2(p["shape"], dtype=p["dtype"], device=ctx.device,
-                                             max_positions=max(4096, seq)), optim)
+                backend = TorchBackend(
+                    qwen2(p["shape"], dtype=p["dtype"], device=ctx.device, max_positions=max(4096, seq)), optim
+                )
             else:
                 from rollflow.tasks.train.megatron.backend import build_megatron_backend
 
-                model_dir = save_model_dir(qwen2(p["shape"], dtype="float32", max_positions=max(4096, seq)),
-                                           ctx.workdir / "train-model")
-                backend = build_megatron_backend(model_dir, optim.model_copy(update={"backend": "megatron"}),
-                                                 temperature=1.0)
+                model_dir = save_model_dir(
+                    qwen2(p["shape"], dtype="float32", max_positions=max(4096, seq)), ctx.workdir / "train-model"
+                )
+                backend = build_megatron_backend(
+                    model_dir, optim.model_copy(update={"backend": "megatron"}), temperature=1.0
+                )
         except Exception as exc:  # noqa: BLE001 - a backend that cannot start here is reported, not fatal
             res.unavailable[f"{name} backend"] = f"{type(exc).__name__}: {exc}"[:300]
             continue
@@ -98,15 +113,30 @@ def run(ctx: BenchContext) -> SuiteResult:
                 fn()
                 sync_device(ctx.device)
                 out.append(time.perf_counter() - start)
-        res.add(f"{name} step tokens/s", "tokens/s", [tokens / s for s in step_s],
-                note="forward + backward + optimizer, every micro-batch")
-        res.add(f"{name} call tokens/s", "tokens/s", [tokens / s for s in call_s],
-                note="train_on_samples: old + ref log-probs, advantages, step")
-        res.ratio(f"{name} step / call time", [s / c for s, c in zip(step_s, call_s)],
-                  note="share of the train call spent in the optimizer step")
+        res.add(
+            f"{name} step tokens/s",
+            "tokens/s",
+            [tokens / s for s in step_s],
+            note="forward + backward + optimizer, every micro-batch",
+        )
+        res.add(
+            f"{name} call tokens/s",
+            "tokens/s",
+            [tokens / s for s in call_s],
+            note="train_on_samples: old + ref log-probs, advantages, step",
+        )
+        res.ratio(
+            f"{name} step / call time",
+            [s / c for s, c in zip(step_s, call_s)],
+            note="share of the train call spent in the optimizer step",
+        )
         if cuda:
-            res.add(f"{name} step MFU", "fraction", [fpt * tokens / s / PEAK_FLOPS for s in step_s],
-                    note=f"{fpt / 1e9:.2f} GFLOP/token vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s")
+            res.add(
+                f"{name} step MFU",
+                "fraction",
+                [fpt * tokens / s / PEAK_FLOPS for s in step_s],
+                note=f"{fpt / 1e9:.2f} GFLOP/token vs {PEAK_FLOPS / 1e12:.0f} TFLOP/s",
+            )
             res.notes.append(f"{name}: max GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         del backend, batch
         if cuda:

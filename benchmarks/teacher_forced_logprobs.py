@@ -1,6 +1,7 @@
 """The cost of rollout.logprobs='teacher_forced': hf engine generate time with vs without the rescoring pass.
 
-    python benchmarks/teacher_forced_logprobs.py                 # CPU, writes benchmarks/results/<cpu>-teacher-forced-<date>.json
+    # CPU, writes benchmarks/results/<cpu>-teacher-forced-<date>.json
+    python benchmarks/teacher_forced_logprobs.py
     python benchmarks/teacher_forced_logprobs.py --device cuda --out $OUT/tf.json
 
 What is timed: `HFEngine.generate` on the same requests, seed and model, once with log-probs taken while
@@ -29,7 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.core import (  # noqa: E402
-    SCHEMA, SuiteResult, git_sha, machine_info, print_report, ratios, sync_device, versions, write_json,
+    SCHEMA,
+    SuiteResult,
+    git_sha,
+    machine_info,
+    print_report,
+    ratios,
+    sync_device,
+    versions,
+    write_json,
 )
 
 TITLE = "rollout.logprobs='teacher_forced': generate time vs engine log-probs (paired ratio)"
@@ -55,27 +64,38 @@ def _engine_inputs(case: dict, dtype: str, device: str):
         path = resolve_model_path(case["model"])
         tok = load_tokenizer(path)
         model = load_model(path, dtype=DTYPES[dtype], device=device)
-        prompts = [prompt_token_ids(tok, it.prompt)
-                   for it in prompts_for(DataConfig(prompts_per_rollout=case["prompts"]), 0)]
+        prompts = [
+            prompt_token_ids(tok, it.prompt) for it in prompts_for(DataConfig(prompts_per_rollout=case["prompts"]), 0)
+        ]
         return model, tok.pad_token_id, tok.eos_token_id, prompts
     from benchmarks.models import SHAPES, qwen2, random_prompts
 
-    model = qwen2(case["model"], dtype=dtype, device=device,
-                  max_positions=case["prompt_len"] + case["new_tokens"] + 64)
+    model = qwen2(case["model"], dtype=dtype, device=device, max_positions=case["prompt_len"] + case["new_tokens"] + 64)
     prompts = random_prompts(case["prompts"], case["prompt_len"], SHAPES[case["model"]]["vocab_size"], seed=1)
     return model, 0, 2, prompts
 
 
-def run_case(res: SuiteResult, name: str, case: dict, *, dtype: str, device: str, repeats: int,
-             micro_batch_size: int, threads: int) -> None:
+def run_case(
+    res: SuiteResult,
+    name: str,
+    case: dict,
+    *,
+    dtype: str,
+    device: str,
+    repeats: int,
+    micro_batch_size: int,
+    threads: int,
+) -> None:
     from rollflow.tasks.model.teacher_forced import ScoringLayout
     from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
     from rollflow.tasks.rollout.hf_engine import HFEngine
 
     model, pad, eos, prompts = _engine_inputs(case, dtype, device)
     layout = ScoringLayout(micro_batch_size=micro_batch_size, threads=threads, dtype=dtype, device=device)
-    engines = {"engine": HFEngine(model, pad_token_id=pad, eos_token_id=eos),
-               "teacher_forced": HFEngine(model, pad_token_id=pad, eos_token_id=eos, scoring=layout)}
+    engines = {
+        "engine": HFEngine(model, pad_token_id=pad, eos_token_id=eos),
+        "teacher_forced": HFEngine(model, pad_token_id=pad, eos_token_id=eos, scoring=layout),
+    }
     requests = [GenerationRequest(prompt_ids=p, n=case["n"]) for p in prompts]
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=case["new_tokens"], seed=1234)
     outs: dict[str, list] = {}
@@ -110,19 +130,34 @@ def run_case(res: SuiteResult, name: str, case: dict, *, dtype: str, device: str
         compare()
     n_samples = len(prompts) * case["n"]
     tokens = sum(len(o.response_ids) for group in outs["engine"] for o in group)
-    what = (f"{len(prompts)} prompts x {case['n']}, {case['new_tokens']} new tokens, {tokens} response tokens, "
-            f"{dtype} {device}")
-    res.ratio(f"{name}: teacher_forced / engine generate time", ratios(seconds["teacher_forced"], seconds["engine"]),
-              note=f"{what}; paired per repeat")
+    what = (
+        f"{len(prompts)} prompts x {case['n']}, {case['new_tokens']} new tokens, {tokens} response tokens, "
+        f"{dtype} {device}"
+    )
+    res.ratio(
+        f"{name}: teacher_forced / engine generate time",
+        ratios(seconds["teacher_forced"], seconds["engine"]),
+        note=f"{what}; paired per repeat",
+    )
     # A shared box's load changes between the two calls of a pair; the fastest call of each mode is
     # the least disturbed one.
-    res.ratio(f"{name}: best teacher_forced / best engine", [min(seconds["teacher_forced"]) / min(seconds["engine"])],
-              note="fastest of the repeats of each mode")
+    res.ratio(
+        f"{name}: best teacher_forced / best engine",
+        [min(seconds["teacher_forced"]) / min(seconds["engine"])],
+        note="fastest of the repeats of each mode",
+    )
     res.add(f"{name}: engine generate time", "s", seconds["engine"])
-    res.add(f"{name}: max |engine - teacher-forced| log-prob", "nats", gaps,
-            note="per repeat: what the option removes (the same tokens sampled: " + ("yes" if same else "NO") + ")")
-    res.params[name] = {**case, "samples": n_samples,
-                        "log_prob_sha256": {mode: sorted(d) for mode, d in digests.items()}}
+    res.add(
+        f"{name}: max |engine - teacher-forced| log-prob",
+        "nats",
+        gaps,
+        note="per repeat: what the option removes (the same tokens sampled: " + ("yes" if same else "NO") + ")",
+    )
+    res.params[name] = {
+        **case,
+        "samples": n_samples,
+        "log_prob_sha256": {mode: sorted(d) for mode, d in digests.items()},
+    }
 
 
 def _digest(groups: list) -> str:
@@ -147,23 +182,44 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     torch.set_num_threads(max(1, args.threads))
     res = SuiteResult("teacher_forced", TITLE)
-    res.params.update(device=args.device, dtype=dtype, repeats=args.repeats, threads=args.threads,
-                      micro_batch_size=args.micro_batch_size)
+    res.params.update(
+        device=args.device,
+        dtype=dtype,
+        repeats=args.repeats,
+        threads=args.threads,
+        micro_batch_size=args.micro_batch_size,
+    )
     started = time.perf_counter()
     chosen = cases()
     for name in args.case or list(chosen):
         print(f"[bench] teacher_forced {name} ...", file=sys.stderr, flush=True)
-        run_case(res, name, chosen[name], dtype=dtype, device=args.device, repeats=args.repeats,
-                 micro_batch_size=args.micro_batch_size, threads=args.threads)
+        run_case(
+            res,
+            name,
+            chosen[name],
+            dtype=dtype,
+            device=args.device,
+            repeats=args.repeats,
+            micro_batch_size=args.micro_batch_size,
+            threads=args.threads,
+        )
     res.elapsed_s = time.perf_counter() - started
     prefix = "cpu" if not args.device.startswith("cuda") else "gpu"
-    out = args.out or (Path(__file__).resolve().parent / "results" /
-                       f"{prefix}-teacher-forced-{_dt.date.today().isoformat()}.json")
-    report = {"schema": SCHEMA, "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python benchmarks/teacher_forced_logprobs.py " + " ".join(argv or sys.argv[1:]),
-              "quick": False, "device": args.device, "git_sha": git_sha(), "machine": machine_info(),
-              "versions": versions(), "suites": {"teacher_forced": res.to_dict()},
-              "elapsed_s": round(res.elapsed_s, 1)}
+    out = args.out or (
+        Path(__file__).resolve().parent / "results" / f"{prefix}-teacher-forced-{_dt.date.today().isoformat()}.json"
+    )
+    report = {
+        "schema": SCHEMA,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/teacher_forced_logprobs.py " + " ".join(argv or sys.argv[1:]),
+        "quick": False,
+        "device": args.device,
+        "git_sha": git_sha(),
+        "machine": machine_info(),
+        "versions": versions(),
+        "suites": {"teacher_forced": res.to_dict()},
+        "elapsed_s": round(res.elapsed_s, 1),
+    }
     write_json(report, out)
     if not args.no_table:
         print_report(report)

@@ -50,18 +50,32 @@ def flops(shape: dict) -> dict:
     T = shape["micro_batch"] * shape["seq"]
     model = 6 * n * T
     attn = 6 * L * shape["seq"] * hq * T
-    return {"matmul_params": n, "tokens": T, "model_flops": model, "attn_flops_causal": attn,
-            "total_flops": model + attn, "total_flops_noncausal": model + 2 * attn,
-            "formula": "6*N*T + 6*L*s*h_q*T (causal attention); noncausal: 6*N*T + 12*L*s*h_q*T"}
+    return {
+        "matmul_params": n,
+        "tokens": T,
+        "model_flops": model,
+        "attn_flops_causal": attn,
+        "total_flops": model + attn,
+        "total_flops_noncausal": model + 2 * attn,
+        "formula": "6*N*T + 6*L*s*h_q*T (causal attention); noncausal: 6*N*T + 12*L*s*h_q*T",
+    }
 
 
 def llama_config(shape: dict):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
-                       num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                       num_key_value_heads=shape["kv_heads"], max_position_embeddings=shape["seq"],
-                       rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=shape["seq"],
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
 
 
 def make_batch(shape: dict, rows: int, seed: int = 0) -> TrainBatch:
@@ -70,10 +84,16 @@ def make_batch(shape: dict, rows: int, seed: int = 0) -> TrainBatch:
     tokens = torch.randint(3, shape["vocab"], (rows, s), generator=g)
     resp = torch.zeros(rows, s - 1)
     resp[:, 511:] = 1.0  # 512-token prompt, 1536-token response
-    return TrainBatch(tokens=tokens, lengths=torch.full((rows,), s), response_mask=resp,
-                      rewards=torch.randn(rows, generator=g).double(), rollout_log_probs=torch.full((rows, s - 1), -10.0) * resp,
-                      group_size=rows, truncated=torch.zeros(rows, dtype=torch.bool),
-                      advantages=torch.randn(rows, 1, generator=g).expand(rows, s - 1) * resp)
+    return TrainBatch(
+        tokens=tokens,
+        lengths=torch.full((rows,), s),
+        response_mask=resp,
+        rewards=torch.randn(rows, generator=g).double(),
+        rollout_log_probs=torch.full((rows, s - 1), -10.0) * resp,
+        group_size=rows,
+        truncated=torch.zeros(rows, dtype=torch.bool),
+        advantages=torch.randn(rows, 1, generator=g).expand(rows, s - 1) * resp,
+    )
 
 
 def cuda_time(fn, iters: int, warmup: int) -> list[float]:
@@ -99,8 +119,16 @@ def cuda_time(fn, iters: int, warmup: int) -> list[float]:
 
 
 def optim(backend: str, **megatron) -> OptimConfig:
-    return OptimConfig(backend=backend, dtype="bfloat16", device=DEVICE, micro_batch_size=SHAPE["micro_batch"],
-                       num_steps_per_rollout=1, lr=1e-5, threads=4, megatron=megatron)
+    return OptimConfig(
+        backend=backend,
+        dtype="bfloat16",
+        device=DEVICE,
+        micro_batch_size=SHAPE["micro_batch"],
+        num_steps_per_rollout=1,
+        lr=1e-5,
+        threads=4,
+        megatron=megatron,
+    )
 
 
 def build_torch(shape: dict, sdpa_backends: tuple[str, ...] = ()):
@@ -138,8 +166,9 @@ def build_megatron(shape: dict, **settings):
         FALLBACKS.append(f"{settings}: optimizer=megatron failed ({type(exc).__name__}: {exc}); used torch")
         gc.collect()
         torch.cuda.empty_cache()
-        be = MegatronBackend(llama_config(shape), None, optim("megatron", optimizer="torch", **settings),
-                             keep_ref=False)
+        be = MegatronBackend(
+            llama_config(shape), None, optim("megatron", optimizer="torch", **settings), keep_ref=False
+        )
     return be, be.micro_step, None
 
 
@@ -153,7 +182,7 @@ def run_variant(name: str, builder, shape: dict, iters: int, warmup: int, fl: di
     micro = make_batch(shape, shape["micro_batch"])
     import contextlib
 
-    with (ctx() if ctx else contextlib.nullcontext()):
+    with ctx() if ctx else contextlib.nullcontext():
         micro.log_probs = be.compute_log_probs(micro)
         denom = Denominators.of(micro)
         be.model.eval()
@@ -166,10 +195,17 @@ def run_variant(name: str, builder, shape: dict, iters: int, warmup: int, fl: di
         train_times = cuda_time(lambda: be.train(batch, algo), 2, 1)
     med = statistics.median(times)
     out = {
-        "variant": name, "build_s": build_s, "step_s_median": med, "step_s_min": min(times), "step_s_all": times,
-        "tokens_per_s": fl["tokens"] / med, "mfu": fl["total_flops"] / med / PEAK,
-        "mfu_noncausal": fl["total_flops_noncausal"] / med / PEAK, "achieved_tflops": fl["total_flops"] / med / 1e12,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0, "timed_wall_s": wall,
+        "variant": name,
+        "build_s": build_s,
+        "step_s_median": med,
+        "step_s_min": min(times),
+        "step_s_all": times,
+        "tokens_per_s": fl["tokens"] / med,
+        "mfu": fl["total_flops"] / med / PEAK,
+        "mfu_noncausal": fl["total_flops_noncausal"] / med / PEAK,
+        "achieved_tflops": fl["total_flops"] / med / 1e12,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0,
+        "timed_wall_s": wall,
         "train_call_s_median": statistics.median(train_times),
         "train_call_tokens_per_s": 2 * fl["tokens"] / statistics.median(train_times),
     }
@@ -188,16 +224,20 @@ VARIANTS = {
     "torch/hf-sdpa-cudnn": lambda shape: build_torch(shape, ("cudnn", "flash")),
     # no torch.compile'd kernels: eager log-prob chunks, Megatron's unfused SwiGLU / RoPE
     "megatron/sdpa": lambda shape: build_megatron(shape, layer_spec="sdpa", **EAGER),
-    "megatron/sdpa-cudnn": lambda shape: build_megatron(shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash"),
-                                                        **EAGER),
-    "megatron/sdpa-cudnn-fusions": lambda shape: build_megatron(shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash"),
-                                                                **{**EAGER, "fusions": "on"}),
+    "megatron/sdpa-cudnn": lambda shape: build_megatron(
+        shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash"), **EAGER
+    ),
+    "megatron/sdpa-cudnn-fusions": lambda shape: build_megatron(
+        shape, layer_spec="sdpa", sdpa_backends=("cudnn", "flash"), **{**EAGER, "fusions": "on"}
+    ),
     "megatron/local": lambda shape: build_megatron(shape, layer_spec="local", **EAGER),
-    "megatron/sdpa-compiled-logprobs": lambda shape: build_megatron(shape, layer_spec="sdpa",
-                                                                    **{**EAGER, "log_prob_impl": "compiled"}),
+    "megatron/sdpa-compiled-logprobs": lambda shape: build_megatron(
+        shape, layer_spec="sdpa", **{**EAGER, "log_prob_impl": "compiled"}
+    ),
     # the defaults on CUDA (auto): Megatron's fusions + compiled log-probs + compiled RoPE
-    "megatron/sdpa-opt": lambda shape: build_megatron(shape, layer_spec="sdpa", fusions="on", log_prob_impl="compiled",
-                                                      rope_fusion="compiled"),
+    "megatron/sdpa-opt": lambda shape: build_megatron(
+        shape, layer_spec="sdpa", fusions="on", log_prob_impl="compiled", rope_fusion="compiled"
+    ),
 }
 
 
@@ -226,38 +266,59 @@ def main(argv=None) -> int:
     if args.small:
         shape.update(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=256, vocab=1000)
     fl = flops(shape)
-    from rollflow.tasks.train.megatron.process import megatron_version
-
     import transformers
 
-    results = {"shape": shape, "flops": fl, "peak_flops_assumed": PEAK, "date": time.strftime("%Y-%m-%d"),
-               "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                               "megatron_core": megatron_version(), "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"},
-               "measured_matmul_tflops_8192": matmul_peak() / 1e12, "variants": []}
+    from rollflow.tasks.train.megatron.process import megatron_version
+
+    results = {
+        "shape": shape,
+        "flops": fl,
+        "peak_flops_assumed": PEAK,
+        "date": time.strftime("%Y-%m-%d"),
+        "environment": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "megatron_core": megatron_version(),
+            "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
+        },
+        "measured_matmul_tflops_8192": matmul_peak() / 1e12,
+        "variants": [],
+    }
     print(f"bf16 8192^3 matmul: {results['measured_matmul_tflops_8192']:.0f} TFLOP/s", flush=True)
     for name in args.variants.split(","):
         try:
             res = run_variant(name, lambda: VARIANTS[name](shape), shape, args.iters, args.warmup, fl)
         except Exception as exc:
-            res = {"variant": name, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            res = {
+                "variant": name,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
             gc.collect()
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
         results["variants"].append(res)
         results["fallbacks"] = FALLBACKS
-        print(json.dumps({k: v for k, v in res.items() if k not in ("step_s_all", "traceback")}, default=str),
-              flush=True)
+        print(
+            json.dumps({k: v for k, v in res.items() if k not in ("step_s_all", "traceback")}, default=str), flush=True
+        )
         Path(args.out).mkdir(parents=True, exist_ok=True)  # written after every variant: a timeout keeps the rest
         (Path(args.out) / f"{args.name}.json").write_text(json.dumps(results, indent=2, default=str))
-    print(f"\n== train throughput: {shape['layers']}L h{shape['hidden']} s{shape['seq']} mb{shape['micro_batch']} "
-          f"bf16, N={fl['matmul_params'] / 1e9:.3f}B matmul params, fwd+bwd incl. log-probs + loss ==")
-    print(f"{'variant':32s} {'ms/step':>8s} {'tok/s':>9s} {'MFU':>6s} {'MFU*':>6s} {'mem GB':>7s} {'train() tok/s':>13s}")
+    print(
+        f"\n== train throughput: {shape['layers']}L h{shape['hidden']} s{shape['seq']} mb{shape['micro_batch']} "
+        f"bf16, N={fl['matmul_params'] / 1e9:.3f}B matmul params, fwd+bwd incl. log-probs + loss =="
+    )
+    print(
+        f"{'variant':32s} {'ms/step':>8s} {'tok/s':>9s} {'MFU':>6s} {'MFU*':>6s} {'mem GB':>7s} {'train() tok/s':>13s}"
+    )
     for r in results["variants"]:
         if "error" in r:
             print(f"{r['variant']:32s} ERROR {r['error'][:90]}")
             continue
-        print(f"{r['variant']:32s} {r['step_s_median'] * 1e3:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
-              f"{r['mfu_noncausal']:6.1%} {r['peak_mem_gb']:7.1f} {r['train_call_tokens_per_s']:13.0f}")
+        print(
+            f"{r['variant']:32s} {r['step_s_median'] * 1e3:8.1f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
+            f"{r['mfu_noncausal']:6.1%} {r['peak_mem_gb']:7.1f} {r['train_call_tokens_per_s']:13.0f}"
+        )
     print("MFU: causal attention flops; MFU*: full s x s attention flops (PaLM-style); peak 790 TFLOP/s")
     return 0
 

@@ -23,11 +23,18 @@ def one_run(root: str, stall_s: float, iterations: int, prompts: int) -> list[fl
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
 
-    cfg = RunConfig.model_validate({
-        "run": f"wd-{int(stall_s)}-{uuid.uuid4().hex[:6]}", "iterations": iterations, "checkpoint_every": iterations,
-        "store": {"root": root}, "data": {"prompts_per_rollout": prompts},
-        "rollout": {"n_samples_per_prompt": 4}, "train": {"num_steps_per_rollout": 1},
-        "watchdog": {"stall_s": stall_s, "probe_every": 0}})
+    cfg = RunConfig.model_validate(
+        {
+            "run": f"wd-{int(stall_s)}-{uuid.uuid4().hex[:6]}",
+            "iterations": iterations,
+            "checkpoint_every": iterations,
+            "store": {"root": root},
+            "data": {"prompts_per_rollout": prompts},
+            "rollout": {"n_samples_per_prompt": 4},
+            "train": {"num_steps_per_rollout": 1},
+            "watchdog": {"stall_s": stall_s, "probe_every": 0},
+        }
+    )
     rl_train(cfg)
     return [float(r["perf/iteration_s"]) for r in read_metrics(cfg)][1:]
 
@@ -54,10 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(on, off)]
     report = {
         "what": "rl_train per-iteration time, watchdog.stall_s=600 (on) vs 0 (off), same config, alternated",
-        "date": time.strftime("%Y-%m-%d"), "device": "cpu",
-        "config": {"iterations": args.iterations, "prompts_per_rollout": args.prompts, "n_samples_per_prompt": 4,
-                   "model": "builtin:addition (the demo)", "repeats": args.repeats},
-        "iteration_s_on": on, "iteration_s_off": off,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": "cpu",
+        "config": {
+            "iterations": args.iterations,
+            "prompts_per_rollout": args.prompts,
+            "n_samples_per_prompt": 4,
+            "model": "builtin:addition (the demo)",
+            "repeats": args.repeats,
+        },
+        "iteration_s_on": on,
+        "iteration_s_off": off,
         "median_iteration_s_on": statistics.median(x for run in on for x in run),
         "median_iteration_s_off": statistics.median(x for run in off for x in run),
         "ratio_on_off_per_repeat": ratios,

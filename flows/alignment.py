@@ -21,18 +21,18 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows import reporting, tracking
-from rollflow.flows.params import AlignmentParams, params_of
-from rollflow.flows.prefect_ops.cancellation import actors_running
 from rollflow.flows.actor_calls import ActorRunner, stop_and_wait
 from rollflow.flows.config import RunConfig
+from rollflow.flows.group import WorkerGroup, connect_ray
+from rollflow.flows.params import AlignmentParams, params_of
+from rollflow.flows.prefect_ops.cancellation import actors_running
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
-from rollflow.flows.group import WorkerGroup, connect_ray
+from rollflow.flows.repro_gate import run_repro_gate
 from rollflow.infra.automations import apply_with_alert
 from rollflow.tasks.debug.alignment import run_alignment
 from rollflow.tasks.debug.checks import AlignmentReport, AlignmentThresholds
 from rollflow.tasks.debug.faults import AlignmentFaults
-from rollflow.flows.repro_gate import run_repro_gate
 
 NIGHTLY = "nightly-alignment"
 NIGHTLY_CRON = "0 2 * * *"
@@ -119,9 +119,13 @@ def publish_report(cfg: RunConfig, report: AlignmentReport, json_path: str) -> N
 
 @flow(name=FLOW_NAME, flow_run_name=flow_run_name("/align"))
 @one_run_at_a_time(lambda params: alignment_config(params.run_config()).run)
-def alignment_check(params: AlignmentParams, memory_budget_mb: Optional[float] = None,  # type: ignore[valid-type]
-                    thresholds: Optional[AlignmentThresholds] = None,
-                    faults: Optional[AlignmentFaults] = None, reproducibility: bool = False) -> dict:
+def alignment_check(
+    params: AlignmentParams,
+    memory_budget_mb: Optional[float] = None,  # type: ignore[valid-type]
+    thresholds: Optional[AlignmentThresholds] = None,
+    faults: Optional[AlignmentFaults] = None,
+    reproducibility: bool = False,
+) -> dict:
     """Precision alignment check of engine and trainer (slime's debug.md step 1 / step 2), on fresh actors.
 
     Fails (after publishing the report) when any check fails. `params`: the RunConfig sections it reads, or a
@@ -131,8 +135,10 @@ def alignment_check(params: AlignmentParams, memory_budget_mb: Optional[float] =
     """
     cfg = params.run_config()
     if faults is not None and faults.repro_only and not reproducibility:
-        raise ValueError(f"faults {', '.join(faults.repro_only)} act on the reproducibility gate only: pass "
-                         "reproducibility=True (`rollflow align --repro`)")
+        raise ValueError(
+            f"faults {', '.join(faults.repro_only)} act on the reproducibility gate only: pass "
+            "reproducibility=True (`rollflow align --repro`)"
+        )
     tag_current_run(cfg.run, "align")
     logger = get_run_logger()
     acfg = alignment_config(cfg)
@@ -145,9 +151,15 @@ def alignment_check(params: AlignmentParams, memory_budget_mb: Optional[float] =
     with actors_running(group.stop_all, cleanup=lambda: stop_and_wait(group)) as watcher:
         workers += [group.start_trainer(None), group.start_engine(None)]
         trainer, engine = workers
-        report = run_alignment(ActorRunner(engine.actor), ActorRunner(trainer.actor), acfg,
-                               thresholds=thresholds, memory_budget_mb=memory_budget_mb, faults=faults,
-                               call_phase=_phase_as_task)
+        report = run_alignment(
+            ActorRunner(engine.actor),
+            ActorRunner(trainer.actor),
+            acfg,
+            thresholds=thresholds,
+            memory_budget_mb=memory_budget_mb,
+            faults=faults,
+            call_phase=_phase_as_task,
+        )
     workers.clear()
     if watcher.cancelled:
         return watcher.cancelled_state()
@@ -171,38 +183,57 @@ def alignment_check(params: AlignmentParams, memory_budget_mb: Optional[float] =
 
 # ---- the nightly deployment ---------------------------------------------------------------------------
 
-def nightly_parameters(cfg: RunConfig | None = None, memory_budget_mb: float | None = None,
-                       thresholds: AlignmentThresholds | None = None, reproducibility: bool = False) -> dict[str, Any]:
+
+def nightly_parameters(
+    cfg: RunConfig | None = None,
+    memory_budget_mb: float | None = None,
+    thresholds: AlignmentThresholds | None = None,
+    reproducibility: bool = False,
+) -> dict[str, Any]:
     """The nightly deployment's parameters: the alignment form (only the sections the check reads);
     `reproducibility`: the nightly run also runs the bitwise reproducibility gate (twice the config's iterations)."""
     cfg = cfg or RunConfig(run="nightly")
-    params: dict[str, Any] = {"params": params_of(FLOW_NAME, cfg), "memory_budget_mb": memory_budget_mb,
-                              "reproducibility": reproducibility}
+    params: dict[str, Any] = {
+        "params": params_of(FLOW_NAME, cfg),
+        "memory_budget_mb": memory_budget_mb,
+        "reproducibility": reproducibility,
+    }
     if thresholds is not None:
         params["thresholds"] = thresholds.model_dump(mode="json")
     return params
 
 
-def nightly_deployment(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
-                       memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None,
-                       timezone: str = "UTC"):
+def nightly_deployment(
+    cron: str = NIGHTLY_CRON,
+    cfg: RunConfig | None = None,
+    *,
+    memory_budget_mb: float | None = None,
+    thresholds: AlignmentThresholds | None = None,
+    timezone: str = "UTC",
+):
     """The `nightly-alignment` deployment with a cron schedule (a RunnerDeployment): the same one `rollflow
     worker` serves next to the other flows (flows/prefect_ops/deployments.py), so the two commands never disagree."""
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
     return alignment_check.to_deployment(
-        name=NIGHTLY, entrypoint_type=EntrypointType.MODULE_PATH,
+        name=NIGHTLY,
+        entrypoint_type=EntrypointType.MODULE_PATH,
         schedules=[Cron(cron, timezone=timezone)],
         parameters=nightly_parameters(cfg, memory_budget_mb, thresholds),
         description="Nightly precision-alignment check (coherence, step-1 log-prob equality, train/rollout "
-                    "mismatch, one-step update, weight-sync parity, step-2 load and peak memory).",
+        "mismatch, one-step update, weight-sync parity, step-2 load and peak memory).",
         tags=["rollflow", "alignment", "nightly"],
     )
 
 
-def serve_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
-                  memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None) -> None:
+def serve_nightly(
+    cron: str = NIGHTLY_CRON,
+    cfg: RunConfig | None = None,
+    *,
+    memory_budget_mb: float | None = None,
+    thresholds: AlignmentThresholds | None = None,
+) -> None:
     """Register the nightly deployment and execute its scheduled runs in this process (blocks)."""
     from prefect import serve
 
@@ -211,8 +242,13 @@ def serve_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
     serve(deployment)
 
 
-def register_nightly(cron: str = NIGHTLY_CRON, cfg: RunConfig | None = None, *,
-                     memory_budget_mb: float | None = None, thresholds: AlignmentThresholds | None = None) -> UUID:
+def register_nightly(
+    cron: str = NIGHTLY_CRON,
+    cfg: RunConfig | None = None,
+    *,
+    memory_budget_mb: float | None = None,
+    thresholds: AlignmentThresholds | None = None,
+) -> UUID:
     """Register (create or update) the nightly deployment and its schedule with the current API; returns
     its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed).
     Also creates (idempotently) the automation that fires on a Failed, Crashed or Late nightly run."""

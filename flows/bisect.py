@@ -54,12 +54,31 @@ REPORT_NAME = "ima_report.json"
 
 
 @task(name="ima-cell", cache_policy=NO_CACHE, task_run_name="ima-{pass_name}-{cell_key}")
-def ima_cell_task(config_json: str, toggles: dict, cell_key: str, *, backend: str, pass_name: str, run_dir: str,
-                  crash_when: str | None, fault: str | None, timeout_s: float, rollout_ids: list[int]) -> dict:
+def ima_cell_task(
+    config_json: str,
+    toggles: dict,
+    cell_key: str,
+    *,
+    backend: str,
+    pass_name: str,
+    run_dir: str,
+    crash_when: str | None,
+    fault: str | None,
+    timeout_s: float,
+    rollout_ids: list[int],
+) -> dict:
     """One reproducer run in its own process; returns the cell's row (a crash is a result, not a failure)."""
-    result = run_cell(config_json, Cell.from_toggles(toggles), backend=backend, pass_name=pass_name,
-                      run_dir=run_dir, crash_when=crash_when, fault=fault, timeout_s=timeout_s,
-                      rollout_ids=rollout_ids)
+    result = run_cell(
+        config_json,
+        Cell.from_toggles(toggles),
+        backend=backend,
+        pass_name=pass_name,
+        run_dir=run_dir,
+        crash_when=crash_when,
+        fault=fault,
+        timeout_s=timeout_s,
+        rollout_ids=rollout_ids,
+    )
     return result.to_dict()
 
 
@@ -79,8 +98,13 @@ def _collect(future, plan: CellPlan, pass_name: str) -> CellResult:
     out = future.result(raise_on_failure=False)
     if isinstance(out, dict):
         return CellResult.from_dict(out)
-    return CellResult(toggles=plan.cell.toggles(), pass_name=pass_name, outcome=ERROR,
-                      note=f"the cell runner failed: {type(out).__name__}: {out}", plan=plan.describe())
+    return CellResult(
+        toggles=plan.cell.toggles(),
+        pass_name=pass_name,
+        outcome=ERROR,
+        note=f"the cell runner failed: {type(out).__name__}: {out}",
+        plan=plan.describe(),
+    )
 
 
 def _upload(fs, local_dir: Path, run_path: str) -> dict[str, str]:
@@ -101,9 +125,15 @@ def _uri(fs, path: str, local: bool) -> str:
 
 
 @flow(name="ima_bisect", flow_run_name=flow_run_name("/bisect"))
-def ima_bisect(params: BisectParams, crash_when: str | None = None,  # type: ignore[valid-type]
-               timeout_s: float = 300, coredump: bool = True, fault: str | None = None, parallel: int = 1,
-               rollout_id: int = 0) -> dict:
+def ima_bisect(
+    params: BisectParams,
+    crash_when: str | None = None,  # type: ignore[valid-type]
+    timeout_s: float = 300,
+    coredump: bool = True,
+    fault: str | None = None,
+    parallel: int = 1,
+    rollout_id: int = 0,
+) -> dict:
     """Illegal-memory-access triage: toggle matrix, launch-blocking rerun, core-dump rerun, one table.
 
     `params`: the RunConfig sections it reads, or a whole RunConfig (flows/params.py).
@@ -122,8 +152,14 @@ def ima_bisect(params: BisectParams, crash_when: str | None = None,  # type: ign
     scratch = Path(run_path) if local else Path(tempfile.mkdtemp(prefix=f"rollflow-ima-{cfg.run}-"))
     scratch.mkdir(parents=True, exist_ok=True)
     config_json = cfg.model_dump_json()
-    common = dict(backend=backend, run_dir=str(scratch), crash_when=crash_when, fault=fault,
-                  timeout_s=float(timeout_s), rollout_ids=[rollout_id])
+    common = dict(
+        backend=backend,
+        run_dir=str(scratch),
+        crash_when=crash_when,
+        fault=fault,
+        timeout_s=float(timeout_s),
+        rollout_ids=[rollout_id],
+    )
 
     def submit(plan: CellPlan, pass_name: str):
         return ima_cell_task.submit(config_json, plan.cell.toggles(), plan.cell.key, pass_name=pass_name, **common)
@@ -138,17 +174,28 @@ def ima_bisect(params: BisectParams, crash_when: str | None = None,  # type: ign
     runnable = [i for i, p in enumerate(plans) if p.applicable]
     width = max(1, int(parallel))
     for start in range(0, len(runnable), width):
-        wave = [(i, submit(plans[i], MATRIX)) for i in runnable[start:start + width]]
+        wave = [(i, submit(plans[i], MATRIX)) for i in runnable[start : start + width]]
         for i, future in wave:
             results[i] = _collect(future, plans[i], MATRIX)
             r = results[i]
             log.info(f"{r.cell.label}: {r.outcome}" + (f" ({r.first_error})" if r.first_error else ""))
     cells = [results[i] for i in range(len(plans))]
-    report = BisectReport(backend, crash_when, fault, cells, verdict([(r.toggles, r.outcome) for r in cells]),
-                          support=toggle_support_table(backend),
-                          context={**host_context(), "run": cfg.run, "store": cfg.store.root,
-                                   "config_hash": cfg.config_hash(), "rollout_id": rollout_id,
-                                   "timeout_s": float(timeout_s)})
+    report = BisectReport(
+        backend,
+        crash_when,
+        fault,
+        cells,
+        verdict([(r.toggles, r.outcome) for r in cells]),
+        support=toggle_support_table(backend),
+        context={
+            **host_context(),
+            "run": cfg.run,
+            "store": cfg.store.root,
+            "config_hash": cfg.config_hash(),
+            "rollout_id": rollout_id,
+            "timeout_s": float(timeout_s),
+        },
+    )
     log.info(f"verdict: {report.verdict.text}")
 
     target = pick_rerun_cell(cells)
@@ -156,8 +203,10 @@ def ima_bisect(params: BisectParams, crash_when: str | None = None,  # type: ign
         plan = mapping.plan(target.cell)
         lb = _collect(submit(plan, LAUNCH_BLOCKING), plan, LAUNCH_BLOCKING)
         report.reruns.append(lb)
-        log.info(f"launch-blocking rerun of {plan.cell.label}: {lb.outcome}; kernel {lb.kernel or '?'}; "
-                 f"first error {lb.first_error}")
+        log.info(
+            f"launch-blocking rerun of {plan.cell.label}: {lb.outcome}; kernel {lb.kernel or '?'}; "
+            f"first error {lb.first_error}"
+        )
         if coredump:
             cd = _collect(submit(plan, COREDUMP), plan, COREDUMP)
             report.reruns.append(cd)
@@ -188,23 +237,41 @@ def _publish(cfg: RunConfig, report: BisectReport, fs, run_path: str, scratch: P
         f.write(markdown)
     report_uri = _uri(fs, report_path, local)
 
-    create_table_artifact(key=reporting.artifact_key(cfg.run, "ima-matrix"), table=report.rows(),
-                          description=f"IMA toggle matrix of run `{cfg.run}`: {report.verdict.text}")
-    create_markdown_artifact(key=reporting.artifact_key(cfg.run, "ima-verdict"),
-                             markdown=markdown + f"\nJSON report: `{report_uri}`\n",
-                             description=f"IMA bisect verdict of run `{cfg.run}`")
-    create_link_artifact(key=reporting.artifact_key(cfg.run, "ima-report"), link=report_uri,
-                         link_text="IMA bisect JSON report", description=f"IMA bisect report of run `{cfg.run}`")
+    create_table_artifact(
+        key=reporting.artifact_key(cfg.run, "ima-matrix"),
+        table=report.rows(),
+        description=f"IMA toggle matrix of run `{cfg.run}`: {report.verdict.text}",
+    )
+    create_markdown_artifact(
+        key=reporting.artifact_key(cfg.run, "ima-verdict"),
+        markdown=markdown + f"\nJSON report: `{report_uri}`\n",
+        description=f"IMA bisect verdict of run `{cfg.run}`",
+    )
+    create_link_artifact(
+        key=reporting.artifact_key(cfg.run, "ima-report"),
+        link=report_uri,
+        link_text="IMA bisect JSON report",
+        description=f"IMA bisect report of run `{cfg.run}`",
+    )
     links = []
     for i, path in enumerate(report.coredumps):
         uri = path if "://" in path else _uri(fs, path, True)
         links.append(uri)
-        create_link_artifact(key=reporting.artifact_key(cfg.run, "coredump", str(i)), link=uri,
-                             link_text=Path(path).name,
-                             description=f'GPU core dump of run `{cfg.run}`: cuda-gdb -ex "target cudacore {path}"')
+        create_link_artifact(
+            key=reporting.artifact_key(cfg.run, "coredump", str(i)),
+            link=uri,
+            link_text=Path(path).name,
+            description=f'GPU core dump of run `{cfg.run}`: cuda-gdb -ex "target cudacore {path}"',
+        )
     out = report.to_dict()
-    out.update({"json_path": report_path if local else report_uri, "report_uri": report_uri,
-                "coredump_links": links, "rows": report.rows()})
+    out.update(
+        {
+            "json_path": report_path if local else report_uri,
+            "report_uri": report_uri,
+            "coredump_links": links,
+            "rows": report.rows(),
+        }
+    )
     with tracking.start(cfg, "ima_bisect", suffix="-ima-bisect", links={"rollflow.ima_report": report_uri}) as tracker:
         tracker.log_text("ima_verdict", markdown)  # the verdict table
         tracker.set_summary({"ima.verdict": report.verdict.text})

@@ -16,7 +16,7 @@ from rollflow.infra.workers import NAMESPACE
 def local_root(root: str) -> str | None:
     """The local path of a store root (`file://` or a bare path); None for object stores."""
     if root.startswith("file://"):
-        return root[len("file://"):]
+        return root[len("file://") :]
     return None if "://" in root else root
 
 
@@ -28,7 +28,8 @@ def check_store_for_nodes(cfg: RunConfig, nodes: int) -> None:
     raise PreflightError(
         f"store.root={cfg.store.root!r} is a local path, but {where} has {nodes} nodes, which do not share disks: "
         "use store.root=s3://bucket/prefix (credentials from the AWS environment), or set "
-        "store.shared_filesystem=true if every node mounts that path (NFS, Lustre)")
+        "store.shared_filesystem=true if every node mounts that path (NFS, Lustre)"
+    )
 
 
 def alive_nodes() -> int:

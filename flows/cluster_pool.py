@@ -20,22 +20,30 @@ def register_deployments(cl: Cluster) -> None:
     from prefect.workers.process import ProcessWorker
 
     with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=CLUSTER_POOL, type="process",
-                                               base_job_template=ProcessWorker.get_default_base_job_template()))
+        client.create_work_pool(
+            WorkPoolCreate(
+                name=CLUSTER_POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+            )
+        )
     from prefect.deployments.runner import EntrypointType
     from prefect.filesystems import RemoteFileSystem
 
-    RemoteFileSystem(basepath=cl.results_root,
-                     settings={"client_kwargs": {"endpoint_url": cl.s3_endpoint}}).save(
-        RESULTS_BLOCK.split("/", 1)[1], overwrite=True)
+    RemoteFileSystem(basepath=cl.results_root, settings={"client_kwargs": {"endpoint_url": cl.s3_endpoint}}).save(
+        RESULTS_BLOCK.split("/", 1)[1], overwrite=True
+    )
     for name, entry in entry_flows().items():
         params = default_parameters(name)
         inner = params.get("params", params)
         for key, value in cl.run_params().items():
             if key in inner:
                 inner[key] = {**inner[key], **value} if isinstance(inner[key], dict) else value
-        entry.to_deployment(name=DEPLOYMENT, entrypoint_type=EntrypointType.MODULE_PATH, parameters=params,
-                            work_pool_name=CLUSTER_POOL, tags=["rollflow", name]).apply(work_pool_name=CLUSTER_POOL)
+        entry.to_deployment(
+            name=DEPLOYMENT,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            parameters=params,
+            work_pool_name=CLUSTER_POOL,
+            tags=["rollflow", name],
+        ).apply(work_pool_name=CLUSTER_POOL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
 )
 
 from rollflow.artifacts.store import validate_run
@@ -49,15 +56,22 @@ def reject_credentials(value: Optional[str], field: str) -> Optional[str]:
 
 
 class StoreConfig(_Strict):
-    root: str = Field("runs", description="artifact root: a local path or any fsspec URL (file://, s3://); "
-                                          "S3 credentials and endpoint come from the AWS environment variables")
+    root: str = Field(
+        "runs",
+        description="artifact root: a local path or any fsspec URL (file://, s3://); "
+        "S3 credentials and endpoint come from the AWS environment variables",
+    )
     results: Optional[str] = Field(
-        None, description="Prefect result storage of cached task results (replay steps): a local path, or a saved "
-                          "Prefect filesystem block as 'type/name' (e.g. remote-file-system/rollflow-s3 with basepath "
-                          "s3://bucket/results) so workers on other machines reuse them; default: Prefect's own")
+        None,
+        description="Prefect result storage of cached task results (replay steps): a local path, or a saved "
+        "Prefect filesystem block as 'type/name' (e.g. remote-file-system/rollflow-s3 with basepath "
+        "s3://bucket/results) so workers on other machines reuse them; default: Prefect's own",
+    )
     shared_filesystem: bool = Field(
-        False, description="a local store.root that every Ray node mounts at the same path (NFS, Lustre); without it "
-                            "a local root is refused on a Ray cluster of more than one node (docs/cluster.md)")
+        False,
+        description="a local store.root that every Ray node mounts at the same path (NFS, Lustre); without it "
+        "a local root is refused on a Ray cluster of more than one node (docs/cluster.md)",
+    )
 
     @field_validator("root")
     @classmethod
@@ -76,28 +90,42 @@ class DebugConfig(_Strict):
     rollout_only: bool = Field(False, description="engines only: generate and persist, no trainer")
     train_only: bool = Field(False, description="trainer only: replay persisted rollouts, no engine")
     save_debug_rollout_data: Optional[str] = Field(
-        None, description="also export slime .pt per rollout: a path template with {rollout_id}")
+        None, description="also export slime .pt per rollout: a path template with {rollout_id}"
+    )
     load_debug_rollout_data: Optional[str] = Field(
-        None, description="replay slime .pt dumps: a path template with {rollout_id} (implies train_only)")
+        None, description="replay slime .pt dumps: a path template with {rollout_id} (implies train_only)"
+    )
     load_debug_rollout_data_subsample: Optional[float] = Field(
-        None, gt=0, le=1, description="keep this fraction of prompt groups (first and last halves)")
+        None, gt=0, le=1, description="keep this fraction of prompt groups (first and last halves)"
+    )
     dump_details: Optional[str] = Field(
-        None, description="folder for rollout artifacts + per-token train dumps (log-probs, advantages)")
+        None, description="folder for rollout artifacts + per-token train dumps (log-probs, advantages)"
+    )
     fail_after_iteration: Optional[int] = Field(
-        None, ge=1, description="fault drill: rl_train fails right after committing this iteration's checkpoint, on "
-                                "the first attempt of its flow run only (exercises retry -> resume; off by default)")
+        None,
+        ge=1,
+        description="fault drill: rl_train fails right after committing this iteration's checkpoint, on "
+        "the first attempt of its flow run only (exercises retry -> resume; off by default)",
+    )
     check_weight_update_equal: bool = Field(
-        False, description="SGLang engines, at startup: snapshot the engine's weights, randomise them, sync the "
-                           "trainer's, and require every tensor back bit for bit (the whole name mapping, fusing "
-                           "and sharding checked at once)")
+        False,
+        description="SGLang engines, at startup: snapshot the engine's weights, randomise them, sync the "
+        "trainer's, and require every tensor back bit for bit (the whole name mapping, fusing "
+        "and sharding checked at once)",
+    )
     serve_stale: bool = Field(
-        False, description="fault drill (hf engine): the engine takes every weight update, so checksum parity "
-                           "passes, but keeps generating from its starting weights; the post-sync probe "
-                           "(watchdog.probe_every) must fail the sync (docs/checks.md; off by default)")
+        False,
+        description="fault drill (hf engine): the engine takes every weight update, so checksum parity "
+        "passes, but keeps generating from its starting weights; the post-sync probe "
+        "(watchdog.probe_every) must fail the sync (docs/checks.md; off by default)",
+    )
     slow_train_s: float = Field(
-        0.0, ge=0, description="fault drill (stall deadlines): every train call first spends this many seconds "
-                               "ticking its progress counter, a slow call the watchdog must leave alone, long "
-                               "enough that a SIGSTOP of the trainer lands inside it (docs/checks.md; 0 = off)")
+        0.0,
+        ge=0,
+        description="fault drill (stall deadlines): every train call first spends this many seconds "
+        "ticking its progress counter, a slow call the watchdog must leave alone, long "
+        "enough that a SIGSTOP of the trainer lands inside it (docs/checks.md; 0 = off)",
+    )
 
     @field_validator("save_debug_rollout_data", "load_debug_rollout_data")
     @classmethod
@@ -119,28 +147,48 @@ class WatchdogConfig(_Strict):
     weight sync, the trend of the train/rollout log-prob mismatch."""
 
     stall_s: float = Field(
-        600.0, ge=0, description="seconds an actor call may go without progress (tokens generated, micro-batches "
-                                 "trained, buckets sent) before the task is failed with every actor's stacks "
-                                 "captured; 0 turns the deadline off")
+        600.0,
+        ge=0,
+        description="seconds an actor call may go without progress (tokens generated, micro-batches "
+        "trained, buckets sent) before the task is failed with every actor's stacks "
+        "captured; 0 turns the deadline off",
+    )
     probe_every: int = Field(
-        1, ge=0, description="after every k-th weight sync the engine and the trainer score the same probe "
-                             "sequences and their log-probs must agree (0 = off)")
+        1,
+        ge=0,
+        description="after every k-th weight sync the engine and the trainer score the same probe "
+        "sequences and their log-probs must agree (0 = off)",
+    )
     probe_prompts: int = Field(4, ge=1, description="probe sequences: the first k prompts of train rollout 0")
-    probe_tokens: int = Field(16, ge=1, description="tokens each probe sequence continues for (at most "
-                                                    "rollout.max_new_tokens), sampled with a fixed seed")
+    probe_tokens: int = Field(
+        16,
+        ge=1,
+        description="tokens each probe sequence continues for (at most "
+        "rollout.max_new_tokens), sampled with a fixed seed",
+    )
     probe_max_diff_fp32: float = Field(
-        1e-3, gt=0, description="largest mean |engine - trainer| probe log-prob when both sides are fp32 (or fp64): "
-                                "generation vs teacher-forced numerics differ by ~1e-5 (docs/checks.md)")
+        1e-3,
+        gt=0,
+        description="largest mean |engine - trainer| probe log-prob when both sides are fp32 (or fp64): "
+        "generation vs teacher-forced numerics differ by ~1e-5 (docs/checks.md)",
+    )
     probe_max_diff_bf16: float = Field(
-        5e-2, gt=0, description="the same bound when either side is bf16; a default awaiting an H200 measurement "
-                                "(docs/checks.md)")
+        5e-2,
+        gt=0,
+        description="the same bound when either side is bf16; a default awaiting an H200 measurement (docs/checks.md)",
+    )
     trend_window: int = Field(
-        8, ge=0, description="iterations over which the slope of train/train_rollout_logprob_abs_diff is fitted "
-                             "(0 = off; checked once the window is full)")
+        8,
+        ge=0,
+        description="iterations over which the slope of train/train_rollout_logprob_abs_diff is fitted "
+        "(0 = off; checked once the window is full)",
+    )
     trend_warn_slope: float = Field(
-        5e-4, gt=0, description="slope (per iteration) of the mismatch above which a warning event is emitted")
+        5e-4, gt=0, description="slope (per iteration) of the mismatch above which a warning event is emitted"
+    )
     trend_fail_slope: float = Field(
-        2e-3, gt=0, description="slope (per iteration) of the mismatch above which the trend check fails the run")
+        2e-3, gt=0, description="slope (per iteration) of the mismatch above which the trend check fails the run"
+    )
 
     @field_validator("trend_window")
     @classmethod
@@ -152,8 +200,10 @@ class WatchdogConfig(_Strict):
     @model_validator(mode="after")
     def _trend_bounds(self) -> "WatchdogConfig":
         if self.trend_fail_slope < self.trend_warn_slope:
-            raise ValueError(f"watchdog.trend_fail_slope={self.trend_fail_slope:g} is below watchdog.trend_warn_slope="
-                             f"{self.trend_warn_slope:g}: the failure bound must be the higher one")
+            raise ValueError(
+                f"watchdog.trend_fail_slope={self.trend_fail_slope:g} is below watchdog.trend_warn_slope="
+                f"{self.trend_warn_slope:g}: the failure bound must be the higher one"
+            )
         return self
 
 
@@ -165,21 +215,30 @@ class TrackingConfig(_Strict):
     (`pip install 'rollflow[tracking]'`) and none is on by default."""
 
     backends: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
-        default_factory=list, description="any of tensorboard, mlflow, wandb (empty = metrics.jsonl only)")
+        default_factory=list, description="any of tensorboard, mlflow, wandb (empty = metrics.jsonl only)"
+    )
     project: str = Field("rollflow", description="W&B project (and the MLflow experiment unless `experiment` is set)")
     experiment: Optional[str] = Field(None, description="MLflow experiment name (default: `project`)")
     run_name: Optional[str] = Field(None, description="tracking run name (default: the rollflow run name)")
     uri: Optional[str] = Field(
-        None, description="MLflow tracking URI: a server URL, sqlite:///path, or a local folder (a SQLite store "
-                          "mlflow.db plus artifacts in it); default: the folder {store.root}/mlruns for a local "
-                          "store, ./mlruns otherwise")
+        None,
+        description="MLflow tracking URI: a server URL, sqlite:///path, or a local folder (a SQLite store "
+        "mlflow.db plus artifacts in it); default: the folder {store.root}/mlruns for a local "
+        "store, ./mlruns otherwise",
+    )
     dir: Optional[str] = Field(
-        None, description="local folder for TensorBoard event files and W&B run files; default: "
-                          "{store.root}/{run}/ for a local store, ./rollflow-tracking/{run}/ otherwise")
+        None,
+        description="local folder for TensorBoard event files and W&B run files; default: "
+        "{store.root}/{run}/ for a local store, ./rollflow-tracking/{run}/ otherwise",
+    )
     wandb_mode: Optional[Literal["online", "offline"]] = Field(
-        None, description="W&B mode (default: WANDB_MODE, else online); offline needs no account")
-    fatal: bool = Field(False, description="a tracking backend that errors fails the run (default: it is reported "
-                                           "once and disabled, training goes on)")
+        None, description="W&B mode (default: WANDB_MODE, else online); offline needs no account"
+    )
+    fatal: bool = Field(
+        False,
+        description="a tracking backend that errors fails the run (default: it is reported "
+        "once and disabled, training goes on)",
+    )
 
     @field_validator("backends")
     @classmethod
@@ -198,12 +257,20 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(1, ge=1)
     eval_every: int = Field(0, ge=0, description="greedy eval every k iterations (0 = off)")
     resume: bool = Field(True, description="continue after the last committed checkpoint of this run")
-    retries: int = Field(0, ge=0, le=100, description="flow-level retries of rl_train: each retry continues the same "
-                                                     "flow run from the last committed checkpoint")
+    retries: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="flow-level retries of rl_train: each retry continues the same "
+        "flow run from the last committed checkpoint",
+    )
     timeout_s: Optional[float] = Field(None, gt=0, description="flow run timeout in seconds (None = no limit)")
     resume_from: Optional[int] = Field(
-        None, ge=0, description="resume after this committed checkpoint instead of the latest (e.g. the latest "
-                                "one's payload is corrupt); later checkpoints are redone")
+        None,
+        ge=0,
+        description="resume after this committed checkpoint instead of the latest (e.g. the latest "
+        "one's payload is corrupt); later checkpoints are redone",
+    )
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -212,20 +279,29 @@ class RunConfig(_Strict):
     store: StoreConfig = StoreConfig()
     ray: RayConfig = RayConfig()
     placement: Literal["colocate", "disaggregated"] = Field(
-        "disaggregated", description="colocate: trainer and engines share GPUs; disaggregated: separate GPUs")
-    offload: bool = Field(False, description="colocate only: engines release memory while the trainer runs, and the "
-                                             "trainer's weights, grads and optimizer state go to host memory while "
-                                             "the engine generates")
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig,
-                                       description="GPU budget and layout (all 0 = CPU, no placement group)")
+        "disaggregated", description="colocate: trainer and engines share GPUs; disaggregated: separate GPUs"
+    )
+    offload: bool = Field(
+        False,
+        description="colocate only: engines release memory while the trainer runs, and the "
+        "trainer's weights, grads and optimizer state go to host memory while "
+        "the engine generates",
+    )
+    resources: ResourcesConfig = Field(
+        default_factory=ResourcesConfig, description="GPU budget and layout (all 0 = CPU, no placement group)"
+    )
     debug: DebugConfig = DebugConfig()
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig,
-                                     description="TensorBoard / MLflow / W&B logging of the metrics (off by default)")
-    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig,
-                                     description="stall deadlines and post-sync probes (docs/checks.md)")
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
-                                     description="off-policy pipelining: async (one-step-off) training, partial "
-                                                 "rollouts, dynamic sampling (docs/async.md)")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="TensorBoard / MLflow / W&B logging of the metrics (off by default)"
+    )
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig, description="stall deadlines and post-sync probes (docs/checks.md)"
+    )
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description="off-policy pipelining: async (one-step-off) training, partial "
+        "rollouts, dynamic sampling (docs/async.md)",
+    )
     _notices: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("run")
@@ -294,30 +370,39 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _resources_and_sglang(self) -> "RunConfig":
         # The GPU budget fails here, at config time, with the arithmetic (infra/placement.py).
-        plan_placement(self.placement, self.resources, train=not self.debug.rollout_only,
-                       rollout=not self.debug.train_only)
+        plan_placement(
+            self.placement, self.resources, train=not self.debug.rollout_only, rollout=not self.debug.train_only
+        )
         if self.rollout.engine != "sglang" and self.resources.num_engines > 1:
-            raise ValueError(f"resources.num_engines={self.resources.num_engines} with rollout.engine="
-                             f"{self.rollout.engine!r}: the in-process engine runs once per run; use "
-                             "rollout.engine='sglang' for several engines, or resources.num_engines=1")
+            raise ValueError(
+                f"resources.num_engines={self.resources.num_engines} with rollout.engine="
+                f"{self.rollout.engine!r}: the in-process engine runs once per run; use "
+                "rollout.engine='sglang' for several engines, or resources.num_engines=1"
+            )
         if self.rollout.engine == "sglang":
             sg = self.rollout.sglang
             gpe = self.resources.gpus_per_engine
             if sg.tp_size and gpe and sg.tp_size != gpe:
-                raise ValueError(f"rollout.sglang.tp_size={sg.tp_size} differs from resources.gpus_per_engine={gpe}: "
-                                 "an engine's tensor parallel size is its GPU count; set one of them")
+                raise ValueError(
+                    f"rollout.sglang.tp_size={sg.tp_size} differs from resources.gpus_per_engine={gpe}: "
+                    "an engine's tensor parallel size is its GPU count; set one of them"
+                )
             if sg.tp_size is None and gpe > 1:
                 sg.tp_size = gpe
                 self._notices.append(f"rollout.sglang.tp_size set to resources.gpus_per_engine={gpe}")
             if sg.dtype is None and self.rollout.dtype == "float64":
-                raise ValueError("rollout.dtype='float64' is not an SGLang dtype; set rollout.dtype or rollout.sglang.dtype")
+                raise ValueError(
+                    "rollout.dtype='float64' is not an SGLang dtype; set rollout.dtype or rollout.sglang.dtype"
+                )
             _sglang_dtype_and_memory(self)
             if self.offload and not sg.memory_saver:
                 sg.memory_saver = True
                 self._notices.append("offload=true: rollout.sglang.memory_saver turned on (--enable-memory-saver)")
             if sg.weight_sync == "auto":
                 sg.weight_sync = sg.resolved_weight_sync(self.placement)
-                self._notices.append(f"rollout.sglang.weight_sync=auto -> {sg.weight_sync!r} (placement={self.placement})")
+                self._notices.append(
+                    f"rollout.sglang.weight_sync=auto -> {sg.weight_sync!r} (placement={self.placement})"
+                )
         return self
 
     @model_validator(mode="after")
@@ -326,14 +411,20 @@ class RunConfig(_Strict):
         if self.rollout.logprobs == "teacher_forced":
             ro, tr = self.rollout, self.train
             if tr.backend != "torch":
-                raise ValueError(f"rollout.logprobs='teacher_forced' needs train.backend='torch' (got {tr.backend!r}: "
-                                 "the engine can only rerun the torch trainer's forward); set rollout.logprobs='engine'")
+                raise ValueError(
+                    f"rollout.logprobs='teacher_forced' needs train.backend='torch' (got {tr.backend!r}: "
+                    "the engine can only rerun the torch trainer's forward); set rollout.logprobs='engine'"
+                )
             if ro.dtype != tr.dtype:
-                raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.dtype == train.dtype (got "
-                                 f"{ro.dtype!r} and {tr.dtype!r}); set rollout.dtype={tr.dtype!r}")
+                raise ValueError(
+                    f"rollout.logprobs='teacher_forced' needs rollout.dtype == train.dtype (got "
+                    f"{ro.dtype!r} and {tr.dtype!r}); set rollout.dtype={tr.dtype!r}"
+                )
             if _device_type(ro.device) != _device_type(tr.device):
-                raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.device and train.device of one type "
-                                 f"(got {ro.device!r} and {tr.device!r}); set rollout.device={tr.device!r}")
+                raise ValueError(
+                    f"rollout.logprobs='teacher_forced' needs rollout.device and train.device of one type "
+                    f"(got {ro.device!r} and {tr.device!r}); set rollout.device={tr.device!r}"
+                )
         return self
 
     @model_validator(mode="after")
@@ -346,13 +437,16 @@ class RunConfig(_Strict):
                 dp = m.data_parallel_size(world)
             except ValueError as exc:
                 raise ValueError(f"{exc} (resources.trainer_gpus={self.resources.trainer_gpus})") from None
-            sharded = world > 1 and (m.model_parallel_size > 1 or m.vpp is not None
-                                     or (m.use_distributed_optimizer and dp > 1))
+            sharded = world > 1 and (
+                m.model_parallel_size > 1 or m.vpp is not None or (m.use_distributed_optimizer and dp > 1)
+            )
             layout = f"train.megatron tp={m.tp} pp={m.pp} cp={m.cp} vpp={m.vpp} over {world} trainer GPUs"
             if sharded and "://" in self.store.root and not self.store.root.startswith("file://"):
-                raise ValueError(f"{layout} writes Megatron's distributed checkpoints from every rank to a shared "
-                                 f"filesystem; store.root={self.store.root!r} is an object store. Use a path every "
-                                 "trainer host can write (local disk on one host, NFS / Lustre across hosts)")
+                raise ValueError(
+                    f"{layout} writes Megatron's distributed checkpoints from every rank to a shared "
+                    f"filesystem; store.root={self.store.root!r} is an object store. Use a path every "
+                    "trainer host can write (local disk on one host, NFS / Lustre across hosts)"
+                )
         return self
 
     @model_validator(mode="after")
@@ -372,8 +466,12 @@ class RunConfig(_Strict):
 
     def train_hash(self) -> str:
         """Hash of what changes training results (not the run name, iteration count or store)."""
-        part = {"model": self.model.model_dump(), "algo": self.algo.model_dump(), "train": self.train.model_dump(),
-                "temperature": self.rollout.temperature}
+        part = {
+            "model": self.model.model_dump(),
+            "algo": self.algo.model_dump(),
+            "train": self.train.model_dump(),
+            "temperature": self.rollout.temperature,
+        }
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -385,48 +483,66 @@ def _sglang_dtype_and_memory(cfg: RunConfig) -> None:
         sg.dtype = engine_dtype(cfg.rollout)
         cfg._notices.append(f"rollout.sglang.dtype set to {sg.dtype!r} (SGLang engines' default)")
     if sg.dtype not in ("auto", cfg.train.dtype):
-        cfg._notices.append(f"SGLang engines run {sg.dtype} while the trainer runs {cfg.train.dtype}: rollout log-probs "
-                            f"carry {sg.dtype} rounding (see train/train_rollout_logprob_abs_diff); set "
-                            f"rollout.sglang.dtype={cfg.train.dtype!r} to match")
+        cfg._notices.append(
+            f"SGLang engines run {sg.dtype} while the trainer runs {cfg.train.dtype}: rollout log-probs "
+            f"carry {sg.dtype} rounding (see train/train_rollout_logprob_abs_diff); set "
+            f"rollout.sglang.dtype={cfg.train.dtype!r} to match"
+        )
     if cfg.placement == "colocate" and not cfg.debug.rollout_only and not cfg.debug.train_only and not sg.urls:
         fraction = colocated_mem_fraction(sg)
         if sg.mem_fraction_static is None:
             sg.mem_fraction_static = fraction
-            cfg._notices.append(f"rollout.sglang.mem_fraction_static set to {fraction:g} (placement=colocate: the "
-                                f"trainer keeps rollout.sglang.colocate_trainer_fraction={sg.colocate_trainer_fraction:g})")
+            cfg._notices.append(
+                f"rollout.sglang.mem_fraction_static set to {fraction:g} (placement=colocate: the "
+                f"trainer keeps rollout.sglang.colocate_trainer_fraction={sg.colocate_trainer_fraction:g})"
+            )
 
 
 def _check_ppo(cfg: RunConfig) -> None:
     """ppo runs a critic actor beside the trainer (flows/group.py); what this build cannot run with it."""
     if cfg.train.backend != "torch":
-        raise ValueError(f"algo.advantage_estimator='ppo' needs train.backend='torch' (got {cfg.train.backend!r}): "
-                         "the critic and GAE run on the torch backend only; set train.backend=torch")
+        raise ValueError(
+            f"algo.advantage_estimator='ppo' needs train.backend='torch' (got {cfg.train.backend!r}): "
+            "the critic and GAE run on the torch backend only; set train.backend=torch"
+        )
     if cfg.resources.num_gpus > 0:
-        raise ValueError("algo.advantage_estimator='ppo' does not run with resources.num_gpus > 0 yet: the critic "
-                         "actor has no GPU bundle in the placement plan; set resources.num_gpus=0 (CPU)")
+        raise ValueError(
+            "algo.advantage_estimator='ppo' does not run with resources.num_gpus > 0 yet: the critic "
+            "actor has no GPU bundle in the placement plan; set resources.num_gpus=0 (CPU)"
+        )
     if cfg.debug.train_only:
-        raise ValueError("algo.advantage_estimator='ppo' cannot replay (debug.train_only / load_debug_rollout_data): "
-                         "replay_train starts no critic; replay with another estimator, or train ppo with rl_train")
+        raise ValueError(
+            "algo.advantage_estimator='ppo' cannot replay (debug.train_only / load_debug_rollout_data): "
+            "replay_train starts no critic; replay with another estimator, or train ppo with rl_train"
+        )
 
 
 def _check_pipeline(cfg: RunConfig) -> None:
     """What async training (pipeline.max_staleness > 0) and partial rollouts need."""
     pipe = cfg.pipeline
     if pipe.partial_rollout and pipe.max_staleness < 2:
-        raise ValueError(f"pipeline.partial_rollout=true needs pipeline.max_staleness >= 2 (got {pipe.max_staleness}): "
-                         "a continued sample keeps tokens two weight versions old; set pipeline.max_staleness=2")
+        raise ValueError(
+            f"pipeline.partial_rollout=true needs pipeline.max_staleness >= 2 (got {pipe.max_staleness}): "
+            "a continued sample keeps tokens two weight versions old; set pipeline.max_staleness=2"
+        )
     if cfg.algo.advantage_estimator == "ppo" and (pipe.partial_rollout or pipe.dynamic_sampling.enabled):
-        raise ValueError("algo.advantage_estimator='ppo' scores whole rollouts with its critic; it cannot drop filtered "
-                         "groups: set pipeline.partial_rollout=false and pipeline.dynamic_sampling.enabled=false")
+        raise ValueError(
+            "algo.advantage_estimator='ppo' scores whole rollouts with its critic; it cannot drop filtered "
+            "groups: set pipeline.partial_rollout=false and pipeline.dynamic_sampling.enabled=false"
+        )
     if not pipe.pipelined:
         return
     if cfg.placement == "colocate":
-        raise ValueError(f"pipeline.max_staleness={pipe.max_staleness} needs placement='disaggregated': colocated "
-                         "engines and trainer share GPUs and cannot run at the same time; set placement=disaggregated "
-                         "or pipeline.max_staleness=0")
+        raise ValueError(
+            f"pipeline.max_staleness={pipe.max_staleness} needs placement='disaggregated': colocated "
+            "engines and trainer share GPUs and cannot run at the same time; set placement=disaggregated "
+            "or pipeline.max_staleness=0"
+        )
     if cfg.debug.rollout_only or cfg.debug.train_only:
-        raise ValueError(f"pipeline.max_staleness={pipe.max_staleness} pipelines generate and train; debug.rollout_only "
-                         "/ debug.train_only run one of them; set pipeline.max_staleness=0")
+        raise ValueError(
+            f"pipeline.max_staleness={pipe.max_staleness} pipelines generate and train; debug.rollout_only "
+            "/ debug.train_only run one of them; set pipeline.max_staleness=0"
+        )
 
 
 def _device_type(device: str) -> str:
@@ -446,7 +562,8 @@ def _with_implied_settings(cls: type[RunConfig], data: dict[str, Any], notices: 
         raw_debug = data.get("debug")
         debug = DebugConfig.model_validate({} if raw_debug is None else raw_debug)
         placement = TypeAdapter(cls.model_fields["placement"].annotation).validate_python(
-            data.get("placement", cls.model_fields["placement"].default))
+            data.get("placement", cls.model_fields["placement"].default)
+        )
         offload = TypeAdapter(bool).validate_python(data.get("offload", cls.model_fields["offload"].default))
     except ValidationError:
         return data
@@ -493,8 +610,9 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict[str, Any] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, Any] | None = None
+) -> RunConfig:
     """RunConfig from an optional JSON/YAML-less JSON file plus `key.sub=value` overrides."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:

@@ -18,24 +18,32 @@ from rollflow.artifacts.sample import Status
 from rollflow.artifacts.slime import check_token_ids, discover_template_ids, expand_template, import_slime_into_store
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting, tracking
-from rollflow.flows.params import ReplayParams, RolloutParams
-from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.config import RunConfig
-from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
+from rollflow.flows.params import ReplayParams, RolloutParams
+from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
+from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.preflight import model_vocab_size, parse_ids  # noqa: F401 - parse_ids re-exported
 from rollflow.tasks.rollout.evaluation import eval_summary
 from rollflow.tasks.train.checkpoint import state_exists
 
 
-@flow(name="rollout_only", flow_run_name=flow_run_name("/rollout"), on_failure=[stop_actors_hook],
-      on_crashed=[stop_actors_hook])
+@flow(
+    name="rollout_only",
+    flow_run_name=flow_run_name("/rollout"),
+    on_failure=[stop_actors_hook],
+    on_crashed=[stop_actors_hook],
+)
 @one_run_at_a_time()
-def rollout_only(params: RolloutParams, rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
-                 checkpoint: int | None = None, save_debug_rollout_data: str | None = None) -> dict:
+def rollout_only(
+    params: RolloutParams,
+    rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
+    checkpoint: int | None = None,
+    save_debug_rollout_data: str | None = None,
+) -> dict:
     """Rollout only (slime --debug-rollout-only): engines generate and persist artifacts, no trainer.
 
     `params`: the RunConfig sections it reads, or a whole RunConfig (flows/params.py);
@@ -65,15 +73,20 @@ def rollout_only(params: RolloutParams, rollout_ids: list[int] | None = None,  #
             samples = store.load_uri(row["uri"]).samples
             row["raw_reward"] = sum(s.scalar_reward(cfg.rollout.reward_key) for s in samples) / len(samples)
             # the rollout/* keys rl_train logs for the same rollout (tasks/train/step.py), so runs compare
-            rollout = {"rollout/raw_reward": row["raw_reward"],
-                       "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
-                       "rollout/truncated_ratio": sum(Status.parse(s.status) is Status.TRUNCATED for s in samples) / len(samples),
-                       "rollout/n_samples": float(len(samples))}
+            rollout = {
+                "rollout/raw_reward": row["raw_reward"],
+                "rollout/response_len": sum(s.response_length for s in samples) / len(samples),
+                "rollout/truncated_ratio": sum(Status.parse(s.status) is Status.TRUNCATED for s in samples)
+                / len(samples),
+                "rollout/n_samples": float(len(samples)),
+            }
             if cfg.eval_every and rollout_id % cfg.eval_every == 0:
                 row.update(eval_metrics(cfg, store, rollout_id, weight_version=checkpoint or 0))
             out["rollouts"][rollout_id] = row
-            tracker.log(tracking.numeric_metrics({**rollout, **{k: v for k, v in row.items() if k.startswith("eval/")}}),
-                        rollout_id)
+            tracker.log(
+                tracking.numeric_metrics({**rollout, **{k: v for k, v in row.items() if k.startswith("eval/")}}),
+                rollout_id,
+            )
             reporting.stage("done", rollout_id, f"rollout {rollout_id}: reward {row['raw_reward']:.4f}  {row['uri']}")
     if watcher.cancelled:
         return watcher.cancelled_state()
@@ -81,8 +94,14 @@ def rollout_only(params: RolloutParams, rollout_ids: list[int] | None = None,  #
 
 
 @task(name="import-slime", cache_policy=NO_CACHE)
-def import_slime_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, split: str = "train",
-                      import_run: str | None = None, vocab_size: int | None = None) -> ArtifactRef:
+def import_slime_task(
+    cfg: RunConfig,
+    store: RolloutStore,
+    rollout_id: int,
+    split: str = "train",
+    import_run: str | None = None,
+    vocab_size: int | None = None,
+) -> ArtifactRef:
     """A slime `.pt` dump becomes a committed artifact of this run (so replay reads one format).
 
     Content-addressed: the same dump again is a no-op; a changed dump under an id the run already
@@ -90,9 +109,17 @@ def import_slime_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, spli
     path = expand_template(cfg.debug.load_debug_rollout_data, rollout_id, split)
     run = import_run or cfg.run
     ref, _ = import_slime_into_store(
-        store, run, split, rollout_id, path, backend="slime-dump", model=path, config_hash=cfg.config_hash(),
+        store,
+        run,
+        split,
+        rollout_id,
+        path,
+        backend="slime-dump",
+        model=path,
+        config_hash=cfg.config_hash(),
         vocab_size=vocab_size,
-        new_run_hint=f"replay it into a new run with `rollflow replay --import-run NEW_NAME` (or --set run=NEW_NAME)")
+        new_run_hint="replay it into a new run with `rollflow replay --import-run NEW_NAME` (or --set run=NEW_NAME)",
+    )
     return ref
 
 
@@ -128,8 +155,13 @@ def replay_keys(cfg: RunConfig, store: RolloutStore, refs: list[ArtifactRef]) ->
     name, so an identical replay under another run name hits."""
     keys, start_key = [], "initial"
     for ref in refs:
-        parts = [artifact_digest(store, ref), start_key, cfg.train_hash(),
-                 str(cfg.debug.load_debug_rollout_data_subsample), str(cfg.rollout.reward_key_for("train"))]
+        parts = [
+            artifact_digest(store, ref),
+            start_key,
+            cfg.train_hash(),
+            str(cfg.debug.load_debug_rollout_data_subsample),
+            str(cfg.rollout.reward_key_for("train")),
+        ]
         start_key = "replay-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
         keys.append(start_key)
     return keys
@@ -152,14 +184,18 @@ STEPS_KEY = "train_steps"  # in a replay step's cached result; results cached be
 
 
 @task(name="replay-train", cache_key_fn=replay_cache_key, persist_result=True)
-def replay_train_task(cfg: RunConfig, ref: ArtifactRef, *, cache_key: str, start_state_uri: str | None,
-                      out_state_uri: str) -> dict:
+def replay_train_task(
+    cfg: RunConfig, ref: ArtifactRef, *, cache_key: str, start_state_uri: str | None, out_state_uri: str
+) -> dict:
     """Train on one pinned artifact from a fixed starting state; cached on `cache_key`. The train metrics, plus
     each optimizer step's statistics under STEPS_KEY (cached with them, so a cache hit still charts its steps)."""
     trainer = replay_trainer(cfg)
     metrics = trainer.replay_step(
-        ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
-        subsample=cfg.debug.load_debug_rollout_data_subsample, dump_uri=dump_uri(cfg, ref.rollout_id),
+        ref,
+        start_state_uri=start_state_uri,
+        out_state_uri=out_state_uri,
+        subsample=cfg.debug.load_debug_rollout_data_subsample,
+        dump_uri=dump_uri(cfg, ref.rollout_id),
         reward_key=cfg.rollout.reward_key_for(ref.split),
     )
     return metrics | {STEPS_KEY: trainer.train_steps()}
@@ -193,9 +229,15 @@ def artifact_digest(store: RolloutStore, ref: ArtifactRef) -> str:
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:24]
 
 
-def pinned_refs(cfg: RunConfig, store: RolloutStore, rollout_ids: list[int] | None, source_run: str, *,
-                import_run: str | None = None,
-                vocab_size: int | None = None) -> tuple[list[ArtifactRef], dict[int, ArtifactRef]]:
+def pinned_refs(
+    cfg: RunConfig,
+    store: RolloutStore,
+    rollout_ids: list[int] | None,
+    source_run: str,
+    *,
+    import_run: str | None = None,
+    vocab_size: int | None = None,
+) -> tuple[list[ArtifactRef], dict[int, ArtifactRef]]:
     """(train refs to replay in order, {rollout id: eval ref}) - slime's `eval_{id}` dumps come along."""
     if cfg.debug.load_debug_rollout_data:
         found = discover_template_ids(cfg.debug.load_debug_rollout_data)
@@ -204,8 +246,11 @@ def pinned_refs(cfg: RunConfig, store: RolloutStore, rollout_ids: list[int] | No
             if not rollout_ids:
                 raise FileNotFoundError(f"no slime dumps match {cfg.debug.load_debug_rollout_data!r}")
         train = [import_slime_task(cfg, store, rid, "train", import_run, vocab_size) for rid in rollout_ids]
-        evals = {rid: import_slime_task(cfg, store, rid, "eval", import_run, vocab_size)
-                 for rid in found.get("eval", []) if rid in rollout_ids}
+        evals = {
+            rid: import_slime_task(cfg, store, rid, "eval", import_run, vocab_size)
+            for rid in found.get("eval", [])
+            if rid in rollout_ids
+        }
         return train, evals
     if rollout_ids is None:
         rollout_ids = store.list_ids(source_run, "train")
@@ -215,8 +260,11 @@ def pinned_refs(cfg: RunConfig, store: RolloutStore, rollout_ids: list[int] | No
     for rid in rollout_ids:
         store.manifest(source_run, "train", rid)  # ArtifactNotFound lists the ids that exist
         refs.append(ArtifactRef(cfg.store.root, source_run, "train", rid))
-    evals = {rid: ArtifactRef(cfg.store.root, source_run, "eval", rid)
-             for rid in store.list_ids(source_run, "eval") if rid in rollout_ids}
+    evals = {
+        rid: ArtifactRef(cfg.store.root, source_run, "eval", rid)
+        for rid in store.list_ids(source_run, "eval")
+        if rid in rollout_ids
+    }
     return refs, evals
 
 
@@ -233,18 +281,32 @@ def replay_eval_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef) -
     """eval/* of a replayed rollout's eval artifact, with the run's eval reward key (as slime)."""
     samples = store.load_uri(ref.uri).samples
     ev = cfg.data.eval
-    out = eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
-                       reward_key=cfg.rollout.reward_key_for("eval"))
+    out = eval_summary(
+        samples,
+        ks=ev.pass_k if ev else (),
+        threshold=ev.pass_threshold if ev else 1.0,
+        reward_key=cfg.rollout.reward_key_for("eval"),
+    )
     return out | {"eval/raw_reward": out["eval/accuracy"], "eval/n_samples": float(len(samples))}
 
 
-@flow(name="replay_train", flow_run_name=flow_run_name("/replay"), on_failure=[stop_actors_hook],
-      on_crashed=[stop_actors_hook])
+@flow(
+    name="replay_train",
+    flow_run_name=flow_run_name("/replay"),
+    on_failure=[stop_actors_hook],
+    on_crashed=[stop_actors_hook],
+)
 @one_run_at_a_time()
-def replay_train(params: ReplayParams, rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
-                 source_run: str | None = None, load_debug_rollout_data: str | None = None,
-                 subsample: float | None = None, dump_details: str | None = None, use_cache: bool = True,
-                 import_run: str | None = None) -> dict:
+def replay_train(
+    params: ReplayParams,
+    rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
+    source_run: str | None = None,
+    load_debug_rollout_data: str | None = None,
+    subsample: float | None = None,
+    dump_details: str | None = None,
+    use_cache: bool = True,
+    import_run: str | None = None,
+) -> dict:
     """Replay training (slime --debug-train-only): train on rollouts pinned by id, no engine; cached per artifact
     checksums + starting state + train config.
 
@@ -252,8 +314,12 @@ def replay_train(params: ReplayParams, rollout_ids: list[int] | None = None,  # 
     (slime `.pt` dumps, a template with {rollout_id}), `subsample` and `dump_details` set the debug fields of the
     same names. Eval artifacts of the pinned ids (slime's `eval_{id}` dumps) are imported too; with eval_every > 0
     their eval metrics are added to the rows of ids that are multiples of it."""
-    cfg = params.run_config(mode="train_only", load_debug_rollout_data=load_debug_rollout_data,
-                            load_debug_rollout_data_subsample=subsample, dump_details=dump_details)
+    cfg = params.run_config(
+        mode="train_only",
+        load_debug_rollout_data=load_debug_rollout_data,
+        load_debug_rollout_data_subsample=subsample,
+        dump_details=dump_details,
+    )
     store = RolloutStore(cfg.store.root)  # one per flow run
     tag_current_run(cfg.run, "replay")
     log = get_run_logger()
@@ -285,7 +351,8 @@ def replay_train(params: ReplayParams, rollout_ids: list[int] | None = None,  # 
             if result_storage is not None:
                 options["result_storage"] = result_storage
             state = replay_train_task.with_options(**options)(
-                cfg, art, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True)
+                cfg, art, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True
+            )
             metrics = dict(state.result())
             steps += reporting.step_rows(metrics.pop(STEPS_KEY, []), len(steps) + 1, rollout_id=art.rollout_id)
             row = {"rollout_id": art.rollout_id, "source": art.uri, "cached": state.name == "Cached", **metrics}
@@ -293,9 +360,12 @@ def replay_train(params: ReplayParams, rollout_ids: list[int] | None = None,  # 
                 row.update(replay_eval_metrics(cfg, store, eval_refs[art.rollout_id]))
                 row["eval_source"] = eval_refs[art.rollout_id].uri
             rows.append(row)
-            reporting.stage("done", art.rollout_id,
-                            f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
-                            f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}")
+            reporting.stage(
+                "done",
+                art.rollout_id,
+                f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
+                f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}",
+            )
             start_state = out_state
     if watcher.cancelled:
         return watcher.cancelled_state()
@@ -303,8 +373,15 @@ def replay_train(params: ReplayParams, rollout_ids: list[int] | None = None,  # 
     with tracking.start(cfg, "replay_train", suffix="-replay") as tracker:  # step = rollout id
         tracker.log_rows(rows, step_key="rollout_id")
         tracking.log_steps(tracker, steps)
-    return {"run": cfg.run, "source_run": import_run or source_run, "steps": rows, "final_state": start_state,
-            "eval_ids": sorted(eval_refs), "workers_started": not all_cached, "optimizer_steps": steps}
+    return {
+        "run": cfg.run,
+        "source_run": import_run or source_run,
+        "steps": rows,
+        "final_state": start_state,
+        "eval_ids": sorted(eval_refs),
+        "workers_started": not all_cached,
+        "optimizer_steps": steps,
+    }
 
 
 def _ray_started() -> bool:
@@ -320,8 +397,18 @@ def _publish_replay(cfg: RunConfig, rows: list[dict]) -> None:
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "w") as f:
         f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-    keys = ["rollout_id", "cached", "rollout/raw_reward", "rollout/kl", "train/loss", "train/ppo_kl",
-            "train/pg_clipfrac", "train/grad_norm"]
-    create_table_artifact(key=reporting.artifact_key(cfg.run, "replay"),
-                          table=[{k: r.get(k) for k in keys} for r in rows],
-                          description=f"Replay training of run `{cfg.run}` on pinned rollouts")
+    keys = [
+        "rollout_id",
+        "cached",
+        "rollout/raw_reward",
+        "rollout/kl",
+        "train/loss",
+        "train/ppo_kl",
+        "train/pg_clipfrac",
+        "train/grad_norm",
+    ]
+    create_table_artifact(
+        key=reporting.artifact_key(cfg.run, "replay"),
+        table=[{k: r.get(k) for k in keys} for r in rows],
+        description=f"Replay training of run `{cfg.run}` on pinned rollouts",
+    )

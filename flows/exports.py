@@ -23,8 +23,16 @@ def copy_to_dump(cfg: RunConfig, store: RolloutStore, art_ref: ArtifactRef) -> N
         return
     artifact = store.load_uri(art_ref.uri)
     m = artifact.manifest
-    dump.write(cfg.run, art_ref.split, art_ref.rollout_id, artifact.samples, n_samples_per_prompt=m.n_samples_per_prompt,
-               engine=m.engine, config_hash=m.config_hash, extra=m.extra)
+    dump.write(
+        cfg.run,
+        art_ref.split,
+        art_ref.rollout_id,
+        artifact.samples,
+        n_samples_per_prompt=m.n_samples_per_prompt,
+        engine=m.engine,
+        config_hash=m.config_hash,
+        extra=m.extra,
+    )
 
 
 def export_slime(cfg: RunConfig, store: RolloutStore, art_ref: ArtifactRef) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from prefect import flow, task
-from prefect.utilities.annotations import quote
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 from rollflow.artifacts.manifest import EngineInfo
 from rollflow.artifacts.pipeline_meta import filtered_reason, pipeline_stats
@@ -17,42 +17,57 @@ from rollflow.artifacts.sample import Sample, Status
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
-from rollflow.flows.prefect_ops.naming import flow_run_name
 from rollflow.flows.exports import dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, has_critic
-from rollflow.flows.stall_watch import retry_after_stall, watched
 from rollflow.flows.mismatch_trend import SLOPE_METRIC, mismatch_trend_task, trend_with
-from rollflow.flows.weight_sync.dispatch import push_weights
-from rollflow.flows.weight_sync.probe import probe_due, run_probe
-from rollflow.flows.weight_sync.shared import SyncResult, engine_dtype
+from rollflow.flows.prefect_ops.naming import flow_run_name
 from rollflow.flows.prefect_ops.retrying import (
     STORAGE_RETRIES,
     STORAGE_RETRY_DELAYS,
     retry_if_transient,
     retry_unless_permanent,
 )
+from rollflow.flows.stall_watch import retry_after_stall, watched
+from rollflow.flows.weight_sync.dispatch import push_weights
+from rollflow.flows.weight_sync.probe import probe_due, probe_task
+from rollflow.flows.weight_sync.shared import SyncResult, engine_dtype
 from rollflow.tasks.rollout.dataset import data_state
 from rollflow.tasks.rollout.dynamic_sampling import load_filter, select_groups, split_groups
 from rollflow.tasks.rollout.evaluation import eval_summary
 from rollflow.tasks.rollout.partial import defer_aborted
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
-from rollflow.tasks.train.records import train_record_uri
 from rollflow.tasks.sync.parity import compare, compare_prefixes
+from rollflow.tasks.train.records import train_record_uri
 
 PARITY_PREFIX = 64  # values per tensor compared when an engine cannot export whole tensors
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 @watched("generate")
-def generate_task(cfg: RunConfig, rollout_id: int, split: str = "train", greedy: bool = False,
-                  weight_version: int | None = None, attempt: int = 0,
-                  continue_from: str | None = None) -> list[Sample]:
+def generate_task(
+    cfg: RunConfig,
+    rollout_id: int,
+    split: str = "train",
+    greedy: bool = False,
+    weight_version: int | None = None,
+    attempt: int = 0,
+    continue_from: str | None = None,
+) -> list[Sample]:
     """On a retry after the engine died, `ensure_engine` restarts it at the expected weights.
     `attempt` >= 1: dynamic sampling's over-sampling call; `continue_from`: partial rollouts' previous artifact."""
     version = rollout_id if weight_version is None else weight_version
-    return WorkerGroup.for_run(cfg).ensure_engine(version).rollout(
-        rollout_id, split, greedy=greedy, attempt=attempt, continue_from=continue_from,
-        max_staleness=cfg.pipeline.max_staleness)
+    return (
+        WorkerGroup.for_run(cfg)
+        .ensure_engine(version)
+        .rollout(
+            rollout_id,
+            split,
+            greedy=greedy,
+            attempt=attempt,
+            continue_from=continue_from,
+            max_staleness=cfg.pipeline.max_staleness,
+        )
+    )
 
 
 @task(name="reward", cache_policy=NO_CACHE)
@@ -60,11 +75,17 @@ def reward_task(cfg: RunConfig, samples: list[Sample]) -> list[Sample]:
     return score_samples(samples, reward_fn_from_config(cfg.rollout), reward_key=cfg.rollout.reward_key)
 
 
-@task(name="persist", cache_policy=NO_CACHE, retries=STORAGE_RETRIES, retry_delay_seconds=STORAGE_RETRY_DELAYS,
-      retry_condition_fn=retry_unless_permanent)
+@task(
+    name="persist",
+    cache_policy=NO_CACHE,
+    retries=STORAGE_RETRIES,
+    retry_delay_seconds=STORAGE_RETRY_DELAYS,
+    retry_condition_fn=retry_unless_permanent,
+)
 @watched("persist")
-def persist_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, samples: list[Sample],
-                 split: str = "train") -> ArtifactRef:
+def persist_task(
+    cfg: RunConfig, store: RolloutStore, rollout_id: int, samples: list[Sample], split: str = "train"
+) -> ArtifactRef:
     """Commit the rollout. Retried with backoff (endpoint down, timeouts), not on permanent errors
     (schema, ArtifactExists from another writer, credentials, missing bucket)."""
     if store.exists(cfg.run, split, rollout_id):
@@ -73,13 +94,19 @@ def persist_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, samples: 
     engine = WorkerGroup.for_run(cfg).engine().describe()
     info = EngineInfo(backend=engine.backend, model=engine.model, weight_version=engine.weight_version)
     n = cfg.data.eval_n_samples if split == "eval" else cfg.rollout.n_samples_per_prompt
-    ref = store.write(cfg.run, split, rollout_id, samples, n_samples_per_prompt=n, engine=info,
-                      config_hash=cfg.config_hash())
+    ref = store.write(
+        cfg.run, split, rollout_id, samples, n_samples_per_prompt=n, engine=info, config_hash=cfg.config_hash()
+    )
     return ref
 
 
-@task(name="load-rollout", cache_policy=NO_CACHE, retries=STORAGE_RETRIES,
-      retry_delay_seconds=STORAGE_RETRY_DELAYS, retry_condition_fn=retry_if_transient)
+@task(
+    name="load-rollout",
+    cache_policy=NO_CACHE,
+    retries=STORAGE_RETRIES,
+    retry_delay_seconds=STORAGE_RETRY_DELAYS,
+    retry_condition_fn=retry_if_transient,
+)
 @watched("load-rollout")
 def load_task(cfg: RunConfig, ref: ArtifactRef) -> int:
     """The trainer loads (and checksums) the artifact; transient storage failures retry here."""
@@ -107,8 +134,13 @@ def train_task(cfg: RunConfig, ref: ArtifactRef) -> tuple[dict[str, float], list
     return metrics | critic.update().result(), trainer.train_steps()
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
-      retry_condition_fn=retry_unless_permanent)
+@task(
+    name="checkpoint",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_permanent,
+)
 @watched("checkpoint")
 def checkpoint_task(cfg: RunConfig, iteration: int) -> str:
     # The data source's cursor goes into meta.json: a resume checks it continues at the same sample.
@@ -183,22 +215,18 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
         report = compare(trainer.weight_checksums(cast), engine.weight_checksums())
     if not report.ok:
         raise RuntimeError(report.summary())
-    probed: dict = {}
-    if probe_due(cfg, pushed.weight_version):
-        # Checksums passed: the engine holds the trainer's tensors. The probe checks it also serves them.
-        probe_started = time.perf_counter()
-        probe = run_probe(cfg, trainer, engine, pushed.weight_version)
-        if not probe.ok:
-            raise RuntimeError(probe.summary())
-        probed = {"probe_logprob_diff": probe.mean_abs_diff, "probe_s": time.perf_counter() - probe_started}
     if notes:
         from prefect import get_run_logger
 
         for note in notes:
             get_run_logger().warning(note)
-    return report.to_dict() | {"weight_version": pushed.weight_version, "sync_mode": pushed.mode,
-                               "sync_buckets": pushed.buckets, "sync_sources": list(pushed.sources), "notes": notes,
-                               **probed}
+    return report.to_dict() | {
+        "weight_version": pushed.weight_version,
+        "sync_mode": pushed.mode,
+        "sync_buckets": pushed.buckets,
+        "sync_sources": list(pushed.sources),
+        "notes": notes,
+    }
 
 
 @task(name="check-weight-update", cache_policy=NO_CACHE)
@@ -212,13 +240,20 @@ def check_weight_update_task(cfg: RunConfig, weight_version: int) -> dict:
     push_weights(cfg, trainer, engine, weight_version)  # a re-sync of the version the engine holds
     result = engine.finish_overwrite_check()
     if not result.ok:
-        raise RuntimeError(f"weight update check FAILED (the engine now holds random values for those tensors): "
-                           f"{result.summary}")
+        raise RuntimeError(
+            f"weight update check FAILED (the engine now holds random values for those tensors): {result.summary}"
+        )
     return result.to_dict()
 
 
-def committed_or_generate(cfg: RunConfig, store: RolloutStore, rollout_id: int, split: str = "train",
-                          greedy: bool = False, weight_version: int | None = None) -> ArtifactRef:
+def committed_or_generate(
+    cfg: RunConfig,
+    store: RolloutStore,
+    rollout_id: int,
+    split: str = "train",
+    greedy: bool = False,
+    weight_version: int | None = None,
+) -> ArtifactRef:
     """The committed artifact of this id if there is one (resume never regenerates), else a new one."""
     if store.exists(cfg.run, split, rollout_id):
         return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id)
@@ -235,8 +270,9 @@ def committed_or_generate(cfg: RunConfig, store: RolloutStore, rollout_id: int, 
     return persist_task(cfg, store, rollout_id, quote(samples), split)
 
 
-def filtered_train_samples(cfg: RunConfig, store: RolloutStore, rollout_id: int,
-                           weight_version: int | None) -> list[Sample]:
+def filtered_train_samples(
+    cfg: RunConfig, store: RolloutStore, rollout_id: int, weight_version: int | None
+) -> list[Sample]:
     """A train rollout with dynamic sampling and/or partial rollouts (docs/async.md): generate (continuing the
     previous rollout's aborted groups), reward, defer groups cut by an abort, filter groups and over-sample
     until data.prompts_per_rollout groups pass or pipeline.dynamic_sampling.max_tries calls were made. Every
@@ -249,8 +285,9 @@ def filtered_train_samples(cfg: RunConfig, store: RolloutStore, rollout_id: int,
     keep: list[bool] = []
     generate = generate_task.with_options(name="generate-train")
     for attempt in range(ds.max_tries if ds.enabled else 1):
-        samples = generate(cfg, rollout_id, "train", False, weight_version, attempt,
-                           continue_from if attempt == 0 else None)
+        samples = generate(
+            cfg, rollout_id, "train", False, weight_version, attempt, continue_from if attempt == 0 else None
+        )
         samples = reward_task(cfg, quote(samples))
         if pipe.partial_rollout:
             samples = defer_aborted(samples, n)
@@ -299,13 +336,18 @@ def abort_task(cfg: RunConfig) -> int:
     return WorkerGroup.for_run(cfg).abort_rollout()
 
 
-def eval_metrics(cfg: RunConfig, store: RolloutStore, rollout_id: int,
-                 weight_version: int | None = None) -> dict[str, float]:
+def eval_metrics(
+    cfg: RunConfig, store: RolloutStore, rollout_id: int, weight_version: int | None = None
+) -> dict[str, float]:
     ref = committed_or_generate(cfg, store, rollout_id, "eval", greedy=True, weight_version=weight_version)
     samples = store.load_uri(ref.uri).samples
     ev = cfg.data.eval  # pass@k only with an eval section (its own n samples per prompt)
-    return eval_summary(samples, ks=ev.pass_k if ev else (), threshold=ev.pass_threshold if ev else 1.0,
-                        reward_key=cfg.rollout.reward_key_for("eval"))
+    return eval_summary(
+        samples,
+        ks=ev.pass_k if ev else (),
+        threshold=ev.pass_threshold if ev else 1.0,
+        reward_key=cfg.rollout.reward_key_for("eval"),
+    )
 
 
 def pipeline_metrics_on(cfg: RunConfig) -> bool:
@@ -313,8 +355,7 @@ def pipeline_metrics_on(cfg: RunConfig) -> bool:
     return pipe.pipelined or pipe.partial_rollout or pipe.dynamic_sampling.enabled
 
 
-def pipeline_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef,
-                     trainer_version: int) -> dict[str, float]:
+def pipeline_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef, trainer_version: int) -> dict[str, float]:
     """`pipeline/*`: staleness of the trained tokens, filtered groups by reason, continued samples."""
     artifact = store.load_uri(ref.uri)
     stats = pipeline_stats(artifact.columns, trainer_version, artifact.manifest.n_samples_per_prompt)
@@ -361,9 +402,12 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     parity = sync_task(cfg, iteration)
     row["sync/weight_version"] = parity["weight_version"]
     row["sync/parity_ok"] = float(parity["ok"])
-    if "probe_logprob_diff" in parity:  # watchdog.probe_every: every sync by default
-        row["sync/probe_logprob_diff"] = parity["probe_logprob_diff"]
-        row["perf/sync_probe_s"] = parity["probe_s"]
+    if probe_due(cfg, parity["weight_version"]) and not offload:
+        # Checksums passed: the engine holds the trainer's tensors; the probe checks it also serves them. Under
+        # offload the engine has no KV cache until the trainer is offloaded, so both cannot score at once.
+        probe_started = time.perf_counter()
+        row["sync/probe_logprob_diff"] = probe_task(cfg, parity["weight_version"])
+        row["perf/sync_probe_s"] = time.perf_counter() - probe_started
     row["perf/iteration_s"] = time.perf_counter() - started
     row["rollout_uri"] = ref.uri
     trend = trend_with(cfg, row)

@@ -24,8 +24,12 @@ def trend_with(cfg: RunConfig, row: dict) -> TrendReport:
     slope goes into the same row)."""
     wd = cfg.watchdog
     history = [r for r in reporting.read_metrics(cfg) if r["iteration"] < row["iteration"]] if wd.trend_window else []
-    return mismatch_trend(mismatch_points([*history, row]), window=wd.trend_window, warn_slope=wd.trend_warn_slope,
-                          fail_slope=wd.trend_fail_slope)
+    return mismatch_trend(
+        mismatch_points([*history, row]),
+        window=wd.trend_window,
+        warn_slope=wd.trend_warn_slope,
+        fail_slope=wd.trend_fail_slope,
+    )
 
 
 @task(name="mismatch-trend", cache_policy=NO_CACHE)
@@ -35,9 +39,11 @@ def mismatch_trend_task(cfg: RunConfig, report: TrendReport) -> dict:
         raise RuntimeError(report.summary())
     if report.verdict == "warn":
         logger.warning(report.summary())
-        emit_event(event=WARNING_EVENT, resource={"prefect.resource.id": f"rollflow.run.{cfg.run}",
-                                                  "rollflow.check": "mismatch-trend"},
-                   payload=dataclasses.asdict(report))
+        emit_event(
+            event=WARNING_EVENT,
+            resource={"prefect.resource.id": f"rollflow.run.{cfg.run}", "rollflow.check": "mismatch-trend"},
+            payload=dataclasses.asdict(report),
+        )
     else:
         logger.info(report.summary())
     return dataclasses.asdict(report)

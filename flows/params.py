@@ -22,8 +22,22 @@ from rollflow.flows.config import RunConfig
 _COMMON = ("run", "model", "store", "ray", "resources", "tracking")
 SECTIONS: dict[str, tuple[str, ...]] = {
     # what each flow reads of RunConfig; the rest keeps RunConfig's defaults
-    "rl_train": (*_COMMON, "iterations", "checkpoint_every", "eval_every", "resume", "data", "rollout", "algo",
-                 "train", "placement", "offload", "debug", "pipeline", "watchdog"),  # retries: the deployment's own (UI Retry resumes)
+    "rl_train": (
+        *_COMMON,
+        "iterations",
+        "checkpoint_every",
+        "eval_every",
+        "resume",
+        "data",
+        "rollout",
+        "algo",
+        "train",
+        "placement",
+        "offload",
+        "debug",
+        "pipeline",
+        "watchdog",
+    ),  # retries: the deployment's own (UI Retry resumes)
     "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
     "alignment_check": (*_COMMON, "data", "rollout", "algo", "train"),
@@ -61,8 +75,7 @@ class FlowParams(BaseModel):
 
 
 def _params_model(name: str, flow_name: str, doc: str) -> type[FlowParams]:
-    fields = {key: (RunConfig.model_fields[key].annotation, RunConfig.model_fields[key])
-              for key in SECTIONS[flow_name]}
+    fields = {key: (RunConfig.model_fields[key].annotation, RunConfig.model_fields[key]) for key in SECTIONS[flow_name]}
     model = create_model(name, __base__=FlowParams, **fields)  # type: ignore[call-overload]
     model.__doc__ = doc
     return model
@@ -75,8 +88,11 @@ AlignmentParams = _params_model("AlignmentParams", "alignment_check", "RunConfig
 BisectParams = _params_model("BisectParams", "ima_bisect", "RunConfig sections ima_bisect reads.")
 
 PARAMS_MODELS: dict[str, type[FlowParams]] = {
-    "rl_train": TrainParams, "rollout_only": RolloutParams, "replay_train": ReplayParams,
-    "alignment_check": AlignmentParams, "ima_bisect": BisectParams,
+    "rl_train": TrainParams,
+    "rollout_only": RolloutParams,
+    "replay_train": ReplayParams,
+    "alignment_check": AlignmentParams,
+    "ima_bisect": BisectParams,
 }
 
 

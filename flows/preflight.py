@@ -12,23 +12,22 @@ import os
 import tempfile
 from typing import Any, Iterable
 
-from rollflow.flows.cluster_checks import check_cluster_store
-from rollflow.flows.input_errors import PreflightError
 from rollflow.artifacts.errors import format_ids
 from rollflow.artifacts.slime import discover_template_ids
 from rollflow.artifacts.storage import open_fs
 from rollflow.artifacts.store import RolloutStore, validate_run
+from rollflow.flows.cluster_checks import check_cluster_store
 from rollflow.flows.config import RunConfig
+from rollflow.flows.input_errors import PreflightError
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.rollout.dataset import detect_format
-
 
 # ----------------------------------------------------------------------------- the store
 
 
 def _local_path(root: str) -> str | None:
     if root.startswith("file://"):
-        return root[len("file://"):]
+        return root[len("file://") :]
     return None if "://" in root else root
 
 
@@ -57,8 +56,10 @@ def check_store_writable(root: str) -> None:
             os.unlink(name)
     except OSError as exc:
         where = f"{probe} (its nearest existing folder)" if probe != path else path
-        raise PreflightError(f"store.root={root!r} is not writable: {where}: {exc.strerror or exc}; choose a "
-                             "writable folder (--set store.root=...) or fix its permissions") from None
+        raise PreflightError(
+            f"store.root={root!r} is not writable: {where}: {exc.strerror or exc}; choose a "
+            "writable folder (--set store.root=...) or fix its permissions"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- the model
@@ -123,8 +124,9 @@ def scan_dataset(path: str, fmt: str, data: Any) -> int:
                 column = batch.column(0)
                 if column.null_count:
                     row = offset + next(i for i, v in enumerate(column.is_null().to_pylist()) if v)
-                    raise PreflightError(f"data record {row} of {path!r} has no value for {data.input_key!r} "
-                                         "(data.input_key is null)")
+                    raise PreflightError(
+                        f"data record {row} of {path!r} has no value for {data.input_key!r} (data.input_key is null)"
+                    )
                 offset += batch.num_rows
             return pf.metadata.num_rows
     with fs.open(fs_path, "rb") as f:
@@ -149,7 +151,7 @@ def _scan_jsonl_arrow(f, path: str, required: list[tuple[str, str]]) -> int:
         offset = 0
         for batch in reader:
             names = batch.schema.names
-            for key, setting in required:
+            for key, _setting in required:
                 if key not in names:
                     raise _ArrowCannot()  # which record lacks it: the line scan names it
                 if batch.column(key).null_count:
@@ -178,8 +180,9 @@ def _scan_jsonl_lines(f, path: str, required: list[tuple[str, str]]) -> int:
         try:
             row = loads(line)
         except ValueError as exc:
-            raise PreflightError(f"data.path={path!r} line {number} is not JSON ({exc}); one JSON object per "
-                                 "line (JSONL)") from None
+            raise PreflightError(
+                f"data.path={path!r} line {number} is not JSON ({exc}); one JSON object per line (JSONL)"
+            ) from None
         if not isinstance(row, dict):
             raise PreflightError(f"data.path={path!r} line {number} is a {type(row).__name__}, not a JSON object")
         for key, setting in required:
@@ -216,8 +219,10 @@ def parse_ids(spec: str | None) -> list[int] | None:
         except ValueError:
             raise PreflightError(f"--ids {spec!r}: {part!r} is not an id or a range like 0-4") from None
         if last < first:
-            raise PreflightError(f"--ids {spec!r}: range {part!r} runs backwards (it would select no rollout); "
-                                 f"write it low-high, e.g. {last}-{first}")
+            raise PreflightError(
+                f"--ids {spec!r}: range {part!r} runs backwards (it would select no rollout); "
+                f"write it low-high, e.g. {last}-{first}"
+            )
         ids.extend(range(first, last + 1))
     if any(i < 0 for i in ids):
         raise PreflightError(f"--ids {spec!r}: rollout ids are >= 0")
@@ -234,32 +239,39 @@ def check_source_run(cfg: RunConfig, source_run: str, rollout_ids: list[int] | N
     have = store.list_ids(source_run, "train")
     if not have:
         runs = store.list_runs()
-        raise PreflightError(f"--source-run {source_run!r} has no committed rollouts under {cfg.store.root}; runs "
-                             f"there: {', '.join(runs[:20]) or 'none'}")
+        raise PreflightError(
+            f"--source-run {source_run!r} has no committed rollouts under {cfg.store.root}; runs "
+            f"there: {', '.join(runs[:20]) or 'none'}"
+        )
     if rollout_ids is not None:
         missing = sorted(set(rollout_ids) - set(have))
         if missing:
-            raise PreflightError(f"--ids: run {source_run!r} has no rollout(s) {format_ids(missing)}; committed: "
-                                 f"{format_ids(have)}")
+            raise PreflightError(
+                f"--ids: run {source_run!r} has no rollout(s) {format_ids(missing)}; committed: {format_ids(have)}"
+            )
 
 
 def check_slime_template(template: str, rollout_ids: list[int] | None) -> None:
     found = discover_template_ids(template)
     if not found["train"]:
-        raise PreflightError(f"--load-debug-rollout-data {template!r}: no dump matches (expected files like "
-                             f"{template.format(rollout_id=0)!r})")
+        raise PreflightError(
+            f"--load-debug-rollout-data {template!r}: no dump matches (expected files like "
+            f"{template.format(rollout_id=0)!r})"
+        )
     if rollout_ids is not None:
         missing = sorted(set(rollout_ids) - set(found["train"]))
         if missing:
-            raise PreflightError(f"--ids: no slime dump for rollout(s) {missing} of {template!r}; found "
-                                 f"{found['train']}")
+            raise PreflightError(
+                f"--ids: no slime dump for rollout(s) {missing} of {template!r}; found {found['train']}"
+            )
 
 
 # ----------------------------------------------------------------------------- per command
 
 
-def preflight(cfg: RunConfig, command: str, *, rollout_ids: list[int] | None = None,
-              source_run: str | None = None) -> None:
+def preflight(
+    cfg: RunConfig, command: str, *, rollout_ids: list[int] | None = None, source_run: str | None = None
+) -> None:
     """Everything a flow command can check before Prefect, Ray or an actor starts."""
 
     check_cluster_store(cfg)  # a local store.root on a multi-node Ray cluster (joins the cluster named by ray.address)

@@ -16,8 +16,13 @@ STAGES = ("start", "eval", "generate", "reward", "persist", "train", "sync", "ch
 @contextlib.contextmanager
 def iteration_progress(console: Console | None = None) -> Iterator[Progress]:
     console = console or Console()
-    progress = Progress(TextColumn("{task.description:<14}"), BarColumn(), TextColumn("{task.fields[stage]:<10}"),
-                        TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("{task.description:<14}"),
+        BarColumn(),
+        TextColumn("{task.fields[stage]:<10}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
     bars: dict[object, int] = {}
     current: list[object] = []  # the key of the bar that stages without an iteration belong to
 

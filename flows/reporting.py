@@ -20,8 +20,16 @@ if TYPE_CHECKING:  # an annotation only: the store module (pyarrow) loads where 
 # Set by the caller that draws the terminal progress bar; flows call it between their tasks.
 STAGE_HOOK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("stage_hook", default=None)
 
-HEADLINE = ("rollout/raw_reward", "eval/accuracy", "rollout/kl", "train/pg_clipfrac", "train/ppo_kl",
-            "train/grad_norm", "critic/value_loss", "perf/iteration_s")  # critic/*: ppo runs only
+HEADLINE = (
+    "rollout/raw_reward",
+    "eval/accuracy",
+    "rollout/kl",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/grad_norm",
+    "critic/value_loss",
+    "perf/iteration_s",
+)  # critic/*: ppo runs only
 
 
 def stage(name: str, iteration: int | None = None, line: str | None = None) -> None:
@@ -95,8 +103,10 @@ def _write_jsonl(cfg: RunConfig, name: str, rows: list[dict]) -> None:
 
 def step_rows(steps: list[dict[str, float]], first_step: int, **fields) -> list[dict]:
     """Rows of `train_step/*` keys numbered from `first_step`, with `fields` (e.g. iteration) on each."""
-    return [{**fields, "step": first_step + i, **{STEP_PREFIX + k: v for k, v in stats.items()}}
-            for i, stats in enumerate(steps)]
+    return [
+        {**fields, "step": first_step + i, **{STEP_PREFIX + k: v for k, v in stats.items()}}
+        for i, stats in enumerate(steps)
+    ]
 
 
 def record_train_steps(cfg: RunConfig, iteration: int, steps: list[dict[str, float]]) -> list[dict]:
@@ -161,19 +171,25 @@ def publish_iteration(cfg: RunConfig, rows: list[dict], rollout_uri: str) -> Non
 
     columns = ["iteration", *HEADLINE, "rollout_uri"]
     table = [{c: (round(r[c], 6) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows]
-    create_table_artifact(key=artifact_key(cfg.run, "metrics"), table=table,
-                          description=f"Per-iteration metrics of run `{cfg.run}`")
+    create_table_artifact(
+        key=artifact_key(cfg.run, "metrics"), table=table, description=f"Per-iteration metrics of run `{cfg.run}`"
+    )
     last = rows[-1]["iteration"]
     if rollout_uri.startswith(("http://", "https://")):
-        create_link_artifact(key=artifact_key(cfg.run, "rollout"), link=rollout_uri,
-                             link_text=f"rollout artifact of iteration {last}",
-                             description=f"Rollout artifact of iteration {last} of run `{cfg.run}`")
+        create_link_artifact(
+            key=artifact_key(cfg.run, "rollout"),
+            link=rollout_uri,
+            link_text=f"rollout artifact of iteration {last}",
+            description=f"Rollout artifact of iteration {last} of run `{cfg.run}`",
+        )
     else:
         # file paths and s3:// URIs are no browser links: show them as text, with the command that reads them
-        create_markdown_artifact(key=artifact_key(cfg.run, "rollout"),
-                                 markdown=f"Rollout artifact of iteration {last}:\n\n`{rollout_uri}`\n\n"
-                                          f"Inspect it with `rollflow show {rollout_uri}`.",
-                                 description=f"Rollout artifact of iteration {last} of run `{cfg.run}`")
+        create_markdown_artifact(
+            key=artifact_key(cfg.run, "rollout"),
+            markdown=f"Rollout artifact of iteration {last}:\n\n`{rollout_uri}`\n\n"
+            f"Inspect it with `rollflow show {rollout_uri}`.",
+            description=f"Rollout artifact of iteration {last} of run `{cfg.run}`",
+        )
 
 
 def publish_note(cfg: RunConfig, topic: str, text: str) -> None:
@@ -182,8 +198,9 @@ def publish_note(cfg: RunConfig, topic: str, text: str) -> None:
     create_markdown_artifact(key=artifact_key(cfg.run, topic), markdown=text, description=text[:500])
 
 
-def publish_summary(cfg: RunConfig, store: RolloutStore, summary: dict, rows: list[dict], plot_path: str | None,
-                    note: str | None = None) -> None:
+def publish_summary(
+    cfg: RunConfig, store: RolloutStore, summary: dict, rows: list[dict], plot_path: str | None, note: str | None = None
+) -> None:
     """The rl_train run's own artifact: final metrics, eval accuracy, where everything is, the reward curve."""
     import base64
 
@@ -201,15 +218,27 @@ def publish_summary(cfg: RunConfig, store: RolloutStore, summary: dict, rows: li
             if key in rows[-1]:
                 value = rows[-1][key]
                 lines.append(f"| {key} | {round(value, 6) if isinstance(value, float) else value} |")
-    lines += ["", "## Where things are", "",
-              f"- rollout artifacts: `{store.run_uri(cfg.run)}/rollouts/`",
-              f"- checkpoints: `{store.run_uri(cfg.run)}/checkpoints/`",
-              f"- metrics: `{run_file(cfg, 'metrics.jsonl')[1]}`"]
+    lines += [
+        "",
+        "## Where things are",
+        "",
+        f"- rollout artifacts: `{store.run_uri(cfg.run)}/rollouts/`",
+        f"- checkpoints: `{store.run_uri(cfg.run)}/checkpoints/`",
+        f"- metrics: `{run_file(cfg, 'metrics.jsonl')[1]}`",
+    ]
     if plot_path:
         fs, _ = run_file(cfg, "reward_curve.png")
         with fs.open(plot_path, "rb") as f:
             png = base64.b64encode(f.read()).decode()
-        lines += [f"- reward curve: `{plot_path}`", "", "## Reward curve", "",
-                  f"![reward curve](data:image/png;base64,{png})"]
-    create_markdown_artifact(key=artifact_key(cfg.run, "summary"), markdown="\n".join(lines),
-                             description=f"Summary of rollflow run `{cfg.run}`")
+        lines += [
+            f"- reward curve: `{plot_path}`",
+            "",
+            "## Reward curve",
+            "",
+            f"![reward curve](data:image/png;base64,{png})",
+        ]
+    create_markdown_artifact(
+        key=artifact_key(cfg.run, "summary"),
+        markdown="\n".join(lines),
+        description=f"Summary of rollflow run `{cfg.run}`",
+    )

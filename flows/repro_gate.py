@@ -79,18 +79,26 @@ def read_trace(cfg: RunConfig) -> RunTrace:
         with fs.open(path, "rb") as f:
             records = read_records(f.read()).columns
         key = cfg.rollout.reward_key_for("train")
-        iterations.append(IterationTrace(
-            rollout_id=rollout_id, tokens=[list(s.tokens) for s in samples],
-            rewards=[s.scalar_reward(key) if s.reward is not None else None for s in samples],
-            rollout_log_probs=[list(s.rollout_log_probs or []) for s in samples], records=records,
-            metrics=metrics.get(rollout_id, {}), steps=[r for r in steps if r.get("iteration") == rollout_id + 1]))
-    state = torch.load(io.BytesIO(load_checkpoint(cfg.store.root, cfg.run, cfg.iterations)), map_location="cpu",
-                       weights_only=True)
+        iterations.append(
+            IterationTrace(
+                rollout_id=rollout_id,
+                tokens=[list(s.tokens) for s in samples],
+                rewards=[s.scalar_reward(key) if s.reward is not None else None for s in samples],
+                rollout_log_probs=[list(s.rollout_log_probs or []) for s in samples],
+                records=records,
+                metrics=metrics.get(rollout_id, {}),
+                steps=[r for r in steps if r.get("iteration") == rollout_id + 1],
+            )
+        )
+    state = torch.load(
+        io.BytesIO(load_checkpoint(cfg.store.root, cfg.run, cfg.iterations)), map_location="cpu", weights_only=True
+    )
     return RunTrace(cfg.run, iterations, dict(state["model"]))
 
 
-def run_repro_gate(cfg: RunConfig, faults: AlignmentFaults | None = None, *,
-                   max_identical_fraction: float = 0.5) -> list[CheckResult]:
+def run_repro_gate(
+    cfg: RunConfig, faults: AlignmentFaults | None = None, *, max_identical_fraction: float = 0.5
+) -> list[CheckResult]:
     """The two checks' results. `faults.nondeterministic_logits_std` goes into the second pass only (the gate
     must then fail); `faults.greedy_sampling` into both (the diversity guard must then fail)."""
     faults = faults or AlignmentFaults()
@@ -99,5 +107,9 @@ def run_repro_gate(cfg: RunConfig, faults: AlignmentFaults | None = None, *,
         run_pass(pcfg, faults, inject_noise=label == "b")
     a, b = (read_trace(pcfg) for pcfg in configs)
     temperature = float(cfg.rollout.temperature or 0.0)
-    return [repro_check(a, b), diversity_check(a.iterations, cfg.rollout.n_samples_per_prompt, temperature,
-                                               max_fraction=max_identical_fraction)]
+    return [
+        repro_check(a, b),
+        diversity_check(
+            a.iterations, cfg.rollout.n_samples_per_prompt, temperature, max_fraction=max_identical_fraction
+        ),
+    ]

@@ -77,8 +77,10 @@ def recorded_records(cfg: RunConfig, source_run: str, rollout_id: int) -> Sample
     uri = train_record_uri(cfg.store.root, source_run, rollout_id)
     fs, path = open_fs(uri)
     if not fs.exists(path):
-        raise FileNotFoundError(f"run {source_run!r} has no train records for rollout {rollout_id} ({uri}): it was "
-                                "trained before records were written; replay --stage reward still works")
+        raise FileNotFoundError(
+            f"run {source_run!r} has no train records for rollout {rollout_id} ({uri}): it was "
+            "trained before records were written; replay --stage reward still works"
+        )
     with fs.open(path, "rb") as f:
         return read_records(f.read())
 
@@ -105,28 +107,50 @@ def reward_stage(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef) -> dict:
 def retrain_task(scfg: RunConfig, ref: ArtifactRef, source_run: str) -> ReplayedIteration:
     trainer = WorkerGroup.for_run(scfg).trainer()
     scratch = train_record_uri(scfg.store.root, scfg.run, ref.rollout_id)
-    return ActorRunner(trainer.actor).run(retrain_iteration, ref, source_root=scfg.store.root,
-                                          source_run=source_run, record_uri=scratch)
+    return ActorRunner(trainer.actor).run(
+        retrain_iteration, ref, source_root=scfg.store.root, source_run=source_run, record_uri=scratch
+    )
 
 
 def advantage_result(recorded: SampleRecords, replayed: SampleRecords, rollout_id: int, dtype: str) -> StageResult:
     tol = tolerance_for(dtype)
-    return merge("advantage", rollout_id, [
-        compare_values("advantage", rollout_id, "reward", recorded.columns["reward"], replayed.columns["reward"],
-                       tolerance_for("float64")),
-        compare_values("advantage", rollout_id, "advantage", recorded.columns["advantage"],
-                       replayed.columns["advantage"], tol)])
+    return merge(
+        "advantage",
+        rollout_id,
+        [
+            compare_values(
+                "advantage",
+                rollout_id,
+                "reward",
+                recorded.columns["reward"],
+                replayed.columns["reward"],
+                tolerance_for("float64"),
+            ),
+            compare_values(
+                "advantage", rollout_id, "advantage", recorded.columns["advantage"], replayed.columns["advantage"], tol
+            ),
+        ],
+    )
 
 
-def loss_result(recorded_row: dict, recorded_steps: list[dict], recorded: SampleRecords, replayed: ReplayedIteration,
-                rollout_id: int, dtype: str) -> StageResult:
+def loss_result(
+    recorded_row: dict,
+    recorded_steps: list[dict],
+    recorded: SampleRecords,
+    replayed: ReplayedIteration,
+    rollout_id: int,
+    dtype: str,
+) -> StageResult:
     tol = tolerance_for(dtype)
     steps = reporting.step_rows(replayed.steps, 1, iteration=rollout_id + 1)
-    parts = [compare_metrics("loss", rollout_id, recorded_row, replayed.metrics, tol),
-             compare_steps(rollout_id, recorded_steps, steps, tol)]
+    parts = [
+        compare_metrics("loss", rollout_id, recorded_row, replayed.metrics, tol),
+        compare_steps(rollout_id, recorded_steps, steps, tol),
+    ]
     for name in ("log_prob_sum", "ref_log_prob_sum"):
-        parts.append(compare_values("loss", rollout_id, name, recorded.columns[name], replayed.records.columns[name],
-                                    tol))
+        parts.append(
+            compare_values("loss", rollout_id, name, recorded.columns[name], replayed.records.columns[name], tol)
+        )
     return merge("loss", rollout_id, parts)
 
 
@@ -135,14 +159,20 @@ def stage_check(result: dict) -> dict:
     if not StageResult.from_dict(result).ok:
         bad = result["mismatches"][:3]
         what = "; ".join(f"{m['field']} {m['where']}: recorded {m['recorded']} replayed {m['replayed']}" for m in bad)
-        raise StageMismatch(f"{result['stage']} of rollout {result['rollout_id']}: {len(result['mismatches'])} "
-                            f"mismatches of {result['compared']} values ({what or 'nothing recorded to compare'})")
+        raise StageMismatch(
+            f"{result['stage']} of rollout {result['rollout_id']}: {len(result['mismatches'])} "
+            f"mismatches of {result['compared']} values ({what or 'nothing recorded to compare'})"
+        )
     return result
 
 
 @flow(name="stage_replay", flow_run_name=flow_run_name("/stage-replay"))
-def stage_replay(params: ReplayParams, stages: list[str], rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
-                 source_run: str | None = None) -> dict:
+def stage_replay(
+    params: ReplayParams,
+    stages: list[str],
+    rollout_ids: list[int] | None = None,  # type: ignore[valid-type]
+    source_run: str | None = None,
+) -> dict:
     """Recompute `stages` (reward, advantage, loss) of run `source_run` (default: the config's run) on its pinned
     rollouts and compare with its recorded values; fails, after publishing the mismatch table, on any."""
     cfg = params.run_config(mode="train_only")
@@ -165,13 +195,14 @@ def stage_replay(params: ReplayParams, stages: list[str], rollout_ids: list[int]
     if trained:
         results += _trainer_stages(cfg, refs, source_run, trained)
     for result in results:
-        stage_check.with_options(name=f"check-{result.stage}-{result.rollout_id}")(result.to_dict(),
-                                                                                   return_state=True)
+        stage_check.with_options(name=f"check-{result.stage}-{result.rollout_id}")(result.to_dict(), return_state=True)
     report = StageReplayReport(source_run, results)
     out = report.to_dict()
-    create_table_artifact(key=reporting.artifact_key(source_run, "stage-replay"),
-                          table=report.table_rows(200) or [{"stage": ", ".join(stages), "mismatches": 0}],
-                          description=report.summary()[:500])
+    create_table_artifact(
+        key=reporting.artifact_key(source_run, "stage-replay"),
+        table=report.table_rows(200) or [{"stage": ", ".join(stages), "mismatches": 0}],
+        description=report.summary()[:500],
+    )
     if not report.ok:
         get_run_logger().error(report.summary())
         raise StageReplayFailed(report.summary(), out)

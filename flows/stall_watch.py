@@ -40,8 +40,13 @@ def stall_watch(cfg: RunConfig, task: str, iteration: int | None = None) -> Stal
     if cfg.watchdog.stall_s <= 0:
         return None
     it = current_iteration() if iteration is None else iteration
-    return StallWatch(run=cfg.run, task=task, iteration=it, stall_s=cfg.watchdog.stall_s,
-                      stacks_uri=stacks_uri(cfg.store.root, cfg.run, it, task))
+    return StallWatch(
+        run=cfg.run,
+        task=task,
+        iteration=it,
+        stall_s=cfg.watchdog.stall_s,
+        stacks_uri=stacks_uri(cfg.store.root, cfg.run, it, task),
+    )
 
 
 def watched(task: str) -> Callable[[F], F]:
@@ -72,16 +77,24 @@ def publish_stall(cfg: RunConfig, exc: StallError) -> None:
             stacks = f.read(REPORT_CHARS)
     except Exception as err:  # noqa: BLE001 - the report must not replace the stall's own error
         stacks = f"(stack file not readable: {err})"
-    markdown = (f"## Stall: task `{exc.task}` of run `{cfg.run}`\n\n"
-                f"Actor `{exc.actor}` made no progress for {exc.seconds:.0f} s (watchdog.stall_s="
-                f"{cfg.watchdog.stall_s:g}) and was killed; stacks of every actor of the run and of the flow process: "
-                f"`{exc.stack_file}`\n\n```\n{stacks}\n```\n")
+    markdown = (
+        f"## Stall: task `{exc.task}` of run `{cfg.run}`\n\n"
+        f"Actor `{exc.actor}` made no progress for {exc.seconds:.0f} s (watchdog.stall_s="
+        f"{cfg.watchdog.stall_s:g}) and was killed; stacks of every actor of the run and of the flow process: "
+        f"`{exc.stack_file}`\n\n```\n{stacks}\n```\n"
+    )
     try:
         create_markdown_artifact(key=artifact_key(cfg.run, "stall"), markdown=markdown, description=str(exc)[:500])
-        emit_event(event=STALL_EVENT, resource={"prefect.resource.id": f"rollflow.run.{cfg.run}",
-                                                "prefect.resource.name": cfg.run},
-                   payload={"task": exc.task, "actor": exc.actor, "seconds": round(exc.seconds, 1),
-                            "stack_file": exc.stack_file})
+        emit_event(
+            event=STALL_EVENT,
+            resource={"prefect.resource.id": f"rollflow.run.{cfg.run}", "prefect.resource.name": cfg.run},
+            payload={
+                "task": exc.task,
+                "actor": exc.actor,
+                "seconds": round(exc.seconds, 1),
+                "stack_file": exc.stack_file,
+            },
+        )
     except Exception as err:  # noqa: BLE001
         logger.warning(f"stall report not published: {type(err).__name__}: {err}")
 

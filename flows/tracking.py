@@ -92,6 +92,7 @@ def config_params(cfg: RunConfig) -> dict[str, Any]:
 
 # ---- where things go ------------------------------------------------------------------------------------
 
+
 def local_store_root(cfg: RunConfig) -> str | None:
     fs, base = open_fs(cfg.store.root)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -125,7 +126,7 @@ def mlflow_uri(cfg: RunConfig) -> str:
 def mlflow_artifact_location(uri: str) -> str | None:
     """Artifacts of a local SQLite store next to its database (not in the current directory)."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").as_uri()
+        return (Path(uri[len("sqlite:///") :]).parent / "artifacts").as_uri()
     return None
 
 
@@ -135,6 +136,7 @@ def mlflow_key(key: str) -> str:
 
 
 # ---- sinks ------------------------------------------------------------------------------------------------
+
 
 class Sink:
     name = "sink"
@@ -186,8 +188,11 @@ class TensorBoardSink(Sink):
         from tensorboard.compat.proto.types_pb2 import DT_STRING
 
         meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
-        tensor = TensorProto(dtype=DT_STRING, string_val=[text.encode()],
-                             tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        tensor = TensorProto(
+            dtype=DT_STRING,
+            string_val=[text.encode()],
+            tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]),
+        )
         self._write([Summary.Value(tag=key, metadata=meta, tensor=tensor)], step)
 
     def log_file(self, path, folder=None):
@@ -231,8 +236,13 @@ class MlflowSink(Sink):
                 run_id = None
         if not run_id:
             exp = self.client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                self.experiment, artifact_location=mlflow_artifact_location(self.uri))
+            exp_id = (
+                exp.experiment_id
+                if exp
+                else self.client.create_experiment(
+                    self.experiment, artifact_location=mlflow_artifact_location(self.uri)
+                )
+            )
             run_id = self.client.create_run(exp_id, run_name=self.run_name).info.run_id
             state["mlflow_run_id"] = run_id
         else:
@@ -241,7 +251,7 @@ class MlflowSink(Sink):
         if params is not None:
             items = [Param(mlflow_key(k)[:250], str(v)[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):
-                self.client.log_batch(run_id, params=items[i:i + 100])
+                self.client.log_batch(run_id, params=items[i : i + 100])
         for key, value in tags.items():
             self.client.set_tag(run_id, mlflow_key(key), str(value)[:5000])
 
@@ -251,7 +261,7 @@ class MlflowSink(Sink):
         stamp = int(time.time() * 1000)
         items = [Metric(mlflow_key(k), v, stamp, step) for k, v in metrics.items()]
         for i in range(0, len(items), 1000):
-            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
 
     def log_text(self, key, text, step=0):
         self.client.log_text(self.run_id, text, f"{mlflow_key(key)}.md")
@@ -283,10 +293,17 @@ class WandbSink(Sink):
             raise ImportError(f"tracking backend 'wandb' is not installed: {EXTRA}") from exc
         run_id = state.get("wandb_run_id") or uuid.uuid4().hex[:8]
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=self.project, name=self.run_name, id=run_id, resume="allow",
-                              dir=str(self.folder), mode=self.mode or os.environ.get("WANDB_MODE") or "online",
-                              config=params, reinit="create_new",
-                              settings=wandb.Settings(silent=True, console="off"))
+        self.run = wandb.init(
+            project=self.project,
+            name=self.run_name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.folder),
+            mode=self.mode or os.environ.get("WANDB_MODE") or "online",
+            config=params,
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
         state["wandb_run_id"] = self.run.id
         if tags:
             self.run.summary.update(dict(tags))
@@ -324,6 +341,7 @@ class WandbSink(Sink):
 
 # ---- the tracker a flow holds -------------------------------------------------------------------------------
 
+
 class Tracker:
     """The run's sinks; every call goes to each live sink, and a sink that raises is dropped (once, with a
     warning) unless `tracking.fatal`. With no backends configured every method is a no-op."""
@@ -352,8 +370,9 @@ class Tracker:
             line = f"{message}; tracking to {sink.name} is off for this run"
         else:
             message = f"tracking backend {sink.name!r} failed ({what}): {type(exc).__name__}: {exc}"
-            line = (f"{message}; it is disabled for this run, training goes on (tracking.fatal=true fails the "
-                    "run instead)")
+            line = (
+                f"{message}; it is disabled for this run, training goes on (tracking.fatal=true fails the run instead)"
+            )
         if self.cfg.tracking.fatal:
             raise TrackingError(message) from exc
         if sink in self.sinks:
@@ -402,8 +421,9 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001
             if self.cfg.tracking.fatal:
                 raise TrackingError(f"tracking state {self.state_path}: {exc}") from exc
-            report_problem(f"could not write the tracking state {self.state_path} ({exc}); a resume starts "
-                           "new tracking runs")
+            report_problem(
+                f"could not write the tracking state {self.state_path} ({exc}); a resume starts new tracking runs"
+            )
 
     def close(self, ok: bool = True) -> None:
         self._each("finish", lambda s: s.close(ok))
@@ -463,8 +483,15 @@ def build_sinks(cfg: RunConfig, flow: str, run_name: str, tb_folder: str | None 
     return sinks
 
 
-def start(cfg: RunConfig, flow: str, *, suffix: str = "", state_at: str | None = None,
-          state: dict | None = None, links: dict[str, str] | None = None) -> Tracker:
+def start(
+    cfg: RunConfig,
+    flow: str,
+    *,
+    suffix: str = "",
+    state_at: str | None = None,
+    state: dict | None = None,
+    links: dict[str, str] | None = None,
+) -> Tracker:
     """A tracker for one flow run: `state_at` (a tracking.json URL) keeps run ids across runs (resume, nights)."""
     if not cfg.tracking.backends:
         return Tracker(cfg, [], {}, None)
@@ -481,6 +508,7 @@ def start(cfg: RunConfig, flow: str, *, suffix: str = "", state_at: str | None =
 
 # ---- per flow ---------------------------------------------------------------------------------------------
 
+
 def start_train(cfg: RunConfig, resume_at: int) -> Tracker:
     """rl_train's tracker: the stored tracking run continues when it holds no step past `resume_at` (the
     checkpoint the run resumes from); committed rows it has not seen yet are logged now."""
@@ -490,13 +518,18 @@ def start_train(cfg: RunConfig, resume_at: int) -> Tracker:
     state = read_state(where)
     if int(state.get("logged_through", 0)) > resume_at:
         # resume_from an older checkpoint: the old tracking run has steps that will be redone
-        report_problem(f"run {cfg.run!r} resumes from checkpoint {resume_at}, before the last step its tracking "
-                       f"run logged ({state['logged_through']}): logging to new tracking runs")
+        report_problem(
+            f"run {cfg.run!r} resumes from checkpoint {resume_at}, before the last step its tracking "
+            f"run logged ({state['logged_through']}): logging to new tracking runs"
+        )
         state = {}
     state.setdefault("logged_through", 0)
     run_uri = RolloutStore(cfg.store.root).run_uri(cfg.run)
-    links = {"rollflow.store": run_uri, "rollflow.checkpoints": f"{run_uri}/checkpoints/",
-             "rollflow.metrics": reporting.run_file(cfg, "metrics.jsonl")[1]}
+    links = {
+        "rollflow.store": run_uri,
+        "rollflow.checkpoints": f"{run_uri}/checkpoints/",
+        "rollflow.metrics": reporting.run_file(cfg, "metrics.jsonl")[1],
+    }
     if resume_at:
         links["rollflow.resumed_from"] = str(resume_at)
     tracker = start(cfg, "rl_train", state_at=where, state=state, links=links)

@@ -7,13 +7,13 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.artifacts.store import RolloutStore
 from rollflow.flows import reporting, tracking
-from rollflow.flows.params import TrainParams
-from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.config import RunConfig
-from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
-from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
+from rollflow.flows.params import TrainParams
+from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
+from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
+from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.tasks.rollout.dataset import check_resume, data_state
 from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_status, load_checkpoint_meta
 
@@ -41,8 +41,10 @@ def resume_point(cfg: RunConfig, store: RolloutStore) -> int:
     if cfg.resume_from is not None:
         if cfg.resume_from != 0 and cfg.resume_from not in committed:
             why = f" ({skipped[cfg.resume_from]})" if cfg.resume_from in skipped else ""
-            raise CheckpointError(f"resume_from={cfg.resume_from}: run {cfg.run!r} has no committed checkpoint "
-                                  f"{cfg.resume_from}{why}; committed: {committed or 'none'}")
+            raise CheckpointError(
+                f"resume_from={cfg.resume_from}: run {cfg.run!r} has no committed checkpoint "
+                f"{cfg.resume_from}{why}; committed: {committed or 'none'}"
+            )
         last = cfg.resume_from or None
     newer_skipped = {i: why for i, why in skipped.items() if last is None or i > last}
     if newer_skipped:
@@ -71,8 +73,10 @@ def retry_note(cfg: RunConfig, start: int) -> str | None:
     if count <= 1:
         return None
     where = f"checkpoint {start}" if start else "the start (no committed checkpoint)"
-    return (f"retry {count - 1} of flow run {flow_run.name} ({flow_run.id}): run {cfg.run!r} resumes from {where}, "
-            "reusing every committed rollout")
+    return (
+        f"retry {count - 1} of flow run {flow_run.name} ({flow_run.id}): run {cfg.run!r} resumes from {where}, "
+        "reusing every committed rollout"
+    )
 
 
 # The hooks stop the run's actors and release its placement when the run fails or crashes in-process.
@@ -117,8 +121,9 @@ def rl_train(params: TrainParams) -> dict:  # type: ignore[valid-type]
         return _train_loop(cfg, store, start, group, tracker, note)
 
 
-def _train_loop(cfg: RunConfig, store: RolloutStore, start: int, group: WorkerGroup, tracker: tracking.Tracker,
-                note: str | None) -> dict:
+def _train_loop(
+    cfg: RunConfig, store: RolloutStore, start: int, group: WorkerGroup, tracker: tracking.Tracker, note: str | None
+) -> dict:
     from prefect.runtime import flow_run
 
     # UI cancel (Cancelling) of a run no runner watches (a CLI call): stop the actors, end Cancelled.
@@ -134,8 +139,10 @@ def _train_loop(cfg: RunConfig, store: RolloutStore, start: int, group: WorkerGr
             if tracking.checkpointed(cfg, row["iteration"]):
                 tracking.log_committed(tracker, cfg, row["iteration"])
             if cfg.debug.fail_after_iteration == rollout_id + 1 and (flow_run.run_count or 1) == 1:
-                raise InjectedFault(f"debug.fail_after_iteration={rollout_id + 1}: failing after the committed "
-                                    "checkpoint on purpose; retry this flow run to resume it")
+                raise InjectedFault(
+                    f"debug.fail_after_iteration={rollout_id + 1}: failing after the committed "
+                    "checkpoint on purpose; retry this flow run to resume it"
+                )
         if cfg.eval_every:
             reporting.stage("final eval")
             final = eval_metrics(cfg, store, cfg.iterations)
@@ -143,8 +150,10 @@ def _train_loop(cfg: RunConfig, store: RolloutStore, start: int, group: WorkerGr
             rows[-1]["eval/final_accuracy"] = final["eval/accuracy"]
             rows[-1].update({k.replace("eval/", "eval/final_"): v for k, v in final.items() if "pass@" in k})
             reporting.write_metrics(cfg, rows)
-            tracker.log(tracking.numeric_metrics({k: v for k, v in rows[-1].items() if k.startswith("eval/final_")}),
-                        cfg.iterations)
+            tracker.log(
+                tracking.numeric_metrics({k: v for k, v in rows[-1].items() if k.startswith("eval/final_")}),
+                cfg.iterations,
+            )
     if watcher.cancelled:
         return watcher.cancelled_state()
     rows = reporting.read_metrics(cfg)

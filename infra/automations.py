@@ -78,9 +78,11 @@ def crash_detection_automation(crash_after_s: float = CRASH_AFTER_S):
 
     return AutomationCore(
         name=CRASH_AUTOMATION,
-        description=(f"Marks a flow run Crashed when {crash_after_s:.0f} s pass after one of its heartbeats "
-                     "without another heartbeat or a terminal state (its process was killed). Created by rollflow; "
-                     f"flow runs send heartbeats when PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set ({HEARTBEAT_S} s)."),
+        description=(
+            f"Marks a flow run Crashed when {crash_after_s:.0f} s pass after one of its heartbeats "
+            "without another heartbeat or a terminal state (its process was killed). Created by rollflow; "
+            f"flow runs send heartbeats when PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set ({HEARTBEAT_S} s)."
+        ),
         trigger=EventTrigger(
             posture=Posture.Proactive,
             after={HEARTBEAT_EVENT},
@@ -90,10 +92,14 @@ def crash_detection_automation(crash_after_s: float = CRASH_AFTER_S):
             threshold=1,
             within=timedelta(seconds=crash_after_s),
         ),
-        actions=[ChangeFlowRunState(
-            state=StateType.CRASHED, name="Crashed",
-            message=f"No heartbeat for {crash_after_s:.0f} s: the flow run's process is gone "
-                    "(marked by the rollflow crash-detection automation)")],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                name="Crashed",
+                message=f"No heartbeat for {crash_after_s:.0f} s: the flow run's process is gone "
+                "(marked by the rollflow crash-detection automation)",
+            )
+        ],
     )
 
 
@@ -123,20 +129,26 @@ def deployment_alert_automation(deployment_id: UUID | str, label: str):
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     subject = f"rollflow: {label} run {{{{ flow_run.name }}}} is {{{{ flow_run.state.name }}}}"
-    body = ("Flow run {{ flow_run.name }} of deployment {{ deployment.name }} ended "
-            "{{ flow_run.state.name }}: {{ flow_run.state.message }}\n{{ flow_run|ui_url }}")
+    body = (
+        "Flow run {{ flow_run.name }} of deployment {{ deployment.name }} ended "
+        "{{ flow_run.state.name }}: {{ flow_run.state.message }}\n{{ flow_run|ui_url }}"
+    )
     action = _notification_action(subject, body) or DoNothing()
     return AutomationCore(
         name=alert_name(label),
-        description=(f"Fires when a run of {label} (deployment {deployment_id}) is Failed, Crashed or Late. "
-                     f"Notifies through the block in {ALERT_BLOCK_ENV} when set; the firing is an event "
-                     "(prefect.automation.triggered) either way. Created by rollflow's deploy step."),
+        description=(
+            f"Fires when a run of {label} (deployment {deployment_id}) is Failed, Crashed or Late. "
+            f"Notifies through the block in {ALERT_BLOCK_ENV} when set; the firing is an event "
+            "(prefect.automation.triggered) either way. Created by rollflow's deploy step."
+        ),
         trigger=EventTrigger(
             posture=Posture.Reactive,
             expect={f"prefect.flow-run.{s}" for s in ALERT_EVENTS},
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "deployment",
-                           "prefect.resource.id": f"prefect.deployment.{deployment_id}"},
+            match_related={
+                "prefect.resource.role": "deployment",
+                "prefect.resource.id": f"prefect.deployment.{deployment_id}",
+            },
             for_each={"prefect.resource.id"},
             threshold=1,
             within=timedelta(0),
@@ -158,11 +170,17 @@ def automation_events(automation_id: UUID | str, since_s: float = 3600, limit: i
     from prefect.client.orchestration import get_client
 
     now = datetime.now(timezone.utc)
-    body = {"filter": {"occurred": {"since": (now - timedelta(seconds=since_s)).isoformat(),
-                                    "until": (now + timedelta(seconds=60)).isoformat()},
-                       "any_resource": {"id": [f"prefect.automation.{automation_id}"]},
-                       "order": "DESC"},
-            "limit": limit}
+    body = {
+        "filter": {
+            "occurred": {
+                "since": (now - timedelta(seconds=since_s)).isoformat(),
+                "until": (now + timedelta(seconds=60)).isoformat(),
+            },
+            "any_resource": {"id": [f"prefect.automation.{automation_id}"]},
+            "order": "DESC",
+        },
+        "limit": limit,
+    }
     with get_client(sync_client=True) as client:
         response = client.request("POST", "/events/filter", json=body)
         return list(response.json().get("events", []))
@@ -187,12 +205,14 @@ def prepare_flow_runs(api: str) -> str:
 
         if get_current_settings().flows.heartbeat_frequency != int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]):
             logging.getLogger("rollflow.automations").warning(
-                "prefect was imported before the heartbeat setting: run flows inside heartbeat_settings()")
+                "prefect was imported before the heartbeat setting: run flows inside heartbeat_settings()"
+            )
     try:
         ensure_crash_detection()
     except Exception as exc:  # noqa: BLE001 - the run itself must not fail for this
         logging.getLogger("rollflow.automations").warning(
-            f"could not create the crash-detection automation on {api}: {exc}")
+            f"could not create the crash-detection automation on {api}: {exc}"
+        )
     return api
 
 

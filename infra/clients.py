@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Literal, Sequence, Typ
 
 from rollflow.infra import deadline
 from rollflow.infra.workers import CONTROL
+
 # The workers' results, defined where they are built (tasks/) and importable from here, beside the clients.
 from rollflow.tasks.rollout.results import EngineChecks, EngineDescription, ServerInfo, WeightOverwriteCheck
 from rollflow.tasks.train.results import BroadcastBucket, IpcBucket, TrainerDescription
@@ -38,9 +39,21 @@ if TYPE_CHECKING:
     from rollflow.tasks.sync.probe import ProbeSpec
     from rollflow.tasks.train.critic import CriticEstimate
 
-__all__ = ["BroadcastBucket", "CriticClient", "EngineChecks", "EngineClient", "EngineDescription", "IpcBucket",
-           "Pending", "ServerClient", "ServerInfo", "TrainerClient", "TrainerDescription", "WeightOverwriteCheck",
-           "gather"]
+__all__ = [
+    "BroadcastBucket",
+    "CriticClient",
+    "EngineChecks",
+    "EngineClient",
+    "EngineDescription",
+    "IpcBucket",
+    "Pending",
+    "ServerClient",
+    "ServerInfo",
+    "TrainerClient",
+    "TrainerDescription",
+    "WeightOverwriteCheck",
+    "gather",
+]
 
 T = TypeVar("T")
 WeightSyncMode = Literal["object_store", "disk", "tensor", "distributed"]
@@ -136,26 +149,54 @@ class TrainerClient:
         """Load and checksum a rollout artifact ahead of `train_on_artifact`; its sample count."""
         return self._rank0_of_all([a.load_artifact.remote(ref) for a in self.ranks])
 
-    def train_on_artifact(self, ref: ArtifactRef, *, subsample: float | None = None,
-                          dump_uri: str | None = None, reward_key: str | None = None,
-                          critic: Pending[CriticEstimate] | None = None,
-                          record_uri: str | None = None) -> dict[str, float]:
+    def train_on_artifact(
+        self,
+        ref: ArtifactRef,
+        *,
+        subsample: float | None = None,
+        dump_uri: str | None = None,
+        reward_key: str | None = None,
+        critic: Pending[CriticEstimate] | None = None,
+        record_uri: str | None = None,
+    ) -> dict[str, float]:
         """Train on the artifact (each rank on its share); the global metrics. `reward_key`: the run's
         field of dict rewards (slime's --reward-key), over the samples' own. `critic` (ppo): the critic's
         estimate for this artifact, still in flight; every rank receives it from the object store.
         `record_uri`: rank 0 writes the per-sample train records there (tasks/train/records.py)."""
         extra = {"critic": critic.ref} if critic is not None else {}
-        return self._rank0_of_all([a.train_on_artifact.remote(ref, subsample=subsample, dump_uri=dump_uri,
-                                                              reward_key=reward_key, record_uri=record_uri, **extra)
-                                   for a in self.ranks])
+        return self._rank0_of_all(
+            [
+                a.train_on_artifact.remote(
+                    ref, subsample=subsample, dump_uri=dump_uri, reward_key=reward_key, record_uri=record_uri, **extra
+                )
+                for a in self.ranks
+            ]
+        )
 
-    def replay_step(self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str,
-                    subsample: float | None = None, dump_uri: str | None = None,
-                    reward_key: str | None = None) -> dict[str, float]:
+    def replay_step(
+        self,
+        ref: ArtifactRef,
+        *,
+        start_state_uri: str | None,
+        out_state_uri: str,
+        subsample: float | None = None,
+        dump_uri: str | None = None,
+        reward_key: str | None = None,
+    ) -> dict[str, float]:
         """Train on a pinned artifact from a saved state (None: the initial one), save the result."""
-        return self._rank0_of_all([
-            a.replay_step.remote(ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
-                                 subsample=subsample, dump_uri=dump_uri, reward_key=reward_key) for a in self.ranks])
+        return self._rank0_of_all(
+            [
+                a.replay_step.remote(
+                    ref,
+                    start_state_uri=start_state_uri,
+                    out_state_uri=out_state_uri,
+                    subsample=subsample,
+                    dump_uri=dump_uri,
+                    reward_key=reward_key,
+                )
+                for a in self.ranks
+            ]
+        )
 
     def offload(self) -> bool:
         """Colocation: every rank's weights, grads and optimizer state to host memory while the engine generates."""
@@ -205,12 +246,17 @@ class TrainerClient:
         make each bucket together)."""
         return list(range(len(self.ranks))) if self.sharded else list(ranks)
 
-    def ipc_begin_ranks(self, bucket_bytes: int, copies: dict[int, int], dtype: str | None = None,
-                        flattened: bool = True) -> None:
+    def ipc_begin_ranks(
+        self, bucket_bytes: int, copies: dict[int, int], dtype: str | None = None, flattened: bool = True
+    ) -> None:
         """Start the tensor path on each rank in `copies` (rank -> payload copies it makes per bucket); a sharded
         trainer's other ranks step along with no copies."""
-        _get([self.ranks[r].ipc_begin.remote(bucket_bytes, copies.get(r, 0), dtype, flattened)
-              for r in self._stepping(list(copies))])
+        _get(
+            [
+                self.ranks[r].ipc_begin.remote(bucket_bytes, copies.get(r, 0), dtype, flattened)
+                for r in self._stepping(list(copies))
+            ]
+        )
 
     def ipc_next_ranks(self, ranks: Sequence[int]) -> dict[int, IpcBucket]:
         """The next bucket of each rank in `ranks` (every rank steps when sharded); `IpcBucket.last` on the last."""
@@ -225,8 +271,9 @@ class TrainerClient:
         address, port = _get(self.actor.weight_group_address.remote())
         return str(address), int(port)
 
-    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str = "nccl") -> None:
+    def join_weight_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl"
+    ) -> None:
         _get(self.actor.join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
 
     def weight_buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
@@ -289,8 +336,16 @@ class EngineClient:
     def weight_version(self) -> int:
         return int(_get(self.actor.weight_version.remote()))
 
-    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False, attempt: int = 0,
-                continue_from: str | None = None, max_staleness: int = 0) -> list[Sample]:
+    def rollout(
+        self,
+        rollout_id: int,
+        split: str = "train",
+        *,
+        greedy: bool = False,
+        attempt: int = 0,
+        continue_from: str | None = None,
+        max_staleness: int = 0,
+    ) -> list[Sample]:
         """`attempt` >= 1: a dynamic-sampling over-sampling call; `continue_from`: the artifact URI whose aborted
         groups are continued first (partial rollouts, trained with staleness <= `max_staleness`)."""
         extra = {"attempt": attempt} if attempt else {}
@@ -324,8 +379,9 @@ class EngineClient:
         _get(self.actor.resume_memory.remote(tags))
 
     # weights and parity
-    def update_weights(self, weights: Pending[dict[str, torch.Tensor]] | dict[str, torch.Tensor],
-                       weight_version: int) -> int:
+    def update_weights(
+        self, weights: Pending[dict[str, torch.Tensor]] | dict[str, torch.Tensor], weight_version: int
+    ) -> int:
         """Load these weights (e.g. `trainer.named_weights()`, which goes actor to actor); the new version."""
         named = weights.ref if isinstance(weights, Pending) else weights
         return int(_get(self.actor.update_weights.remote(named, weight_version)))
@@ -357,8 +413,9 @@ class EngineClient:
     def payloads_per_bucket(self) -> int:
         return int(_get(self.actor.payloads_per_bucket.remote()))
 
-    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int,
-                                load_format: str | None = None) -> int:
+    def apply_serialized_bucket(
+        self, payloads: list[str], last: bool, weight_version: int, load_format: str | None = None
+    ) -> int:
         return int(_get(self.actor.apply_serialized_bucket.remote(payloads, last, weight_version, load_format)))
 
     def begin_weight_update(self) -> None:
@@ -374,13 +431,13 @@ class EngineClient:
     def weight_group_world_size(self) -> int:
         return int(_get(self.actor.weight_group_world_size.remote()))
 
-    def join_weight_group(self, master_address: str, master_port: int, group_name: str,
-                          backend: str) -> Pending[None]:
+    def join_weight_group(self, master_address: str, master_port: int, group_name: str, backend: str) -> Pending[None]:
         """Start joining (it completes once the trainer joins too)."""
         return Pending(self.actor.join_weight_group.remote(master_address, master_port, group_name, backend))
 
-    def receive_weight_bucket(self, metas: list[dict[str, Any]], last: bool, weight_version: int,
-                              group_name: str) -> Pending[int]:
+    def receive_weight_bucket(
+        self, metas: list[dict[str, Any]], last: bool, weight_version: int, group_name: str
+    ) -> Pending[int]:
         """Start receiving a bucket (completes when the trainer has broadcast it); the engine's version."""
         return Pending(self.actor.receive_weight_bucket.remote(metas, last, weight_version, group_name))
 

@@ -428,11 +428,16 @@ def start_ray(cluster: Cluster) -> None:
     cluster.save()
     env = {**cluster.s3_env(), "RAY_AUTH_MODE": "disabled"}
     head = cluster.hosts["head"]
+    # The GCS declares a node dead after RAY_HEALTH_CHECKS failed health checks (each 10 s timeout + 3 s period;
+    # Ray's default, 5, is ~65 s). A node cut off ~30 s needs more than its outage: after the link returns, the
+    # GCS's TCP connection to it sits in retransmission backoff and is reset, which cost the 5th check in the
+    # link drill; a node declared dead stops its raylet for good. 10 checks tolerate an outage of ~2 min.
+    head_env = {**env, "RAY_health_check_failure_threshold": str(RAY_HEALTH_CHECKS)}
     head_pid = _spawn(cluster, "ray-head", "head", [
         ray, "start", "--head", *RAY_COMMON, f"--node-ip-address={head}", f"--port={PORTS['ray']}",
         f"--temp-dir={cluster.ray_dir}", "--num-cpus=1", "--num-gpus=0",
         "--resources=" + json.dumps({"head": 1}), "--include-dashboard=true", f"--dashboard-host={head}",
-        f"--dashboard-port={PORTS['dashboard']}"], env)
+        f"--dashboard-port={PORTS['dashboard']}"], head_env)
     _wait(lambda: _started(cluster, "ray-head"), "Ray head", 120, log_path(cluster, "ray-head"), head_pid)
     # one node at a time: on a small machine, raylets registering while the head's dashboard starts time out
     for node in WORKER_NODES:
@@ -442,6 +447,7 @@ def start_ray(cluster: Cluster) -> None:
     cluster.timings["ray_s"] = round(time.monotonic() - t0, 2)
 
 
+RAY_HEALTH_CHECKS = 10
 RAY_COMMON = ["--block", "--disable-usage-stats", "--object-store-memory", str(150 * 1024 * 1024)]
 
 
@@ -505,8 +511,11 @@ def ray_nodes(cluster: Cluster) -> list[dict[str, Any]]:
     """Alive Ray nodes through the state API (node id, IP, resources)."""
     from ray.util.state import list_nodes
 
+    # raise_on_missing_output=False: once a node has died, the state API counts it in its total but the ALIVE
+    # filter drops it, and the default (True) then raises "data truncation" on every call
     return [n if isinstance(n, dict) else n.__dict__ for n in
-            list_nodes(address=cluster.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True)]
+            list_nodes(address=cluster.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, limit=1000,
+                       raise_on_missing_output=False)]
 
 
 def register_pool(cluster: Cluster) -> None:

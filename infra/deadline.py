@@ -55,15 +55,16 @@ def stacks_uri(store_root: str, run: str, iteration: int, task: str) -> str:
 class StallError(RuntimeError):
     """An awaited actor made no progress for the deadline; it was killed and its stacks written."""
 
-    def __init__(self, task: str, actor: str, seconds: float, stack_file: str, *, killed: bool = True,
-                 node: str = ""):
+    def __init__(self, task: str, actor: str, seconds: float, stack_file: str, *, killed: bool = True, node: str = ""):
         self.task, self.actor, self.seconds, self.stack_file = task, actor, seconds, stack_file
         self.killed, self.node = killed, node
         action = "killed it" if killed else "could not kill it"
         # on a cluster the node is the lead: a cut link or a dead host stalls every actor on it
         where = f" on node {node}" if node else ""
-        super().__init__(f"task {task} stalled: actor {actor}{where} made no progress for {seconds:.0f} s ({action}); "
-                         f"stacks of every actor: {stack_file}")
+        super().__init__(
+            f"task {task} stalled: actor {actor}{where} made no progress for {seconds:.0f} s ({action}); "
+            f"stacks of every actor: {stack_file}"
+        )
 
     def __reduce__(self):  # Prefect and Ray pickle exceptions: rebuild from the fields
         return (_rebuild_stall, (self.task, self.actor, self.seconds, self.stack_file, self.killed, self.node))
@@ -157,8 +158,13 @@ def wait(refs: Any, timeout: float | None = None) -> Any:
     watch = WATCH.get()
     many = isinstance(refs, list)
     pending = list(refs) if many else [refs]
-    if watch is None or watch.stall_s <= 0 or not pending or not all(isinstance(r, ray.ObjectRef) for r in pending) \
-            or len(set(pending)) != len(pending):
+    if (
+        watch is None
+        or watch.stall_s <= 0
+        or not pending
+        or not all(isinstance(r, ray.ObjectRef) for r in pending)
+        or len(set(pending)) != len(pending)
+    ):
         return ray.get(refs, timeout=timeout)
     start = time.monotonic()
     budget = watch.slice_s if timeout is None else min(watch.slice_s, timeout)
@@ -194,8 +200,9 @@ def _frozen(rows: list[dict[str, Any]]) -> set[str]:
     probes = {}
     for row in rows:
         try:
-            probes[row["Name"]] = ray.get_actor(row["Name"], namespace=NAMESPACE).ping.options(
-                concurrency_group=CONTROL).remote()
+            probes[row["Name"]] = (
+                ray.get_actor(row["Name"], namespace=NAMESPACE).ping.options(concurrency_group=CONTROL).remote()
+            )
         except ValueError:
             continue
     ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=PING_TIMEOUT_S) if probes else ([], [])
@@ -217,15 +224,23 @@ def _stall(watch: StallWatch, stalled: list[_Watched], now: float) -> StallError
     rows = _run_actors(watch.run)
     frozen = _frozen(rows)
     # A stopped actor stalls everyone waiting on it (an engine waits for the trainer's weights): blame it first.
-    blamed_name = next((a.name for a in stalled if a.name in frozen),
-                       next((r["Name"] for r in rows if r["Name"] in frozen), stalled[0].name))
+    blamed_name = next(
+        (a.name for a in stalled if a.name in frozen),
+        next((r["Name"] for r in rows if r["Name"] in frozen), stalled[0].name),
+    )
     seconds = max(now - a.since for a in stalled)
-    header = [f"task {watch.task} of run {watch.run}, iteration {watch.iteration}: no progress for {seconds:.0f} s "
-              f"(watchdog.stall_s={watch.stall_s:g})",
-              "awaited: " + ", ".join(f"{a.name} (pid {a.pid}, {now - a.since:.0f} s without progress, last "
-                                      f"progress value {a.value})" for a in stalled),
-              f"not answering a ping within {PING_TIMEOUT_S:g} s: {', '.join(sorted(frozen)) or 'none'}",
-              f"blamed and killed: {blamed_name}", ""]
+    header = [
+        f"task {watch.task} of run {watch.run}, iteration {watch.iteration}: no progress for {seconds:.0f} s "
+        f"(watchdog.stall_s={watch.stall_s:g})",
+        "awaited: "
+        + ", ".join(
+            f"{a.name} (pid {a.pid}, {now - a.since:.0f} s without progress, last progress value {a.value})"
+            for a in stalled
+        ),
+        f"not answering a ping within {PING_TIMEOUT_S:g} s: {', '.join(sorted(frozen)) or 'none'}",
+        f"blamed and killed: {blamed_name}",
+        "",
+    ]
     stacks = [_dump_row(row) for row in rows] + [own_stacks()]
     text = "\n".join(header) + "\n" + "\n".join(s.render() for s in stacks)
     stack_file = _write(watch, text)
@@ -250,8 +265,12 @@ def _dump_row(row: dict[str, Any]) -> ProcessStacks:
     import ray
 
     if row["Address"]["NodeID"] != ray.get_runtime_context().get_node_id():
-        return ProcessStacks(row["Name"], int(row["Pid"]), "not captured",
-                             f"on node {row['Address']['NodeID']} (py-spy runs on the flow's node only)")
+        return ProcessStacks(
+            row["Name"],
+            int(row["Pid"]),
+            "not captured",
+            f"on node {row['Address']['NodeID']} (py-spy runs on the flow's node only)",
+        )
     return dump_pid(int(row["Pid"]), row["Name"])
 
 

@@ -16,8 +16,11 @@ import urllib.request
 from pathlib import Path
 
 STATE_DIR = Path(os.environ.get("ROLLFLOW_HOME", Path.home() / ".rollflow"))
-OFFLINE_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-               "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+OFFLINE_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+}
 
 
 def port_free(host: str, port: int) -> bool:
@@ -40,8 +43,9 @@ def _pid_file(name: str) -> Path:
 def _spawn(name: str, argv: list[str], env: dict[str, str]) -> int:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     log = open(STATE_DIR / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+    )
     _pid_file(name).write_text(str(proc.pid))
     return proc.pid
 
@@ -52,7 +56,9 @@ def _wait(url: str, timeout: float, name: str) -> None:
         if healthy(url):
             return
         time.sleep(0.5)
-    raise RuntimeError(f"{name} did not become healthy at {url} within {timeout:.0f}s; see {STATE_DIR / (name + '.log')}")
+    raise RuntimeError(
+        f"{name} did not become healthy at {url} within {timeout:.0f}s; see {STATE_DIR / (name + '.log')}"
+    )
 
 
 def prefect_api_url(port: int = 4200) -> str:
@@ -67,8 +73,15 @@ def start_prefect(port: int = 4200, timeout: float = 90.0) -> str:
     if not port_free("127.0.0.1", port):
         raise RuntimeError(f"port {port} is taken by something that is not a Prefect server; pass another --port")
     prefect = Path(sys.executable).with_name("prefect")
-    argv = [str(prefect) if prefect.exists() else "prefect", "server", "start", "--host", "127.0.0.1",
-            "--port", str(port)]
+    argv = [
+        str(prefect) if prefect.exists() else "prefect",
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     # the browser app asks PREFECT_UI_API_URL (default port 4200): point it at this server's port
     _spawn("prefect", argv, {**OFFLINE_ENV, "PREFECT_UI_API_URL": api})
     _wait(api + "/health", timeout, "prefect")

@@ -69,7 +69,9 @@ class PlacementPlan:
         raise ValueError(f"unknown role {role!r}: trainer or engine")
 
 
-def plan_placement(placement: Placement, res: ResourcesConfig, *, train: bool = True, rollout: bool = True) -> PlacementPlan:
+def plan_placement(
+    placement: Placement, res: ResourcesConfig, *, train: bool = True, rollout: bool = True
+) -> PlacementPlan:
     """The bundle layout for `placement`; raises PlacementError (with the arithmetic) when it does not fit.
 
     `train` / `rollout` = whether the run has a trainer / engines (rollout-only and replay runs
@@ -80,14 +82,16 @@ def plan_placement(placement: Placement, res: ResourcesConfig, *, train: bool = 
     if not res.uses_gpus:
         return PlacementPlan(placement, [], [], [], {}, 0, "CPU run: no GPUs")
     if rollout and G == 0 and T > 0:
-        raise PlacementError(f"resources.gpus_per_engine=0 with trainer_gpus={T}: engines need GPUs too "
-                             "(set resources.gpus_per_engine)")
+        raise PlacementError(
+            f"resources.gpus_per_engine=0 with trainer_gpus={T}: engines need GPUs too (set resources.gpus_per_engine)"
+        )
     engines = E * G
     if placement == "colocate" and train and rollout:
         if engines != T:
             raise PlacementError(
                 f"colocate shares each GPU between a trainer rank and an engine: engines {E} x {G} = {engines} GPUs "
-                f"must equal trainer {T} GPUs")
+                f"must equal trainer {T} GPUs"
+            )
         needed = T
         arithmetic = f"colocate needs trainer {T} GPUs shared with engines {E} x {G} = {engines} GPUs = {needed} GPUs"
         trainer = list(range(T))
@@ -105,16 +109,22 @@ def plan_placement(placement: Placement, res: ResourcesConfig, *, train: bool = 
     bundle: dict[str, float] = {res.gpu_resource: 1}
     if res.cpus_per_bundle:
         bundle["CPU"] = res.cpus_per_bundle
-    return PlacementPlan(placement, [dict(bundle) for _ in range(needed)], trainer, engine, fractions, needed,
-                         f"{arithmetic}, cluster has {res.num_gpus}")
+    return PlacementPlan(
+        placement,
+        [dict(bundle) for _ in range(needed)],
+        trainer,
+        engine,
+        fractions,
+        needed,
+        f"{arithmetic}, cluster has {res.num_gpus}",
+    )
 
 
 def check_cluster(plan: PlacementPlan, cluster_resources: dict[str, float], gpu_resource: str = "GPU") -> None:
     """The plan against what Ray reports (`ray.cluster_resources()`), with the arithmetic on failure."""
     have = int(cluster_resources.get(gpu_resource, 0))
     if plan.needed > have:
-        raise PlacementError(f"{plan.arithmetic.rsplit(', cluster has', 1)[0]}, Ray cluster has {have} "
-                             f"{gpu_resource}")
+        raise PlacementError(f"{plan.arithmetic.rsplit(', cluster has', 1)[0]}, Ray cluster has {have} {gpu_resource}")
 
 
 def check_nodes(plan: PlacementPlan, nodes: list[dict[str, float]], labels: list[str] | None = None) -> None:
@@ -133,17 +143,27 @@ def check_nodes(plan: PlacementPlan, nodes: list[dict[str, float]], labels: list
                 break
         else:
             biggest = {k: max((n.get(k, 0) for n in nodes), default=0) for k in bundle}
-            short = ", ".join(f"{k} {v:g} (largest node has {biggest[k]:g})" for k, v in bundle.items()
-                              if biggest[k] < v)
-            have = "; ".join(f"{lbl}: " + ", ".join(f"{k} {n.get(k, 0):g}" for k in bundle)
-                             for lbl, n in zip(names, nodes))
+            short = ", ".join(
+                f"{k} {v:g} (largest node has {biggest[k]:g})" for k, v in bundle.items() if biggest[k] < v
+            )
+            have = "; ".join(
+                f"{lbl}: " + ", ".join(f"{k} {n.get(k, 0):g}" for k in bundle) for lbl, n in zip(names, nodes)
+            )
             why = f"no node has {short}" if short else "the nodes' free resources run out (bundles do not pack)"
-            raise PlacementError(f"placement group of {plan.needed} bundles {plan.bundles[0]} cannot be placed: bundle "
-                                 f"{index} needs {bundle}, {why} ({have}); {plan.arithmetic}")
+            raise PlacementError(
+                f"placement group of {plan.needed} bundles {plan.bundles[0]} cannot be placed: bundle "
+                f"{index} needs {bundle}, {why} ({have}); {plan.arithmetic}"
+            )
 
 
-def create_placement_group(plan: PlacementPlan, *, name: str | None = None, strategy: str = "PACK",
-                           timeout_s: float = 60.0, gpu_resource: str = "GPU"):
+def create_placement_group(
+    plan: PlacementPlan,
+    *,
+    name: str | None = None,
+    strategy: str = "PACK",
+    timeout_s: float = 60.0,
+    gpu_resource: str = "GPU",
+):
     """Reserve the plan's bundles in the running Ray cluster (None for a CPU plan)."""
     import ray
     from ray.util.placement_group import placement_group
@@ -157,8 +177,10 @@ def create_placement_group(plan: PlacementPlan, *, name: str | None = None, stra
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)
-        raise PlacementError(f"placement group of {plan.needed} bundles not ready after {timeout_s:.0f}s "
-                             f"({plan.arithmetic}); is another run holding the GPUs?")
+        raise PlacementError(
+            f"placement group of {plan.needed} bundles not ready after {timeout_s:.0f}s "
+            f"({plan.arithmetic}); is another run holding the GPUs?"
+        )
     return pg
 
 
@@ -171,7 +193,8 @@ def actor_options(plan: PlacementPlan, pg, role: str, index: int = 0, *, gpu_res
     fraction = plan.gpu_fractions[role]
     options: dict[str, Any] = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=plan.actor_bundle(role, index)),
+            placement_group=pg, placement_group_bundle_index=plan.actor_bundle(role, index)
+        ),
         "num_cpus": 0,
     }
     if gpu_resource == "GPU":
@@ -199,16 +222,25 @@ def bundle_address(pg, bundle: int, timeout_s: float = 60.0) -> tuple[str, int]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    probe = ray.remote(_GpuProbe).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=bundle)).remote()
+    probe = (
+        ray.remote(_GpuProbe)
+        .options(
+            num_cpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle
+            ),
+        )
+        .remote()
+    )
     try:
         return tuple(ray.get(probe.address.remote(), timeout=timeout_s))  # type: ignore[return-value]
     finally:
         ray.kill(probe, no_restart=True)
 
 
-def bundle_gpus(pg, bundles: list[int], *, gpu_resource: str = "GPU", timeout_s: float = 60.0
-                ) -> list[tuple[str, str]] | None:
+def bundle_gpus(
+    pg, bundles: list[int], *, gpu_resource: str = "GPU", timeout_s: float = 60.0
+) -> list[tuple[str, str]] | None:
     """(node IP, GPU id) of each bundle, as Ray assigned them (a tiny probe actor per bundle takes a
     sliver of its GPU and reports `ray.get_gpu_ids()`). None for a custom GPU resource: Ray gives
     those no device ids."""
@@ -218,8 +250,14 @@ def bundle_gpus(pg, bundles: list[int], *, gpu_resource: str = "GPU", timeout_s:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     probe_cls = ray.remote(_GpuProbe)
-    probes = [probe_cls.options(num_cpus=0, num_gpus=0.001, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=b)).remote() for b in bundles]
+    probes = [
+        probe_cls.options(
+            num_cpus=0,
+            num_gpus=0.001,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b),
+        ).remote()
+        for b in bundles
+    ]
     try:
         found = ray.get([p.where.remote() for p in probes], timeout=timeout_s)
     finally:

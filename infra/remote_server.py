@@ -48,8 +48,10 @@ class RemoteServer:
                 raise cause from None  # the server's own report: exit code and log tail
             raise
         except Exception as exc:  # noqa: BLE001 - the actor itself died (node lost, killed, OOM)
-            raise EngineDiedError(f"SGLang server actor {self.name or self.url} died during {during} "
-                                  f"({type(exc).__name__}: {exc})", returncode=ACTOR_GONE) from None
+            raise EngineDiedError(
+                f"SGLang server actor {self.name or self.url} died during {during} ({type(exc).__name__}: {exc})",
+                returncode=ACTOR_GONE,
+            ) from None
 
     def log_tail(self, n: int | None = None) -> list[str]:
         try:

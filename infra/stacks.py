@@ -70,6 +70,8 @@ def own_stacks(label: str = "flow process") -> ProcessStacks:
     if captured.how != "not captured":
         return captured
     names = {t.ident: t.name for t in threading.enumerate()}
-    parts = [f"Thread {tid} ({names.get(tid, '?')}):\n" + "".join(traceback.format_stack(frame))
-             for tid, frame in sys._current_frames().items()]
+    parts = [
+        f"Thread {tid} ({names.get(tid, '?')}):\n" + "".join(traceback.format_stack(frame))
+        for tid, frame in sys._current_frames().items()
+    ]
     return ProcessStacks(label, os.getpid(), f"traceback ({captured.text.splitlines()[-1]})", "\n".join(parts))

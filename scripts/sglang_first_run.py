@@ -37,10 +37,20 @@ PATHS = {
 
 def overrides(path: str, args, run: str) -> list[str]:
     placement, resources = PATHS[path]
-    sets = [f"run={run}", f"model.path={args.model}", f"store.root={args.out}", "iterations=1", "eval_every=0",
-            "rollout.engine=sglang", f"rollout.sglang.weight_sync={path}", f"placement={placement}",
-            "debug.check_weight_update_equal=true", "train.device=cuda", f"data.prompts_per_rollout={args.prompts}",
-            f"ray.address={args.ray_address}"]
+    sets = [
+        f"run={run}",
+        f"model.path={args.model}",
+        f"store.root={args.out}",
+        "iterations=1",
+        "eval_every=0",
+        "rollout.engine=sglang",
+        f"rollout.sglang.weight_sync={path}",
+        f"placement={placement}",
+        "debug.check_weight_update_equal=true",
+        "train.device=cuda",
+        f"data.prompts_per_rollout={args.prompts}",
+        f"ray.address={args.ray_address}",
+    ]
     sets += [f"resources.{k}={v}" for k, v in resources.items()]
     if placement == "colocate":
         sets.append("offload=true")
@@ -74,16 +84,26 @@ def run_path(path: str, args) -> dict:
     text = log.read_text(errors="replace")
     check = "FAILED" if "weight update check FAILED" in text else ("ok" if rows else "not reached")
     ok = rc == 0 and row.get("sync/parity_ok") == 1.0 and check == "ok"
-    return {"path": path, "placement": PATHS[path][0], "gpus": PATHS[path][1]["num_gpus"],
-            "result": "ok" if ok else f"FAIL ({rc})", "check": check, "parity": row.get("sync/parity_ok", "-"),
-            "version": row.get("sync/weight_version", "-"), "seconds": f"{seconds:.0f}",
-            "note": "" if ok else last_error(log), "log": str(log)}
+    return {
+        "path": path,
+        "placement": PATHS[path][0],
+        "gpus": PATHS[path][1]["num_gpus"],
+        "result": "ok" if ok else f"FAIL ({rc})",
+        "check": check,
+        "parity": row.get("sync/parity_ok", "-"),
+        "version": row.get("sync/weight_version", "-"),
+        "seconds": f"{seconds:.0f}",
+        "note": "" if ok else last_error(log),
+        "log": str(log),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an HF model directory SGLang can serve (config.json + safetensors)")
-    ap.add_argument("--paths", default="disk,distributed,tensor", help="comma-separated subset of disk,distributed,tensor")
+    ap.add_argument(
+        "--paths", default="disk,distributed,tensor", help="comma-separated subset of disk,distributed,tensor"
+    )
     ap.add_argument("--out", default="runs-sglang-first", help="store root and logs")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--ray-address", default="local", help="'local' starts a Ray instance per run; 'auto' joins one")

@@ -67,9 +67,22 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def shoot(url: str, out: Path, chromium: str, height: int = 1000) -> None:
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size=1440,{height}", "--virtual-time-budget=20000", f"--screenshot={out}", url],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--window-size=1440,{height}",
+            "--virtual-time-budget=20000",
+            f"--screenshot={out}",
+            url,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     print(f"{out}  <- {url}")
 
 
@@ -86,20 +99,40 @@ def main() -> None:
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     ui = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false", "RAY_AUTH_MODE": "disabled",
-           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
-           "PREFECT_UI_API_URL": api}  # the browser app asks this address (default: port 4200)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(work / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        "RAY_AUTH_MODE": "disabled",
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+        "PREFECT_UI_API_URL": api,
+    }  # the browser app asks this address (default: port 4200)
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                       str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         wait_http(api + "/health")
         env["PREFECT_API_URL"] = api
         os.environ.update({k: env[k] for k in ("PREFECT_API_URL", "PREFECT_HOME")})
-        procs.append(subprocess.Popen([str(BIN / "rollflow"), "worker"], cwd=work, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [str(BIN / "rollflow"), "worker"],
+                cwd=work,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         from prefect.client.orchestration import get_client
         from prefect.states import AwaitingRetry
 
@@ -117,11 +150,27 @@ def main() -> None:
                 return wait_final(client, created.id)
 
             run("rollout_only", {"params": {"run": "exp1-rollouts", "iterations": 2, "store": {"root": root}, **SMALL}})
-            run("replay_train", {"params": {"run": "exp1-replay", "store": {"root": root}},
-                                 "rollout_ids": [0, 1], "source_run": "exp1-rollouts"})
+            run(
+                "replay_train",
+                {
+                    "params": {"run": "exp1-replay", "store": {"root": root}},
+                    "rollout_ids": [0, 1],
+                    "source_run": "exp1-rollouts",
+                },
+            )
             # the demo's recipe (256 prompts x 8 samples), so the curve shows learning
-            failed = run("rl_train", {"params": {"run": "exp1", "iterations": 8, "eval_every": 4, "store": {"root": root},
-                                                 "debug": {"fail_after_iteration": 4}}})
+            failed = run(
+                "rl_train",
+                {
+                    "params": {
+                        "run": "exp1",
+                        "iterations": 8,
+                        "eval_every": 4,
+                        "store": {"root": root},
+                        "debug": {"fail_after_iteration": 4},
+                    }
+                },
+            )
             client.set_flow_run_state(failed.id, AwaitingRetry(message="Retry from the UI"), force=True)
             resumed = wait_final(client, failed.id)
             print(f"rl_train {resumed.name}: {resumed.state.name}, run_count {resumed.run_count}")
@@ -129,8 +178,12 @@ def main() -> None:
             summary_id = next(a.latest_id for a in summary if a.key == "exp1-summary")
 
         shoot(f"{ui}/deployments", out / "deployments.png", chromium)
-        shoot(f"{ui}/deployments/deployment/{deps[('replay_train', 'worker')].id}/run", out / "replay-form.png",
-              chromium, height=1400)
+        shoot(
+            f"{ui}/deployments/deployment/{deps[('replay_train', 'worker')].id}/run",
+            out / "replay-form.png",
+            chromium,
+            height=1400,
+        )
         shoot(f"{ui}/runs/flow-run/{resumed.id}", out / "resumed-rl-train.png", chromium)
         shoot(f"{ui}/artifacts/artifact/{summary_id}", out / "rl-train-summary.png", chromium, height=1600)
     finally:

@@ -34,9 +34,13 @@ def identical_group_fraction(sequences: Sequence[Sequence[int]], group_size: int
 
 def identical_groups_warning(n_identical: int, n_groups: int, group_size: int) -> str:
     """One line for the log: how many groups are all-identical and what it likely means."""
-    line = (f"{n_identical} of {n_groups} prompt groups have {group_size} identical samples: their GRPO "
-            "advantages are all 0")
+    line = (
+        f"{n_identical} of {n_groups} prompt groups have {group_size} identical samples: their GRPO "
+        "advantages are all 0"
+    )
     if n_identical == n_groups:
-        line += (" (every group: sampling is deterministic per prompt; give each sample of a group its own "
-                 "seed, e.g. rollout.sglang.n_mode='repeat', or raise rollout.temperature above 0)")
+        line += (
+            " (every group: sampling is deterministic per prompt; give each sample of a group its own "
+            "seed, e.g. rollout.sglang.n_mode='repeat', or raise rollout.temperature above 0)"
+        )
     return line

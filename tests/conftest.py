@@ -13,8 +13,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-PREFECT_OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-                   "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+PREFECT_OFFLINE = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,6 +58,7 @@ def prefect_api():
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
 
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """`prefect server start` in a subprocess (its own PREFECT_HOME and database, a free loopback port) for the
@@ -83,9 +87,13 @@ def prefect_server(tmp_path_factory):
     env = {**os.environ, **PREFECT_OFFLINE, "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not healthy(api + "/health"):
@@ -155,15 +163,28 @@ def _loopback_s3_environment():
         server.start()
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
-    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_EC2_METADATA_DISABLED",
-             "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")
+    names = (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ENDPOINT_URL",
+        "AWS_EC2_METADATA_DISABLED",
+        "AWS_DEFAULT_REGION",
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL_S3",
+    )
     saved = {name: os.environ.get(name) for name in names}
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         os.environ.pop(name, None)
-    os.environ.update({
-        "AWS_ACCESS_KEY_ID": TEST_AWS_KEY_ID, "AWS_SECRET_ACCESS_KEY": TEST_AWS_SECRET,
-        "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
-    })
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": TEST_AWS_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": TEST_AWS_SECRET,
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+    )
     try:
         _create_bucket(endpoint, TEST_BUCKET)
         yield S3Endpoint(url=endpoint, bucket=TEST_BUCKET)

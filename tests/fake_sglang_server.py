@@ -63,6 +63,7 @@ ENDPOINTS = PROTOCOL["endpoints"]
 # Recorded-schema checks
 # ---------------------------------------------------------------------------------------------
 
+
 def _type_ok(value: Any, spec: str) -> bool:
     for alt in spec.split("|"):
         if alt == "any":
@@ -125,15 +126,30 @@ def check_fields(payload: Any, schema: dict, where: str) -> list[str]:
 # The fake
 # ---------------------------------------------------------------------------------------------
 
+
 class FakeSGLang:
     """In-process fake SGLang server on 127.0.0.1 (port 0 = a free one)."""
 
-    def __init__(self, *, port: int = 0, model_path: str = "fake-model", tp_size: int = 1, vocab_size: int = 15,
-                 eos_token_id: int = 2, weight_version: str = "default", step_delay_s: float = 0.0,
-                 die_after: int | None = None, die_once_marker: str | None = None, extra_args: list[str] | None = None,
-                 exit_fn=None, ignore_update_of: str | list[str] | tuple[str, ...] = (),
-                 disable_endpoints: list[str] | tuple[str, ...] = (), dtype: str | None = None,
-                 abort_linger_s: float = 0.0, own_code: bool = False):
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        model_path: str = "fake-model",
+        tp_size: int = 1,
+        vocab_size: int = 15,
+        eos_token_id: int = 2,
+        weight_version: str = "default",
+        step_delay_s: float = 0.0,
+        die_after: int | None = None,
+        die_once_marker: str | None = None,
+        extra_args: list[str] | None = None,
+        exit_fn=None,
+        ignore_update_of: str | list[str] | tuple[str, ...] = (),
+        disable_endpoints: list[str] | tuple[str, ...] = (),
+        dtype: str | None = None,
+        abort_linger_s: float = 0.0,
+        own_code: bool = False,
+    ):
         self.model_path = model_path
         self.tp_size = tp_size
         self.vocab_size = vocab_size
@@ -256,8 +272,7 @@ class FakeSGLang:
                 if path.startswith("/_fake/own/"):  # test-only: SGLang's own code, for the contract tests
                     return self._send(*fake.own_route(path, payload or {}))
                 spec = ENDPOINTS.get(path)
-                if (spec is None or path.startswith("_") or path == "sampling_params"
-                        or path in fake.disable_endpoints):
+                if spec is None or path.startswith("_") or path == "sampling_params" or path in fake.disable_endpoints:
                     return self._send(404, {"detail": "Not Found"})
                 if method not in spec["methods"]:
                     return self._send(405, {"detail": "Method Not Allowed"})
@@ -275,8 +290,9 @@ class FakeSGLang:
                     if errors:
                         with fake.lock:
                             fake.refusals.append((path, "SGLang's own check: " + "; ".join(errors)))
-                        return self._send(schema.get("error_status", 422), {"error": "SGLang's own check: " +
-                                                                             "; ".join(errors)})
+                        return self._send(
+                            schema.get("error_status", 422), {"error": "SGLang's own check: " + "; ".join(errors)}
+                        )
                 handler = getattr(fake, "ep_" + spec.get("alias_of", path).strip("/"))
                 status, body = handler(payload or {})
                 self._send(status, body)
@@ -285,14 +301,23 @@ class FakeSGLang:
 
     def state(self) -> dict:
         with self.lock:
-            return {"paths": [c[1] for c in self.log], "calls": [[m, p, b] for m, p, b in self.log],
-                    "refusals": [list(r) for r in self.refusals], "flush_attempts": self.flush_attempts,
-                    "own_checked": list(self.own_checked),
-                    "released": sorted(self.released), "session_open": self.session_open,
-                    "received": [list(r) for r in self.received], "tensor_updates": self.tensor_updates,
-                    "disk_updates": self.disk_updates, "weight_version": self.weight_version,
-                    "memory": dict(self.memory), "generated": self.generated, "extra_args": self.extra_args,
-                    "weights": {n: [list(t.shape), _sha(t)] for n, t in self.weights.items()}}
+            return {
+                "paths": [c[1] for c in self.log],
+                "calls": [[m, p, b] for m, p, b in self.log],
+                "refusals": [list(r) for r in self.refusals],
+                "flush_attempts": self.flush_attempts,
+                "own_checked": list(self.own_checked),
+                "released": sorted(self.released),
+                "session_open": self.session_open,
+                "received": [list(r) for r in self.received],
+                "tensor_updates": self.tensor_updates,
+                "disk_updates": self.disk_updates,
+                "weight_version": self.weight_version,
+                "memory": dict(self.memory),
+                "generated": self.generated,
+                "extra_args": self.extra_args,
+                "weights": {n: [list(t.shape), _sha(t)] for n, t in self.weights.items()},
+            }
 
     # -- weights held (test helpers, not SGLang's) ----------------------------------------------
     def _as_served(self, t):
@@ -357,8 +382,9 @@ class FakeSGLang:
             if path == "/_fake/own/body_errors":
                 return 200, self.own.body_errors(payload["route"], payload["body"])
             if path == "/_fake/own/payload":
-                return 200, self.own.payload(payload["data"], load_format=payload.get("load_format"),
-                                             visible_uuids=payload.get("visible_uuids"))
+                return 200, self.own.payload(
+                    payload["data"], load_format=payload.get("load_format"), visible_uuids=payload.get("visible_uuids")
+                )
             if path == "/_fake/own/parser_flags":
                 from rollflow.tasks.rollout.sglang.flags import live_parser_flags
 
@@ -386,13 +412,23 @@ class FakeSGLang:
         return 200, ENDPOINTS["/flush_cache"]["example_response"]["body"]
 
     def ep_model_info(self, _):
-        return 200, {**ENDPOINTS["/model_info"]["example_response"], "model_path": self.model_path,
-                     "served_model_name": self.model_path, "tokenizer_path": self.model_path,
-                     "weight_version": self.weight_version}
+        return 200, {
+            **ENDPOINTS["/model_info"]["example_response"],
+            "model_path": self.model_path,
+            "served_model_name": self.model_path,
+            "tokenizer_path": self.model_path,
+            "weight_version": self.weight_version,
+        }
 
     def ep_server_info(self, _):
-        return 200, {**ENDPOINTS["/server_info"]["example_response"], "model_path": self.model_path,
-                     "tp_size": self.tp_size, "port": self.port, "fake": True, "extra_args": self.extra_args}
+        return 200, {
+            **ENDPOINTS["/server_info"]["example_response"],
+            "model_path": self.model_path,
+            "tp_size": self.tp_size,
+            "port": self.port,
+            "fake": True,
+            "extra_args": self.extra_args,
+        }
 
     def ep_abort_request(self, payload):
         if payload.get("abort_all"):
@@ -408,9 +444,12 @@ class FakeSGLang:
 
     def ep_release_memory_occupation(self, payload):
         if self._busy():
-            return self._refuse("/release_memory_occupation",
-                                "AssertionError: release_memory_occupation should be called only when server is "
-                                "idle. (the real scheduler dies here)", 500)
+            return self._refuse(
+                "/release_memory_occupation",
+                "AssertionError: release_memory_occupation should be called only when server is "
+                "idle. (the real scheduler dies here)",
+                500,
+            )
         for tag in payload.get("tags") or MEMORY_TAGS:
             self.memory[tag] = False
             self.released.add(tag)
@@ -420,9 +459,11 @@ class FakeSGLang:
         tags = payload.get("tags") or MEMORY_TAGS
         missing = [t for t in tags if t not in self.released]
         if missing:
-            return self._refuse("/resume_memory_occupation",
-                                f"KeyError: {missing[0]!r} (offload_tags.remove: tag not released; the real "
-                                "scheduler dies here)", 500)
+            return self._refuse(
+                "/resume_memory_occupation",
+                f"KeyError: {missing[0]!r} (offload_tags.remove: tag not released; the real scheduler dies here)",
+                500,
+            )
         for tag in tags:
             self.memory[tag] = True
             self.released.discard(tag)
@@ -430,15 +471,17 @@ class FakeSGLang:
 
     def ep_begin_weight_update(self, _):
         if self.session_open:
-            return self._refuse("/begin_weight_update", "a weight-update session is already open; call "
-                                                        "end_weight_update() first")
+            return self._refuse(
+                "/begin_weight_update", "a weight-update session is already open; call end_weight_update() first"
+            )
         self.session_open = True
         return 200, {"success": True, "message": "Success"}
 
     def ep_end_weight_update(self, _):
         if not self.session_open:
-            return self._refuse("/end_weight_update", "no weight-update session is open; call "
-                                                      "begin_weight_update() first")
+            return self._refuse(
+                "/end_weight_update", "no weight-update session is open; call begin_weight_update() first"
+            )
         self.session_open = False
         return 200, {"success": True, "message": "Success"}
 
@@ -446,8 +489,11 @@ class FakeSGLang:
         path = Path(payload["model_path"])
         has_weights = any(path.glob("*.safetensors"))
         if not (path / "config.json").exists() or not has_weights:
-            return 400, {"success": False, "message": f"{path}: no config.json + *.safetensors",
-                         "num_paused_requests": 0}
+            return 400, {
+                "success": False,
+                "message": f"{path}: no config.json + *.safetensors",
+                "num_paused_requests": 0,
+            }
         loaded = _load_safetensors_dir(path)
         problems = self._load_problems(loaded.items())
         if problems:
@@ -460,8 +506,10 @@ class FakeSGLang:
 
     def ep_update_weights_from_tensor(self, payload):
         if not self.session_open:
-            return self._refuse("/update_weights_from_tensor", "update_weights_from_tensor must run between "
-                                                               "begin_weight_update() and end_weight_update()")
+            return self._refuse(
+                "/update_weights_from_tensor",
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
         ranks = payload["serialized_named_tensors"]
         if len(ranks) != self.tp_size:
             return 400, {"success": False, "message": f"{len(ranks)} payloads for tp_size {self.tp_size}"}
@@ -491,9 +539,15 @@ class FakeSGLang:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             from rollflow.tasks.sync.weight_group import init_weight_group
 
-            entry["pg"] = init_weight_group(payload["master_address"], payload["master_port"],
-                                            rank=payload["rank_offset"], world_size=payload["world_size"],
-                                            group_name=group, backend="gloo", timeout_s=60)
+            entry["pg"] = init_weight_group(
+                payload["master_address"],
+                payload["master_port"],
+                rank=payload["rank_offset"],
+                world_size=payload["world_size"],
+                group_name=group,
+                backend="gloo",
+                timeout_s=60,
+            )
         self.groups[group] = entry
         return 200, ENDPOINTS["/init_weights_update_group"]["example_response"]
 
@@ -512,16 +566,19 @@ class FakeSGLang:
 
     def ep_update_weights_from_distributed(self, payload):
         if not self.session_open:
-            return self._refuse("/update_weights_from_distributed", "update_weights_from_distributed must run "
-                                                                    "between begin_weight_update() and "
-                                                                    "end_weight_update()")
+            return self._refuse(
+                "/update_weights_from_distributed",
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
         problems = self._load_problems([(n, _Shape(s)) for n, s in zip(payload["names"], payload["shapes"])])
         if problems:
             return self._refuse("/update_weights_from_distributed", "; ".join(problems))
         group = payload.get("group_name", "weight_update_group")
         if group not in self.groups:
-            return 400, {"success": False, "message": f"Group {group} not in {list(self.groups)}. "
-                                                      "Please call `init_weights_update_group` first."}
+            return 400, {
+                "success": False,
+                "message": f"Group {group} not in {list(self.groups)}. Please call `init_weights_update_group` first.",
+            }
         pg = self.groups[group]["pg"]
         for name, dtype, shape in zip(payload["names"], payload["dtypes"], payload["shapes"]):
             if pg is not None:
@@ -560,7 +617,7 @@ class FakeSGLang:
         if t is None:
             return 400, {"error": {"message": "Get parameter by name failed"}}
         values = t.to(torch.float32).reshape(-1 if t.dim() == 0 else t.shape).tolist()
-        return 200, values[:payload.get("truncate_size", 100)]
+        return 200, values[: payload.get("truncate_size", 100)]
 
     def ep_weights_checker(self, payload):
         """SGLang's `WeightChecker.handle` over the held weights; a failure is HTTP 400 with
@@ -626,8 +683,10 @@ class FakeSGLang:
                 max_err, mean_err = diff.max().item(), diff.sum().item() / max(diff.numel(), 1)
             else:  # SGLang fails an assert here (name order or shape); the fake names the tensor instead
                 max_err, mean_err, exceed = float("nan"), float("nan"), -1
-            errors.append(f"name={name} max_abs_err={max_err} mean_abs_err={mean_err} num_exceed={exceed} "
-                          f"expect={_raw_repr(expect)} actual={_raw_repr(actual)} ")
+            errors.append(
+                f"name={name} max_abs_err={max_err} mean_abs_err={mean_err} num_exceed={exceed} "
+                f"expect={_raw_repr(expect)} actual={_raw_repr(actual)} "
+            )
         if errors:
             raise Exception("check tensor equality failed:\n" + "\n".join(errors))
         self.snapshot = None
@@ -648,8 +707,17 @@ class FakeSGLang:
             for name in sorted(sums):
                 overall.update(name.encode())
                 overall.update(sums[name].encode())
-            info = {"role": "target", "tp_rank": tp_rank, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
-                    "pp_rank": 0, "pp_size": 1, "rank": tp_rank, "size": self.tp_size}
+            info = {
+                "role": "target",
+                "tp_rank": tp_rank,
+                "tp_size": self.tp_size,
+                "dp_rank": 0,
+                "dp_size": 1,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": tp_rank,
+                "size": self.tp_size,
+            }
             ranks.append({"checksums": sums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [info]})
         engine = hashlib.sha256()
         for info in ranks:
@@ -668,8 +736,10 @@ class FakeSGLang:
             if marker is None or not marker.exists():
                 if marker is not None:
                     marker.write_text("died once\n")
-                print(f"fake-sglang: exiting mid-request on /generate #{count + 1} (--die-after {self.die_after})",
-                      flush=True)
+                print(
+                    f"fake-sglang: exiting mid-request on /generate #{count + 1} (--die-after {self.die_after})",
+                    flush=True,
+                )
                 self.exit_fn(17)
         batch = payload["input_ids"] and isinstance(payload["input_ids"][0], list)
         prompts = payload["input_ids"] if batch else [payload["input_ids"]]
@@ -699,7 +769,12 @@ class FakeSGLang:
         try:
             for i in range(max_new):
                 if self._aborted(rid):
-                    finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+                    finish = {
+                        "type": "abort",
+                        "message": "Abort in waiting queue",
+                        "status_code": None,
+                        "err_type": None,
+                    }
                     time.sleep(self.abort_linger_s)  # a busy scheduler finishes aborting later
                     break
                 if self.step_delay_s:
@@ -717,9 +792,17 @@ class FakeSGLang:
                 self.inflight.discard(rid)
         if finish is None:
             finish = {"type": "length", "length": max_new}
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
-                "num_retractions": 0, "completion_tokens": len(tokens), "cached_tokens": 0, "reasoning_tokens": 0,
-                "e2e_latency": 0.001}
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "e2e_latency": 0.001,
+        }
         if sp is not None:
             meta["input_token_logprobs"] = [[None, ids[0], None]] if ids else []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
@@ -729,11 +812,21 @@ class FakeSGLang:
 
 MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
 # SGLang 0.5.23 model classes with get_weights_by_name (sglang/srt/models/*.py; subclasses of Llama's too)
-GET_WEIGHTS_BY_NAME_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "OPTForCausalLM", "GraniteForCausalLM",
-                              "Exaone4ForCausalLM"}
+GET_WEIGHTS_BY_NAME_MODELS = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "OPTForCausalLM",
+    "GraniteForCausalLM",
+    "Exaone4ForCausalLM",
+}
 # HF projection -> SGLang's fused parameter, and its place in the fusion (dim 0)
-FUSED = [("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
-         ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+FUSED = [
+    ("q_proj", "qkv_proj", 0),
+    ("k_proj", "qkv_proj", 1),
+    ("v_proj", "qkv_proj", 2),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+]
 
 
 class _Shape:
@@ -804,6 +897,7 @@ def _raw_repr(t) -> str:
 # Process mode: parse the command line rollflow generates for `python -m sglang.launch_server`
 # ---------------------------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="FAKE SGLang server (tests only)")
     ap.add_argument("--model-path", required=True)
@@ -837,11 +931,23 @@ def main(argv: list[str] | None = None) -> int:
         vocab, eos = int(cfg.get("vocab_size", vocab)), int(cfg.get("eos_token_id", eos) or eos)
     print(f"fake-sglang (NOT SGLang): model {args.model_path}, tp {args.tp_size}, extra {extra}", flush=True)
     time.sleep(args.startup_delay)
-    fake = FakeSGLang(port=args.port, model_path=args.model_path, tp_size=args.tp_size, vocab_size=vocab,
-                      eos_token_id=eos, weight_version=args.weight_version, step_delay_s=args.step_delay,
-                      die_after=args.die_after, die_once_marker=args.die_once_marker, extra_args=extra,
-                      ignore_update_of=args.ignore_update_of, disable_endpoints=args.disable_endpoint,
-                      dtype=dtype, abort_linger_s=args.abort_linger, own_code=args.own_code)
+    fake = FakeSGLang(
+        port=args.port,
+        model_path=args.model_path,
+        tp_size=args.tp_size,
+        vocab_size=vocab,
+        eos_token_id=eos,
+        weight_version=args.weight_version,
+        step_delay_s=args.step_delay,
+        die_after=args.die_after,
+        die_once_marker=args.die_once_marker,
+        extra_args=extra,
+        ignore_update_of=args.ignore_update_of,
+        disable_endpoints=args.disable_endpoint,
+        dtype=dtype,
+        abort_linger_s=args.abort_linger,
+        own_code=args.own_code,
+    )
     print(f"fake-sglang: serving on {fake.url}", flush=True)
     try:
         fake.httpd.serve_forever()

@@ -19,8 +19,11 @@ _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 def _to_cpu_device(device):
     if device is None:
         return None
-    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")) or \
-            (isinstance(device, torch.device) and device.type == "cuda"):
+    if (
+        isinstance(device, int)
+        or (isinstance(device, str) and device.startswith("cuda"))
+        or (isinstance(device, torch.device) and device.type == "cuda")
+    ):
         return torch.device("cpu")
     return device
 
@@ -45,6 +48,7 @@ def cpu_megatron():
                 kwargs["device"] = _to_cpu_device(kwargs["device"])
             kwargs.pop("pin_memory", None)  # context parallel's RoPE slice stages its index in pinned memory
             return fn(*args, **kwargs)
+
         return inner
 
     for name, fn in originals.items():

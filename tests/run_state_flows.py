@@ -83,8 +83,9 @@ def live_actors(run: str, wait_s: float = 10.0) -> list[str]:
 
     deadline = time.monotonic() + wait_s
     while True:
-        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["name"].startswith(f"{run}:"))
+        names = sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"{run}:")
+        )
         if not names or time.monotonic() > deadline:
             return names
         time.sleep(0.2)

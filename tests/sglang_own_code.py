@@ -80,8 +80,9 @@ def _torchvision_stand_in() -> None:
 
     transforms.InterpolationMode = functional.InterpolationMode = InterpolationMode
     tv.transforms, transforms.functional = transforms, functional
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": transforms,
-                        "torchvision.transforms.functional": functional})
+    sys.modules.update(
+        {"torchvision": tv, "torchvision.transforms": transforms, "torchvision.transforms.functional": functional}
+    )
 
 
 class OwnCode:
@@ -92,13 +93,14 @@ class OwnCode:
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
-            raise SGLangMissing("sglang is not installed (make setup installs it: pip install --no-deps "
-                                f"sglang=={SGLANG_VERSION} plus the sglang-contract extra)")
+            raise SGLangMissing(
+                "sglang is not installed (make setup installs it: pip install --no-deps "
+                f"sglang=={SGLANG_VERSION} plus the sglang-contract extra)"
+            )
         self.version = importlib.metadata.version("sglang")
         _torchvision_stand_in()
-        from pydantic import TypeAdapter
         import msgspec
-
+        from pydantic import TypeAdapter
         from sglang.srt.entrypoints.api_contract import generate_contract_error
         from sglang.srt.managers import io_struct
         from sglang.srt.server_args import prepare_server_args
@@ -165,12 +167,17 @@ class OwnCode:
         rids = obj.rid if isinstance(obj.rid, list) else [obj.rid]
         n = obj.parallel_sample_num
         # parallel sampling repeats each prompt's params n times; rids stay one per prompt
-        return {"rids": list(rids), "seeds": [(p or {}).get("sampling_seed") for p in params],
-                "parallel_sample_num": n, "batch_size": getattr(obj, "batch_size", 1)}
+        return {
+            "rids": list(rids),
+            "seeds": [(p or {}).get("sampling_seed") for p in params],
+            "parallel_sample_num": n,
+            "batch_size": getattr(obj, "batch_size", 1),
+        }
 
     # -- IPC payloads -------------------------------------------------------------------------------
-    def payload(self, data: str, *, load_format: str | None = None,
-                visible_uuids: list[str] | None = None) -> dict[str, Any]:
+    def payload(
+        self, data: str, *, load_format: str | None = None, visible_uuids: list[str] | None = None
+    ) -> dict[str, Any]:
         """Load one `serialized_named_tensors` entry as an SGLang TP rank does (tp_worker.
         deserialize_own_rank + the weight updater). CPU tensors are rebuilt for real; a CUDA IPC
         handle cannot be opened on CPU, so torch's original rebuild is replaced by a recorder after
@@ -199,17 +206,25 @@ class OwnCode:
             reductions._rebuild_cuda_tensor_original, torch.cuda.device_count, torch.cuda.get_device_properties = saved
         if load_format == "flattened_bucket":
             if not isinstance(loaded, dict) or set(loaded) != {"flattened_tensor", "metadata"}:
-                return {"error": f"flattened_bucket payload is {type(loaded).__name__} "
-                                 f"{sorted(loaded) if isinstance(loaded, dict) else ''}", "opened": opened}
+                return {
+                    "error": f"flattened_bucket payload is {type(loaded).__name__} "
+                    f"{sorted(loaded) if isinstance(loaded, dict) else ''}",
+                    "opened": opened,
+                }
             bucket = self.bucket_cls(flattened_tensor=loaded["flattened_tensor"], metadata=loaded["metadata"])
             named = bucket.reconstruct_tensors()
             meta_types = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in loaded["metadata"]})
         else:
             named = loaded
             meta_types = []
-        return {"tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                             "sha": tensor_sha(t)} for n, t in named],
-                "opened": opened, "metadata_types": meta_types}
+        return {
+            "tensors": [
+                {"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha": tensor_sha(t)}
+                for n, t in named
+            ],
+            "opened": opened,
+            "metadata_types": meta_types,
+        }
 
     def load_named(self, data: str, *, load_format: str | None = None) -> list:
         """One rank's CPU payload as (name, tensor) pairs, loaded by SGLang's deserializer (and its

@@ -63,8 +63,8 @@ def test_trainer_tokens_are_engine_outputs_plus_tool_tokens(engine_and_tokenizer
     tool_ids = [3 + "0123456789+=".index(c) for c in agent_fixtures.TOOL_OUTPUT]  # char tokenizer: id = pos + 3
     for s, item in zip(samples, [it for it in items for _ in range(2)]):
         prompt = [tok.bos_token_id] + [3 + "0123456789+=".index(c) for c in item.prompt]
-        response = s.tokens[len(prompt):]
-        first = next(o for o in outputs[tuple(prompt)] if response[:len(o.response_ids)] == o.response_ids)
+        response = s.tokens[len(prompt) :]
+        first = next(o for o in outputs[tuple(prompt)] if response[: len(o.response_ids)] == o.response_ids)
         outputs[tuple(prompt)].remove(first)
         second_input = prompt + first.response_ids + tool_ids
         second = outputs[tuple(second_input)].pop(0)  # the engine saw exactly these ids: no re-tokenisation
@@ -87,15 +87,22 @@ def test_sglang_engine_through_the_same_client(engine_and_tokenizer):
     _, tok = engine_and_tokenizer
     tool_ids = [3 + "0123456789+=".index(c) for c in agent_fixtures.TOOL_OUTPUT]
     with FakeSGLang(vocab_size=15) as fake:
-        samples = run_rollout_function(agent_fixtures.always_tool, SGLangEngine([fake.url], max_inflight=8), tok,
-                                       _items(2), PARAMS, 2, AgentLimits())
+        samples = run_rollout_function(
+            agent_fixtures.always_tool,
+            SGLangEngine([fake.url], max_inflight=8),
+            tok,
+            _items(2),
+            PARAMS,
+            2,
+            AgentLimits(),
+        )
         inputs = [c[2]["input_ids"] for c in fake.calls("/generate")]
     assert len(inputs) == 8 and all(c is not None for c in inputs)
     for s in samples:
         prompt_len = s.prompt_length
         first_len = s.metadata["turns"][0]["end"]
-        second_input = s.tokens[:prompt_len + first_len] + tool_ids
-        assert s.tokens[:len(second_input)] == second_input and second_input in inputs  # sent as ids, as built
+        second_input = s.tokens[: prompt_len + first_len] + tool_ids
+        assert s.tokens[: len(second_input)] == second_input and second_input in inputs  # sent as ids, as built
         assert s.tokens[:prompt_len] in inputs
         assert s.loss_mask == [1] * first_len + [0, 0] + [1] * (s.response_length - first_len - 2)
         assert all(lp < 0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m)  # the server's log-probs
@@ -113,23 +120,28 @@ def test_raising_and_slow_tools_are_failed_turns(engine_and_tokenizer):
     engine, tok = engine_and_tokenizer
     # room for the model's eos: a turn cut at max_new_tokens is no complete call
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
-    samples = run_rollout_function(agent_fixtures.raising_tool_agent, engine, tok, _items(2), params, 2,
-                                   AgentLimits(max_turns=2))
+    samples = run_rollout_function(
+        agent_fixtures.raising_tool_agent, engine, tok, _items(2), params, 2, AgentLimits(max_turns=2)
+    )
     for s in samples:
         tools = [t for t in s.metadata["turns"] if t["role"] == "tool"]
         assert len(tools) == 2 and all(t["ok"] is False and t["error"].startswith("RuntimeError: boom") for t in tools)
         assert s.status == Status.TRUNCATED  # still calling a tool after max_turns: no final answer
         assert sum(t["role"] == "assistant" for t in s.metadata["turns"]) == 2
-    samples = run_rollout_function(agent_fixtures.slow_tool_agent, engine, tok, _items(1), params, 1,
-                                   AgentLimits(max_turns=1, tool_timeout_s=0.2))
+    samples = run_rollout_function(
+        agent_fixtures.slow_tool_agent, engine, tok, _items(1), params, 1, AgentLimits(max_turns=1, tool_timeout_s=0.2)
+    )
     tool = samples[0].metadata["turns"][1]
     assert tool["ok"] is False and tool["error"] == "timeout after 0.2s"
 
 
 def test_failing_or_hanging_function_is_a_failed_sample(engine_and_tokenizer):
     engine, tok = engine_and_tokenizer
-    for fn, error in [(agent_fixtures.raises, "raised KeyError"), (agent_fixtures.hangs, "timed out after 0.3s"),
-                      (agent_fixtures.hangs_sync, "timed out after 0.3s")]:
+    for fn, error in [
+        (agent_fixtures.raises, "raised KeyError"),
+        (agent_fixtures.hangs, "timed out after 0.3s"),
+        (agent_fixtures.hangs_sync, "timed out after 0.3s"),
+    ]:
         samples = run_rollout_function(fn, engine, tok, _items(1), PARAMS, 2, AgentLimits(sample_timeout_s=0.3))
         assert [s.status for s in samples] == [Status.FAILED, Status.FAILED]
         assert all(error in s.metadata["error"] and s.response_length == 0 for s in samples)
@@ -137,8 +149,9 @@ def test_failing_or_hanging_function_is_a_failed_sample(engine_and_tokenizer):
 
 def test_token_budget_truncates(engine_and_tokenizer):
     engine, tok = engine_and_tokenizer
-    samples = run_rollout_function(agent_fixtures.always_tool, engine, tok, _items(2), PARAMS, 2,
-                                   AgentLimits(max_total_tokens=3))
+    samples = run_rollout_function(
+        agent_fixtures.always_tool, engine, tok, _items(2), PARAMS, 2, AgentLimits(max_total_tokens=3)
+    )
     for s in samples:  # always_tool ignores the budget: the runner cuts its samples
         assert s.response_length == 3 and len(s.loss_mask) == len(s.rollout_log_probs) == 3
         assert s.status == Status.TRUNCATED
@@ -163,8 +176,9 @@ def test_calc_example(engine_and_tokenizer):
     conv.add_text("tool", calc("12+345"), name="calc", arguments="12+345", ok=True)
     conv.add_model(GenerationOutput(ids("0357") + [tok.eos_token_id], [-0.1] * 5, "stop"))
     assert calc_reward(conv.to_sample(item)) == 1.0
-    samples = run_rollout_function(calc_rollout, engine, tok, _items(4), SamplingParams(max_new_tokens=5, seed=1), 4,
-                                   AgentLimits(max_turns=3))
+    samples = run_rollout_function(
+        calc_rollout, engine, tok, _items(4), SamplingParams(max_new_tokens=5, seed=1), 4, AgentLimits(max_turns=3)
+    )
     for s in samples:
         turns = s.metadata["turns"]
         for turn, nxt in zip(turns, turns[1:]):
@@ -185,6 +199,7 @@ def test_bad_function_path_is_one_config_error():
 
 # ---- turn-level credit ----------------------------------------------------------------------------------
 
+
 def test_grpo_turn_rewards_credit_their_turns():
     from rollflow.tasks.train.advantages import compute_advantages
 
@@ -204,20 +219,27 @@ def test_reinforce_turn_rewards_land_on_turn_ends():
     from rollflow.tasks.train.advantages import compute_advantages
 
     masks = [torch.tensor([1.0, 1, 0, 0, 1])]
-    _, returns = compute_advantages("reinforce_plus_plus", torch.tensor([9.0], dtype=torch.float64), masks, 1,
-                                    gamma=0.5,
-                                    turn_units=[[(0, 2, 1.0), (4, 5, -1.0)]])
+    _, returns = compute_advantages(
+        "reinforce_plus_plus",
+        torch.tensor([9.0], dtype=torch.float64),
+        masks,
+        1,
+        gamma=0.5,
+        turn_units=[[(0, 2, 1.0), (4, 5, -1.0)]],
+    )
     # rewards: 1 at index 1, -1 at index 4; R_t = r_t + 0.5 R_{t+1}
     r4, r3, r2 = -1.0, -0.5, -0.25
     r1 = 1.0 + 0.5 * r2
     r0 = 0.5 * r1
     assert torch.allclose(returns[0], torch.tensor([r0, r1, r2, r3, r4], dtype=torch.float64))
     with pytest.raises(ValueError, match="turn-level rewards"):
-        compute_advantages("rloo", torch.tensor([1.0, 0.0]), [torch.ones(2), torch.ones(2)], 2,
-                           turn_units=[[(0, 1, 1.0)], []])
+        compute_advantages(
+            "rloo", torch.tensor([1.0, 0.0]), [torch.ones(2), torch.ones(2)], 2, turn_units=[[(0, 1, 1.0)], []]
+        )
 
 
 # ---- conversation feedback ---------------------------------------------------------------------------
+
 
 def test_majority_and_verdicts():
     from rollflow.tasks.rollout.feedback import majority, verdict_value
@@ -241,8 +263,13 @@ def test_engine_judge_votes_on_each_turn(engine_and_tokenizer):
         assert len(first["votes"]) == 3 and first["reward"] == majority(first["votes"])
         judge_ids = [tok.bos_token_id] + tok.encode(f"{first['text']}+{tool['text']}=")
         assert judge_inputs.count(judge_ids) >= 3  # the judge prompt went to the engine as ids
-        outs = [decode for reqs, outs in rec.calls[2:] for ids, o in zip(reqs, outs) if ids == judge_ids
-                for decode in [tok.decode(o.response_ids)]]
+        outs = [
+            decode
+            for reqs, outs in rec.calls[2:]
+            for ids, o in zip(reqs, outs)
+            if ids == judge_ids
+            for decode in [tok.decode(o.response_ids)]
+        ]
         assert all(v in [verdict_value(o) for o in outs] for v in first["votes"])
         assert judged_turns_reward(s) == first["reward"]
 
@@ -253,16 +280,23 @@ def test_logged_conversation_tokens_and_feedback(engine_and_tokenizer):
     from rollflow.tasks.rollout.feedback import feedback_reward, logged_conversation
 
     _, tok = engine_and_tokenizer
-    messages = [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "42"},
-                {"role": "user", "content": "0"}, {"role": "assistant", "content": "0042"},
-                {"role": "user", "content": "1"}, {"role": "assistant", "content": "7"}]
-    samples = run_rollout_function(logged_conversation, None_engine(), tok, [PromptItem(messages, None)],
-                                   PARAMS, 1, AgentLimits())
+    messages = [
+        {"role": "user", "content": "12+30="},
+        {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "0"},
+        {"role": "assistant", "content": "0042"},
+        {"role": "user", "content": "1"},
+        {"role": "assistant", "content": "7"},
+    ]
+    samples = run_rollout_function(
+        logged_conversation, None_engine(), tok, [PromptItem(messages, None)], PARAMS, 1, AgentLimits()
+    )
     s = samples[0]
     ids = lambda text: [3 + "0123456789+=".index(c) for c in text]  # noqa: E731
     eos = tok.eos_token_id
-    assert s.tokens == [tok.bos_token_id] + ids("12+30=") + ids("42") + [eos] + ids("0") + ids("0042") + [eos] + \
-        ids("1") + ids("7") + [eos]
+    assert s.tokens == [tok.bos_token_id] + ids("12+30=") + ids("42") + [eos] + ids("0") + ids("0042") + [eos] + ids(
+        "1"
+    ) + ids("7") + [eos]
     assert s.loss_mask == [1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1]
     reward = asyncio.run(feedback_reward(agent_fixtures.feedback_judge, votes=3)(s))
     assert [t.get("reward") for t in s.metadata["turns"]] == [-1.0, None, 1.0, None, None]
@@ -277,6 +311,7 @@ class None_engine:  # noqa: N801 - logged conversations never call the engine
 
 
 # ---- through the flows ----------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_multi_turn_artifact_trains_and_replays_bit_for_bit(tmp_path, prefect_api, ray_local):
@@ -305,8 +340,13 @@ def test_multi_turn_artifact_trains_and_replays_bit_for_bit(tmp_path, prefect_ap
     assert stats["multi_turn_fraction"] == 1.0 and stats["tool_calls"] == len(samples) and stats["tool_failures"] == 0
 
     dumps = tmp_path / "dumps"
-    replay_cfg = small_config(tmp_path, run="mt-replay", data={"prompts_per_rollout": 8}, rollout=agent,
-                              debug={"train_only": True, "dump_details": str(dumps)})
+    replay_cfg = small_config(
+        tmp_path,
+        run="mt-replay",
+        data={"prompts_per_rollout": 8},
+        rollout=agent,
+        debug={"train_only": True, "dump_details": str(dumps)},
+    )
     replay = replay_train(replay_cfg, rollout_ids=[0], source_run="mt", use_cache=False)
     step = replay["steps"][0]
     keys = [k for k in step if k.startswith("train/") and k in trained]
@@ -326,18 +366,40 @@ def test_logged_conversations_with_feedback_train_through_the_flow(tmp_path, pre
     for i in range(8):
         a, b = 10 + i, 20 + 2 * i
         good = str(a + b)
-        rows.append({"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": "1"},
-                                  {"role": "user", "content": "0"}, {"role": "assistant", "content": good},
-                                  {"role": "user", "content": "1"}]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"{a}+{b}="},
+                    {"role": "assistant", "content": "1"},
+                    {"role": "user", "content": "0"},
+                    {"role": "assistant", "content": good},
+                    {"role": "user", "content": "1"},
+                ]
+            }
+        )
     path = tmp_path / "logged.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = small_config(
-        tmp_path, run="fb", iterations=1,
-        data={"task": "dataset", "path": str(path), "input_key": "messages", "apply_chat_template": True,
-              "label_key": None, "prompts_per_rollout": 8},
-        rollout={"function": "rollflow.tasks.rollout.feedback:logged_conversation", "n_samples_per_prompt": 1,
-                 "reward": "conversation_feedback", "feedback": {"judge": "tests.agent_fixtures:feedback_judge"}},
-        algo={"advantage_estimator": "reinforce_plus_plus_baseline"}, debug={"dump_details": str(tmp_path / "dumps")})
+        tmp_path,
+        run="fb",
+        iterations=1,
+        data={
+            "task": "dataset",
+            "path": str(path),
+            "input_key": "messages",
+            "apply_chat_template": True,
+            "label_key": None,
+            "prompts_per_rollout": 8,
+        },
+        rollout={
+            "function": "rollflow.tasks.rollout.feedback:logged_conversation",
+            "n_samples_per_prompt": 1,
+            "reward": "conversation_feedback",
+            "feedback": {"judge": "tests.agent_fixtures:feedback_judge"},
+        },
+        algo={"advantage_estimator": "reinforce_plus_plus_baseline"},
+        debug={"dump_details": str(tmp_path / "dumps")},
+    )
     rl_train(cfg)
     samples = RolloutStore(str(tmp_path)).load("fb", "train", 0).samples
     for s in samples:

@@ -10,9 +10,9 @@ import pytest
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.debug.alignment import CHECK_NAMES, alignment_workers, run_alignment, run_alignment_local
 from rollflow.tasks.debug.checks import AlignmentReport, AlignmentThresholds, CheckResult, worst
+from rollflow.tasks.debug.coherence import printable_units, repetition_fraction
 from rollflow.tasks.debug.faults import AlignmentFaults
 from rollflow.tasks.model.tokenizer import CharTokenizer
-from rollflow.tasks.debug.coherence import printable_units, repetition_fraction
 from tests.conftest import small_config
 
 
@@ -62,24 +62,63 @@ def test_report_renders_markdown_json_and_table(default_report):
 
 
 FAULTS = [
-    pytest.param(dict(faults=AlignmentFaults(gibberish_weights="shuffle")), "coherence",
-                 ["repetition_fraction", "format_fraction"], "checkpoint not loaded", id="gibberish-shuffled"),
-    pytest.param(dict(faults=AlignmentFaults(gibberish_weights="random")), "coherence",
-                 ["ref_nll", "format_fraction"], "parameter names not mapped", id="gibberish-random"),
-    pytest.param(dict(faults=AlignmentFaults(perturb_ref_std=1e-3)), "step1_logprob_equals_ref",
-                 ["log_probs != ref_log_probs"], "non-deterministic kernels", id="perturbed-ref"),
+    pytest.param(
+        dict(faults=AlignmentFaults(gibberish_weights="shuffle")),
+        "coherence",
+        ["repetition_fraction", "format_fraction"],
+        "checkpoint not loaded",
+        id="gibberish-shuffled",
+    ),
+    pytest.param(
+        dict(faults=AlignmentFaults(gibberish_weights="random")),
+        "coherence",
+        ["ref_nll", "format_fraction"],
+        "parameter names not mapped",
+        id="gibberish-random",
+    ),
+    pytest.param(
+        dict(faults=AlignmentFaults(perturb_ref_std=1e-3)),
+        "step1_logprob_equals_ref",
+        ["log_probs != ref_log_probs"],
+        "non-deterministic kernels",
+        id="perturbed-ref",
+    ),
     # a wrong engine temperature moves the whole distribution: both the per-token diff and the KL fail
-    pytest.param(dict(faults=AlignmentFaults(engine_temperature=0.7)), ("train_rollout_logprob_diff", "train_rollout_kl"),
-                 ["mean |train - rollout|"], "temperature applied differently", id="engine-temperature"),
-    pytest.param(dict(faults=AlignmentFaults(perturb_policy_std=1e-3)), "one_step_update",
-                 ["ppo_kl", "!= 0"], "policy changed between computing the old log-probs", id="policy-moved"),
-    pytest.param(dict(faults=AlignmentFaults(sync="corrupt_tensor")), "weight_sync_parity",
-                 ["first mismatching tensor: model.layers.1.input_layernorm.weight"], "corrupted or cast in transit",
-                 id="sync-corrupt"),
-    pytest.param(dict(faults=AlignmentFaults(sync="swap_layers")), "weight_sync_parity",
-                 ["first mismatching tensor: model.layers.0."], "layers swapped", id="sync-swap"),
-    pytest.param(dict(memory_budget_mb=1.0), "step2_load_and_memory", ["above the budget of 1 MB"],
-                 "lower train.micro_batch_size", id="memory-budget"),
+    pytest.param(
+        dict(faults=AlignmentFaults(engine_temperature=0.7)),
+        ("train_rollout_logprob_diff", "train_rollout_kl"),
+        ["mean |train - rollout|"],
+        "temperature applied differently",
+        id="engine-temperature",
+    ),
+    pytest.param(
+        dict(faults=AlignmentFaults(perturb_policy_std=1e-3)),
+        "one_step_update",
+        ["ppo_kl", "!= 0"],
+        "policy changed between computing the old log-probs",
+        id="policy-moved",
+    ),
+    pytest.param(
+        dict(faults=AlignmentFaults(sync="corrupt_tensor")),
+        "weight_sync_parity",
+        ["first mismatching tensor: model.layers.1.input_layernorm.weight"],
+        "corrupted or cast in transit",
+        id="sync-corrupt",
+    ),
+    pytest.param(
+        dict(faults=AlignmentFaults(sync="swap_layers")),
+        "weight_sync_parity",
+        ["first mismatching tensor: model.layers.0."],
+        "layers swapped",
+        id="sync-swap",
+    ),
+    pytest.param(
+        dict(memory_budget_mb=1.0),
+        "step2_load_and_memory",
+        ["above the budget of 1 MB"],
+        "lower train.micro_batch_size",
+        id="memory-budget",
+    ),
 ]
 
 
@@ -162,9 +201,17 @@ def test_coherence_figures_by_hand():
     prompt = [1, *tok.encode("12+34=")]
 
     def sample(resp: list[int], status: str = "completed") -> Sample:
-        return Sample(group_index=0, index=0, prompt="12+34=", tokens=prompt + resp, response=tok.decode(resp),
-                      response_length=len(resp), loss_mask=[1] * len(resp), rollout_log_probs=[0.0] * len(resp),
-                      status=status)
+        return Sample(
+            group_index=0,
+            index=0,
+            prompt="12+34=",
+            tokens=prompt + resp,
+            response=tok.decode(resp),
+            response_length=len(resp),
+            loss_mask=[1] * len(resp),
+            rollout_log_probs=[0.0] * len(resp),
+            status=status,
+        )
 
     assert printable_units(tok, sample([*tok.encode("046"), 2])) == (3, 3)  # final EOS not counted
     assert printable_units(tok, sample([*tok.encode("04"), 1, 0, 2])) == (2, 4)  # stray BOS / PAD count against

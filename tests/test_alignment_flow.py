@@ -123,8 +123,19 @@ def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # use the session's API, start no server
     app = typer.Typer()
     register(app)
-    result = CliRunner().invoke(app, ["serve", "--register-only", "--cron", "30 3 * * *",
-                                      "--set", f"store.root={tmp_path}", "--set", "run=cli-nightly"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "serve",
+            "--register-only",
+            "--cron",
+            "30 3 * * *",
+            "--set",
+            f"store.root={tmp_path}",
+            "--set",
+            "run=cli-nightly",
+        ],
+    )
     assert result.exit_code == 0, result.output
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("alignment_check/nightly-alignment")

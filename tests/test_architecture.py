@@ -85,8 +85,14 @@ def imports_of(source: str, module: str, path: str = "<source>", is_package: boo
                 else:
                     base = child.module or ""
                 for alias in child.names:
-                    yield Import(module, base if alias.name == "*" else f"{base}.{alias.name}", path, child.lineno,
-                                 local, type_only)
+                    yield Import(
+                        module,
+                        base if alias.name == "*" else f"{base}.{alias.name}",
+                        path,
+                        child.lineno,
+                        local,
+                        type_only,
+                    )
             yield from visit(child, inner, type_only)
 
     yield from visit(tree, False)
@@ -94,7 +100,8 @@ def imports_of(source: str, module: str, path: str = "<source>", is_package: boo
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -114,30 +121,52 @@ def _tasks_part(name: str) -> str | None:
 Rule = tuple[str, Callable[[str, str], bool]]  # (rule text, broken(importer, target))
 
 RULES: list[Rule] = [
-    ("artifacts/ (the data contract) imports nothing of rollflow outside artifacts/",
-     lambda m, t: _under(m, "rollflow.artifacts") and _under(t, "rollflow") and not _under(t, "rollflow.artifacts")),
-    ("tasks/ and artifacts/ import neither prefect nor ray (Prefect and Ray live in flows/ and infra/)",
-     lambda m, t: (_under(m, "rollflow.tasks") or _under(m, "rollflow.artifacts"))
-     and any(_under(t, name) for name in THIRD_PARTY_FORBIDDEN)),
-    ("tasks/ does not import infra/ (flows -> infra -> tasks -> artifacts)",
-     lambda m, t: _under(m, "rollflow.tasks") and _under(t, "rollflow.infra")),
-    ("tasks/rollout and tasks/train do not import each other",
-     lambda m, t: {_tasks_part(m), _tasks_part(t)} == {"rollout", "train"}),
-    ("tasks/model and the shared tasks/*.py modules sit below rollout, train and sync: they import only "
-     "tasks/model, tasks/*.py and artifacts/",
-     lambda m, t: _tasks_part(m) in ("model", "shared") and _tasks_part(t) not in (None, "model", "shared")),
-    ("tasks/sync sits below tasks/rollout and tasks/train: it imports neither (what both sides need lives in "
-     "tasks/sync, tasks/model or artifacts/)",
-     lambda m, t: _tasks_part(m) == "sync" and _tasks_part(t) in ("rollout", "train")),
-    ("tasks/rollout, tasks/train and tasks/sync do not import the debug toolkit (tasks/debug) or the "
-     "whole-model recipes (tasks/recipes): those sit above them",
-     lambda m, t: _tasks_part(m) in ("rollout", "train", "sync") and _tasks_part(t) in ("debug", "recipes")),
-    ("nothing imports flows/ except flows/ itself (the CLI is in flows/)",
-     lambda m, t: not _under(m, "rollflow.flows") and _under(t, "rollflow.flows")),
-    ("flows/ does not import benchmarks/ (`rollflow bench` runs them as a subprocess)",
-     lambda m, t: _under(m, "rollflow.flows") and _under(t, "benchmarks")),
-    ("the package imports its folders only as rollflow.* (never the bare top-level flows, tasks, artifacts, infra)",
-     lambda m, t: t.split(".")[0] in FOLDERS),
+    (
+        "artifacts/ (the data contract) imports nothing of rollflow outside artifacts/",
+        lambda m, t: _under(m, "rollflow.artifacts") and _under(t, "rollflow") and not _under(t, "rollflow.artifacts"),
+    ),
+    (
+        "tasks/ and artifacts/ import neither prefect nor ray (Prefect and Ray live in flows/ and infra/)",
+        lambda m, t: (
+            (_under(m, "rollflow.tasks") or _under(m, "rollflow.artifacts"))
+            and any(_under(t, name) for name in THIRD_PARTY_FORBIDDEN)
+        ),
+    ),
+    (
+        "tasks/ does not import infra/ (flows -> infra -> tasks -> artifacts)",
+        lambda m, t: _under(m, "rollflow.tasks") and _under(t, "rollflow.infra"),
+    ),
+    (
+        "tasks/rollout and tasks/train do not import each other",
+        lambda m, t: {_tasks_part(m), _tasks_part(t)} == {"rollout", "train"},
+    ),
+    (
+        "tasks/model and the shared tasks/*.py modules sit below rollout, train and sync: they import only "
+        "tasks/model, tasks/*.py and artifacts/",
+        lambda m, t: _tasks_part(m) in ("model", "shared") and _tasks_part(t) not in (None, "model", "shared"),
+    ),
+    (
+        "tasks/sync sits below tasks/rollout and tasks/train: it imports neither (what both sides need lives in "
+        "tasks/sync, tasks/model or artifacts/)",
+        lambda m, t: _tasks_part(m) == "sync" and _tasks_part(t) in ("rollout", "train"),
+    ),
+    (
+        "tasks/rollout, tasks/train and tasks/sync do not import the debug toolkit (tasks/debug) or the "
+        "whole-model recipes (tasks/recipes): those sit above them",
+        lambda m, t: _tasks_part(m) in ("rollout", "train", "sync") and _tasks_part(t) in ("debug", "recipes"),
+    ),
+    (
+        "nothing imports flows/ except flows/ itself (the CLI is in flows/)",
+        lambda m, t: not _under(m, "rollflow.flows") and _under(t, "rollflow.flows"),
+    ),
+    (
+        "flows/ does not import benchmarks/ (`rollflow bench` runs them as a subprocess)",
+        lambda m, t: _under(m, "rollflow.flows") and _under(t, "benchmarks"),
+    ),
+    (
+        "the package imports its folders only as rollflow.* (never the bare top-level flows, tasks, artifacts, infra)",
+        lambda m, t: t.split(".")[0] in FOLDERS,
+    ),
 ]
 
 
@@ -169,7 +198,10 @@ def test_layering_of_the_package() -> None:
 
 
 def test_the_checker_reads_every_import() -> None:
-    imports = {(i.target, i.local) for i in imports_of(textwrap.dedent("""
+    imports = {
+        (i.target, i.local)
+        for i in imports_of(
+            textwrap.dedent("""
         import ray
         from . import sibling
         from ..train import losses
@@ -179,10 +211,17 @@ def test_the_checker_reads_every_import() -> None:
         class C:
             def g(self):
                 from .x import y
-    """), "rollflow.tasks.rollout.worker")}
+    """),
+            "rollflow.tasks.rollout.worker",
+        )
+    }
     assert imports == {
-        ("ray", False), ("rollflow.tasks.rollout.sibling", False), ("rollflow.tasks.train.losses", False),
-        ("prefect.artifacts", True), ("rollflow.flows.cli", True), ("rollflow.tasks.rollout.x.y", True),
+        ("ray", False),
+        ("rollflow.tasks.rollout.sibling", False),
+        ("rollflow.tasks.train.losses", False),
+        ("prefect.artifacts", True),
+        ("rollflow.flows.cli", True),
+        ("rollflow.tasks.rollout.x.y", True),
     }
 
 
@@ -211,9 +250,11 @@ def test_checker_fails_on_a_forbidden_import(tmp_path: Path) -> None:
     found = {(v.imp.module, v.imp.path): v for v in check_tree(tmp_path)}
     assert {path for _, path in found} == set(bad), found
     v = found[("rollflow.tasks.rollout.bad", "tasks/rollout/bad.py")]
-    assert str(v) == ("rollflow.tasks.rollout.bad imports rollflow.tasks.train.torch_backend.DTYPES "
-                      "(tasks/rollout/bad.py:2, function-local): breaks rule: tasks/rollout and tasks/train do "
-                      "not import each other")
+    assert str(v) == (
+        "rollflow.tasks.rollout.bad imports rollflow.tasks.train.torch_backend.DTYPES "
+        "(tasks/rollout/bad.py:2, function-local): breaks rule: tasks/rollout and tasks/train do "
+        "not import each other"
+    )
     assert "prefect nor ray" in found[("rollflow.tasks.debug.bad", "tasks/debug/bad.py")].rule
     assert "subprocess" in found[("rollflow.flows.bad", "flows/bad.py")].rule
     assert "nothing imports flows/" in found[("rollflow.infra.bad", "infra/bad.py")].rule
@@ -222,8 +263,9 @@ def test_checker_fails_on_a_forbidden_import(tmp_path: Path) -> None:
     assert check_source("rollflow.tasks.sync.ipc", "from rollflow.tasks.train import batch\n")
     assert check_source("rollflow.tasks.sync.ipc", "def f():\n    from ..rollout.sglang import engine\n")
     assert not check_source("rollflow.tasks.sync.ipc", "from rollflow.tasks.model import dtypes\n")
-    assert not check_source("rollflow.tasks.debug.x", "from rollflow.tasks.rollout import worker\n"
-                                                      "from rollflow.tasks.train import worker\n")
+    assert not check_source(
+        "rollflow.tasks.debug.x", "from rollflow.tasks.rollout import worker\nfrom rollflow.tasks.train import worker\n"
+    )
 
 
 def test_the_layering_test_fails_when_a_forbidden_import_is_added(tmp_path: Path) -> None:
@@ -244,8 +286,7 @@ def test_the_layering_test_fails_when_a_forbidden_import_is_added(tmp_path: Path
 
 def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_outside_the_checkout_only_rollflow_imports(tmp_path: Path) -> None:
@@ -290,8 +331,9 @@ def test_every_module_loads_once_under_rollflow(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     env.setdefault("DO_NOT_TRACK", "1")
-    r = subprocess.run([sys.executable, "-c", _WALK, str(ROOT)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _WALK, str(ROOT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert not out["failed"], out["failed"]
@@ -316,9 +358,12 @@ def modules_per_folder(root: Path) -> dict[str, list[str]]:
 
 def check_counts(root: Path, minimums: dict[str, int] = MIN_MODULES) -> list[str]:
     found = modules_per_folder(root)
-    return [f"{folder}/: the scan read {len(found.get(folder, []))} modules, expected at least {least} "
-            "(a broken glob or a moved folder?)" for folder, least in minimums.items()
-            if len(found.get(folder, [])) < least]
+    return [
+        f"{folder}/: the scan read {len(found.get(folder, []))} modules, expected at least {least} "
+        "(a broken glob or a moved folder?)"
+        for folder, least in minimums.items()
+        if len(found.get(folder, [])) < least
+    ]
 
 
 def test_the_scan_reads_every_folder() -> None:
@@ -378,22 +423,34 @@ print(json.dumps({"imported": len(names) - len(skipped), "offenders": offenders,
 """
 
 
-def fresh_import_report(root: Path, folders: Sequence[str] = ("tasks", "artifacts"),
-                        forbidden: Sequence[str] = THIRD_PARTY_FORBIDDEN, extra_path: Sequence[str] = (),
-                        cwd: Path | None = None) -> dict:
+def fresh_import_report(
+    root: Path,
+    folders: Sequence[str] = ("tasks", "artifacts"),
+    forbidden: Sequence[str] = THIRD_PARTY_FORBIDDEN,
+    extra_path: Sequence[str] = (),
+    cwd: Path | None = None,
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join(extra_path)
-    r = subprocess.run([sys.executable, "-c", _FRESH, str(root), ",".join(folders), ",".join(forbidden)],
-                       cwd=cwd or root.parent, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _FRESH, str(root), ",".join(folders), ",".join(forbidden)],
+        cwd=cwd or root.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_tasks_and_artifacts_import_without_prefect_and_ray(tmp_path: Path) -> None:
     out = fresh_import_report(ROOT, cwd=tmp_path)
-    assert not out["offenders"], "importing these loaded prefect or ray (tasks/ and artifacts/ must run on a " \
-                                 f"box with torch alone): {out['offenders']}"
+    assert not out["offenders"], (
+        "importing these loaded prefect or ray (tasks/ and artifacts/ must run on a "
+        f"box with torch alone): {out['offenders']}"
+    )
     assert out["imported"] >= MIN_MODULES["tasks"] + MIN_MODULES["artifacts"] - 10, out  # it really imported them
 
 
@@ -529,7 +586,8 @@ def test_cycle_check_trips_and_names_the_path(tmp_path: Path) -> None:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(source)
     assert find_cycles(import_graph(tmp_path)) == [
-        ["rollflow.tasks.a", "rollflow.tasks.b", "rollflow.tasks.c", "rollflow.tasks.a"]]
+        ["rollflow.tasks.a", "rollflow.tasks.b", "rollflow.tasks.c", "rollflow.tasks.a"]
+    ]
 
 
 # ----------------------------------------------------------------------------- no file over MAX_LINES
@@ -565,37 +623,39 @@ def test_line_limit_trips(tmp_path: Path) -> None:
 # module imports an optional third-party dependency at its top; keep it short and give the reason. A function-local
 # import of an optional third-party dependency itself (megatron, sglang, a tracking backend) is fine and not
 # listed: this rule is about rollflow's own modules.
-LOCAL_IMPORT_ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    # ima_kernels imports triton at its top; only the reproducer's `triton_oob` fault needs it (CUDA boxes).
-    ("rollflow.tasks.debug.ima_repro", "rollflow.tasks.debug.ima_kernels.oob_store"),
-    # The CLI's command modules (flows/cli/) import the flows, and the tasks/ modules that bring torch, when a
-    # command runs, so that `rollflow --help` and a mistyped option answer at once. Measured (2-core box, loaded):
-    # these lazy, `rollflow --help` costs 0.8-0.9 s CPU; importing them at module level loads torch, prefect and ray
-    # and costs 4.4-5.0 s CPU (11-21 s wall under load; idle box before: 0.25 s wall). Everything light that the CLI
-    # uses is imported at module level. An entry names a target module: it covers the names imported from it.
-    ("rollflow.flows.cli.common", "rollflow.flows.config"),
-    ("rollflow.flows.cli.align", "rollflow.flows.alignment"),
-    ("rollflow.flows.cli.align", "rollflow.flows.preflight"),
-    ("rollflow.flows.cli.align", "rollflow.tasks.debug.alignment"),
-    ("rollflow.flows.cli.bisect", "rollflow.flows.bisect"),
-    ("rollflow.flows.cli.bisect", "rollflow.flows.preflight"),
-    ("rollflow.flows.cli.root", "rollflow.flows.debug"),
-    ("rollflow.flows.cli.root", "rollflow.flows.params"),
-    ("rollflow.flows.cli.root", "rollflow.flows.prefect_ops.submit"),
-    ("rollflow.flows.cli.root", "rollflow.flows.preflight"),
-    ("rollflow.flows.cli.root", "rollflow.flows.progress"),
-    ("rollflow.flows.cli.root", "rollflow.flows.reporting"),
-    ("rollflow.flows.cli.root", "rollflow.flows.cli.stage"),
-    ("rollflow.flows.cli.root", "rollflow.flows.train"),
-    ("rollflow.flows.cli.root", "rollflow.tasks.recipes.sft"),
-    ("rollflow.flows.cli.services", "rollflow.flows.prefect_ops.deployments"),
-    ("rollflow.flows.cli.tools", "rollflow.tasks.debug.replay_reward"),
-    ("rollflow.flows.cli.tools", "rollflow.tasks.debug.send"),
-    ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.engine"),
-    ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.rewards"),
-    ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.settings"),
-    ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.worker"),
-})
+LOCAL_IMPORT_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        # ima_kernels imports triton at its top; only the reproducer's `triton_oob` fault needs it (CUDA boxes).
+        ("rollflow.tasks.debug.ima_repro", "rollflow.tasks.debug.ima_kernels.oob_store"),
+        # The CLI's command modules (flows/cli/) import the flows, and the tasks/ modules that bring torch, when a
+        # command runs, so that `rollflow --help` and a mistyped option answer at once. Measured (2-core box, loaded):
+        # these lazy, `rollflow --help` costs 0.8-0.9 s CPU; importing them at module level loads torch, prefect and ray
+        # and costs 4.4-5.0 s CPU (11-21 s wall under load; idle box before: 0.25 s wall). Everything light that the CLI
+        # uses is imported at module level. An entry names a target module: it covers the names imported from it.
+        ("rollflow.flows.cli.common", "rollflow.flows.config"),
+        ("rollflow.flows.cli.align", "rollflow.flows.alignment"),
+        ("rollflow.flows.cli.align", "rollflow.flows.preflight"),
+        ("rollflow.flows.cli.align", "rollflow.tasks.debug.alignment"),
+        ("rollflow.flows.cli.bisect", "rollflow.flows.bisect"),
+        ("rollflow.flows.cli.bisect", "rollflow.flows.preflight"),
+        ("rollflow.flows.cli.root", "rollflow.flows.debug"),
+        ("rollflow.flows.cli.root", "rollflow.flows.params"),
+        ("rollflow.flows.cli.root", "rollflow.flows.prefect_ops.submit"),
+        ("rollflow.flows.cli.root", "rollflow.flows.preflight"),
+        ("rollflow.flows.cli.root", "rollflow.flows.progress"),
+        ("rollflow.flows.cli.root", "rollflow.flows.reporting"),
+        ("rollflow.flows.cli.root", "rollflow.flows.cli.stage"),
+        ("rollflow.flows.cli.root", "rollflow.flows.train"),
+        ("rollflow.flows.cli.root", "rollflow.tasks.recipes.sft"),
+        ("rollflow.flows.cli.services", "rollflow.flows.prefect_ops.deployments"),
+        ("rollflow.flows.cli.tools", "rollflow.tasks.debug.replay_reward"),
+        ("rollflow.flows.cli.tools", "rollflow.tasks.debug.send"),
+        ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.engine"),
+        ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.rewards"),
+        ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.settings"),
+        ("rollflow.flows.cli.tools", "rollflow.tasks.rollout.worker"),
+    }
+)
 
 
 def local_rollflow_imports(root: Path, allowed: frozenset[tuple[str, str]] = LOCAL_IMPORT_ALLOWED) -> list[Import]:
@@ -605,8 +665,11 @@ def local_rollflow_imports(root: Path, allowed: frozenset[tuple[str, str]] = LOC
             module = module_name(root, path)
             rel = path.relative_to(root).as_posix()
             for imp in imports_of(path.read_text(), module, rel, path.name == "__init__.py"):
-                if imp.local and _under(imp.target, "rollflow") and not any(
-                        imp.module == importer and _under(imp.target, target) for importer, target in allowed):
+                if (
+                    imp.local
+                    and _under(imp.target, "rollflow")
+                    and not any(imp.module == importer and _under(imp.target, target) for importer, target in allowed)
+                ):
                     found.append(imp)
     return found
 
@@ -614,14 +677,17 @@ def local_rollflow_imports(root: Path, allowed: frozenset[tuple[str, str]] = LOC
 def test_no_function_local_rollflow_imports() -> None:
     found = local_rollflow_imports(ROOT)
     modules = sorted({i.module for i in found})
-    assert not found, (f"{len(found)} function-local imports of rollflow modules in {len(modules)} modules (import "
-                       "at module level; only optional third-party dependencies stay function-local):\n  "
-                       + "\n  ".join(f"{i.where()}: {i.target}" for i in found))
+    assert not found, (
+        f"{len(found)} function-local imports of rollflow modules in {len(modules)} modules (import "
+        "at module level; only optional third-party dependencies stay function-local):\n  "
+        + "\n  ".join(f"{i.where()}: {i.target}" for i in found)
+    )
 
 
 def test_local_import_check_trips(tmp_path: Path) -> None:
     (tmp_path / "tasks" / "train").mkdir(parents=True)
-    (tmp_path / "tasks" / "train" / "lazy.py").write_text(textwrap.dedent("""
+    (tmp_path / "tasks" / "train" / "lazy.py").write_text(
+        textwrap.dedent("""
         import torch
         from rollflow.tasks.model import dtypes
 
@@ -633,11 +699,18 @@ def test_local_import_check_trips(tmp_path: Path) -> None:
         class Backend:
             def f(self):
                 from .batch import TrainBatch
-    """))
+    """)
+    )
     found = local_rollflow_imports(tmp_path)
-    assert [(i.target, i.lineno) for i in found] == [("rollflow.tasks.model.tiny.load_model", 7),
-                                                      ("rollflow.tasks.train.batch.TrainBatch", 12)]
+    assert [(i.target, i.lineno) for i in found] == [
+        ("rollflow.tasks.model.tiny.load_model", 7),
+        ("rollflow.tasks.train.batch.TrainBatch", 12),
+    ]
     assert "tasks/train/lazy.py:7, function-local" in found[0].where()
-    allowed = frozenset({("rollflow.tasks.train.lazy", "rollflow.tasks.model.tiny.load_model"),
-                         ("rollflow.tasks.train.lazy", "rollflow.tasks.train.batch.TrainBatch")})
+    allowed = frozenset(
+        {
+            ("rollflow.tasks.train.lazy", "rollflow.tasks.model.tiny.load_model"),
+            ("rollflow.tasks.train.lazy", "rollflow.tasks.train.batch.TrainBatch"),
+        }
+    )
     assert local_rollflow_imports(tmp_path, allowed) == []

@@ -50,8 +50,7 @@ def rewarded_samples(n_prompts: int = 4, per_prompt: int = 3, seed: int = 0) -> 
 
 
 def write(store: RolloutStore, samples, rollout_id: int = 0):
-    return store.write("run-c", "train", rollout_id, samples, n_samples_per_prompt=3, engine=ENGINE,
-                       config_hash="cfg")
+    return store.write("run-c", "train", rollout_id, samples, n_samples_per_prompt=3, engine=ENGINE, config_hash="cfg")
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -96,19 +95,33 @@ def test_write_columns_directly_equals_write_samples(tmp_path):
 
 
 def test_from_arrays_matches_from_samples():
-    samples = [Sample(group_index=i // 2, index=i, prompt="p", tokens=[5, 6, 7 + i, 8][: 3 + i % 2], response="",
-                      response_length=1 + i % 2, loss_mask=[1] * (1 + i % 2),
-                      rollout_log_probs=[-0.5] * (1 + i % 2), reward=float(i), status=Status.COMPLETED)
-               for i in range(4)]
+    samples = [
+        Sample(
+            group_index=i // 2,
+            index=i,
+            prompt="p",
+            tokens=[5, 6, 7 + i, 8][: 3 + i % 2],
+            response="",
+            response_length=1 + i % 2,
+            loss_mask=[1] * (1 + i % 2),
+            rollout_log_probs=[-0.5] * (1 + i % 2),
+            reward=float(i),
+            status=Status.COMPLETED,
+        )
+        for i in range(4)
+    ]
     lengths = np.array([len(s.tokens) for s in samples])
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     columns = SampleColumns.from_arrays(
-        group_index=np.array([s.group_index for s in samples]), index=np.arange(4),
+        group_index=np.array([s.group_index for s in samples]),
+        index=np.arange(4),
         tokens=ListColumn(offsets, np.concatenate([s.tokens for s in samples])),
         response_length=np.array([s.response_length for s in samples]),
         loss_mask=np.concatenate([s.loss_mask for s in samples]).astype(np.int8),
         rollout_log_probs=np.concatenate([s.rollout_log_probs for s in samples]),
-        reward=np.arange(4, dtype=np.float64), prompt="p")
+        reward=np.arange(4, dtype=np.float64),
+        prompt="p",
+    )
     assert columns == SampleColumns.from_samples(samples)
 
 
@@ -144,16 +157,20 @@ def test_format_1_fixture_still_loads(tmp_path):
     assert artifact.manifest.schema_version == 1
     assert artifact.manifest.file("samples.parquet").format is None
     assert artifact.manifest.file_format("samples.parquet") == "rollflow.samples/1"
-    assert pq.read_schema(root / "fixture-v1/rollouts/train/000000/samples.parquet").field("tokens").type \
-        .value_type == pa.int64()  # really the old format
+    assert (
+        pq.read_schema(root / "fixture-v1/rollouts/train/000000/samples.parquet").field("tokens").type.value_type
+        == pa.int64()
+    )  # really the old format
     assert_same_samples(artifact.samples, expected_fixture_samples())
     assert artifact.columns.list_column("tokens").values.dtype == np.int32  # read into the current columns
     # ... and the batch built from its columns is the batch built from its Samples
     expected = expected_fixture_samples()
     rows = [i for i, s in enumerate(expected) if s.reward is not None and s.prompt_length > 0][:4]
     assert len(rows) == 4
-    assert_same_batch(batch_from_columns(artifact.columns.take(rows), group_size=2),
-                      batch_from_samples([expected[i] for i in rows], group_size=2))
+    assert_same_batch(
+        batch_from_columns(artifact.columns.take(rows), group_size=2),
+        batch_from_samples([expected[i] for i in rows], group_size=2),
+    )
 
 
 def test_unknown_payload_format_is_refused_clearly(tmp_path):
@@ -190,8 +207,9 @@ def test_corrupted_payload_gives_the_one_line_checksum_error(tmp_path):
             load("run-c", "train", 0)
         message = str(info.value)
         assert "\n" not in message
-        assert message.startswith(f"checksum mismatch for {store.artifact_uri('run-c', 'train', 0)}/samples.parquet: "
-                                  "manifest expects sha256=")
+        assert message.startswith(
+            f"checksum mismatch for {store.artifact_uri('run-c', 'train', 0)}/samples.parquet: manifest expects sha256="
+        )
         assert info.value.actual_size == info.value.expected_size == len(data)
 
 
@@ -216,14 +234,16 @@ def test_batch_from_columns_equals_batch_from_samples(tmp_path):
     samples[7].loss_mask = [0, 1, 0, 1][: samples[7].response_length]
     write(store, samples)
     artifact = store.load("run-c", "train", 0)
-    assert_same_batch(batch_from_columns(artifact.columns, group_size=3),
-                      batch_from_samples(artifact.samples, group_size=3))
+    assert_same_batch(
+        batch_from_columns(artifact.columns, group_size=3), batch_from_samples(artifact.samples, group_size=3)
+    )
     # the run's reward key wins for dict rewards, as train_on_artifact does on Samples
     for s in samples:
         if isinstance(s.reward, dict):
             s.reward_key = "fmt"
-    assert_same_batch(batch_from_columns(artifact.columns, group_size=3, reward_key="fmt"),
-                      batch_from_samples(samples, group_size=3))
+    assert_same_batch(
+        batch_from_columns(artifact.columns, group_size=3, reward_key="fmt"), batch_from_samples(samples, group_size=3)
+    )
 
 
 def test_batch_span_mask_and_ids_follow_each_sample(tmp_path, monkeypatch):
@@ -244,7 +264,7 @@ def test_batch_span_mask_and_ids_follow_each_sample(tmp_path, monkeypatch):
         assert batch.response_mask[row][span[row]].tolist() == [bool(m) for m in s.loss_mask]
         assert not batch.response_mask[row][~span[row]].any()
         assert batch.tokens[row, : len(s.tokens)].tolist() == s.tokens
-        assert not batch.tokens[row, len(s.tokens):].any()
+        assert not batch.tokens[row, len(s.tokens) :].any()
 
 
 def test_batch_from_columns_errors_as_batch_from_samples():
@@ -294,11 +314,21 @@ def test_train_step_on_columns_equals_train_step_on_samples(tmp_path):
     for i in range(16):  # "012+345=" style prompts of the built-in char vocabulary, ragged responses
         prompt = torch.randint(3, 14, (8,), generator=gen).tolist()
         length = 2 + i % 3
-        samples.append(Sample(group_index=i // 4, index=i, prompt="p", tokens=prompt + torch.randint(
-            3, 14, (length,), generator=gen).tolist(), response="r", response_length=length,
-            loss_mask=[1] * length, rollout_log_probs=(-torch.rand(length, generator=gen)).tolist(),
-            reward={"acc": float(i % 2), "fmt": 1.0}, reward_key="fmt",
-            status=Status.TRUNCATED if i % 5 == 0 else Status.COMPLETED))
+        samples.append(
+            Sample(
+                group_index=i // 4,
+                index=i,
+                prompt="p",
+                tokens=prompt + torch.randint(3, 14, (length,), generator=gen).tolist(),
+                response="r",
+                response_length=length,
+                loss_mask=[1] * length,
+                rollout_log_probs=(-torch.rand(length, generator=gen)).tolist(),
+                reward={"acc": float(i % 2), "fmt": 1.0},
+                reward_key="fmt",
+                status=Status.TRUNCATED if i % 5 == 0 else Status.COMPLETED,
+            )
+        )
     store = RolloutStore(str(tmp_path / "store"))
     store.write("run-t", "train", 0, samples, n_samples_per_prompt=4, engine=ENGINE, config_hash="cfg")
     columns = store.load_columns("run-t", "train", 0).with_reward_key("acc")
@@ -311,8 +341,9 @@ def test_train_step_on_columns_equals_train_step_on_samples(tmp_path):
     results = []
     for rows in (samples, columns):
         torch.manual_seed(0)
-        backend = TorchBackend(load_model(resolve_model_path("builtin:addition")),
-                               OptimConfig(num_steps_per_rollout=2, micro_batch_size=8))
+        backend = TorchBackend(
+            load_model(resolve_model_path("builtin:addition")), OptimConfig(num_steps_per_rollout=2, micro_batch_size=8)
+        )
         result = train_on_samples(backend, rows, AlgoConfig(), group_size=4)
         results.append((result, {k: v.clone() for k, v in backend.named_weights().items()}))
     (a, wa), (b, wb) = results

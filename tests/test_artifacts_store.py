@@ -416,8 +416,15 @@ def test_producer_info_never_raises():
 
 def test_manifest_rejects_unknown_fields_and_non_utc():
     base = dict(
-        run="r", rollout_id=0, split="train", n_samples=0, n_samples_per_prompt=1,
-        producer=producer_info(), engine=ENGINE, config_hash="h", files=[],
+        run="r",
+        rollout_id=0,
+        split="train",
+        n_samples=0,
+        n_samples_per_prompt=1,
+        producer=producer_info(),
+        engine=ENGINE,
+        config_hash="h",
+        files=[],
     )
     assert Manifest(**base).schema_version == 2 and Manifest(**base, schema_version=1).schema_version == 1
     with pytest.raises(ValueError, match="surprise"):
@@ -457,7 +464,8 @@ def test_s3_round_trip_commit_protocol_and_checksums(s3_endpoint, monkeypatch):
 
 def test_s3_explicit_storage_options_still_work(s3_endpoint):
     """Options passed in code (as before issue 5) are merged over the environment's."""
-    s3_store = RolloutStore(s3_endpoint.root("explicit"),
-                            {"client_kwargs": {"endpoint_url": s3_endpoint.url}, "default_block_size": 2**20})
+    s3_store = RolloutStore(
+        s3_endpoint.root("explicit"), {"client_kwargs": {"endpoint_url": s3_endpoint.url}, "default_block_size": 2**20}
+    )
     write(s3_store, 0)
     assert s3_store.load("run-a", "train", 0).samples == make_samples()

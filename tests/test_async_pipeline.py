@@ -30,11 +30,13 @@ def task_runs_by_name(flow_name_prefix: str) -> dict[str, list[tuple[float, floa
 
     async def read() -> dict[str, list[tuple[float, float]]]:
         async with get_client() as client:
-            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(like_=flow_name_prefix)))
+            flows = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=flow_name_prefix))
+            )
             ids = [f.id for f in flows if f.name.startswith(flow_name_prefix)]
-            runs = await client.read_task_runs(task_run_filter=TaskRunFilter(
-                flow_run_id=TaskRunFilterFlowRunId(any_=ids)), limit=200)
+            runs = await client.read_task_runs(
+                task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)), limit=200
+            )
         out: dict[str, list[tuple[float, float]]] = {}
         for run in runs:
             if run.start_time and run.end_time:
@@ -54,8 +56,9 @@ def learning_config(root, run: str, iterations: int, staleness: int):
     # batches show no clear gain in a few iterations.
     from rollflow.flows.config import RunConfig
 
-    return RunConfig.model_validate({"run": run, "iterations": iterations, "store": {"root": str(root)},
-                                     "pipeline": {"max_staleness": staleness}})
+    return RunConfig.model_validate(
+        {"run": run, "iterations": iterations, "store": {"root": str(root)}, "pipeline": {"max_staleness": staleness}}
+    )
 
 
 @pytest.mark.slow
@@ -88,7 +91,6 @@ def test_async_generate_next_overlaps_train_and_run_learns(tmp_path, prefect_api
 # ----------------------------------------------------------------------------- partial rollouts
 def test_partial_rollout_continues_aborted_samples_with_per_token_versions(tmp_path):
     """An abort mid-generation keeps tokens + log-probs; the next rollout continues them under new weights."""
-    import torch
     from typer.testing import CliRunner
 
     from rollflow.artifacts.manifest import EngineInfo
@@ -119,8 +121,15 @@ def test_partial_rollout_continues_aborted_samples_with_per_token_versions(tmp_p
     for s in first:
         s.reward = 0.0
     store = RolloutStore(str(tmp_path / "root"))
-    store.write("p", "train", 1, defer_aborted(first, 2), n_samples_per_prompt=2,
-                engine=EngineInfo(backend="hf", model="m", weight_version=0), config_hash="h")
+    store.write(
+        "p",
+        "train",
+        1,
+        defer_aborted(first, 2),
+        n_samples_per_prompt=2,
+        engine=EngineInfo(backend="hf", model="m", weight_version=0),
+        config_hash="h",
+    )
     committed = store.load("p", "train", 1).samples
     deferred = [s for s in committed if filtered_reason(s) == "aborted"]
     assert {s.group_index for s in deferred} == {s.group_index for s in aborted}
@@ -143,21 +152,30 @@ def test_partial_rollout_continues_aborted_samples_with_per_token_versions(tmp_p
     n_deferred_groups = len({s.group_index for s in deferred})
     assert len(second) == 2 * (3 + n_deferred_groups)  # continued groups (whole) + this rollout's 3 prompts
     # Sample-level checks of the whole continued groups: their completed samples come back unchanged.
-    assert [s.tokens for s in second[: 2 * n_deferred_groups] if not s.metadata.get("continued_from")] == \
-        [s.tokens for s in deferred if s.status is not Status.ABORTED]
+    assert [s.tokens for s in second[: 2 * n_deferred_groups] if not s.metadata.get("continued_from")] == [
+        s.tokens for s in deferred if s.status is not Status.ABORTED
+    ]
     for s in second:
         s.reward = 0.0
-    store.write("p", "train", 2, second, n_samples_per_prompt=2,
-                engine=EngineInfo(backend="hf", model="m", weight_version=1), config_hash="h")
+    store.write(
+        "p",
+        "train",
+        2,
+        second,
+        n_samples_per_prompt=2,
+        engine=EngineInfo(backend="hf", model="m", weight_version=1),
+        config_hash="h",
+    )
     # `rollflow show` names each token run's version
     s = continued[0]
     k = s.response_length - token_weight_versions(s).count(1)
-    res = CliRunner().invoke(app, ["show", str(tmp_path / "root" / "p"), "--id", "2", "--max-chars", "200"],
-                             env={"COLUMNS": "400"})
+    res = CliRunner().invoke(
+        app, ["show", str(tmp_path / "root" / "p"), "--id", "2", "--max-chars", "200"], env={"COLUMNS": "400"}
+    )
     assert res.exit_code == 0, res.output
     assert f"v0x{k}+v1x{s.response_length - k}" in res.output
     res = CliRunner().invoke(app, ["show", str(tmp_path / "root" / "p"), "--id", "2", "--json", "--limit", "100"])
-    shown = json.loads(res.output[res.output.index("{"):])
+    shown = json.loads(res.output[res.output.index("{") :])
     assert any(rec["metadata"].get("weight_versions") == token_weight_versions(s) for rec in shown["samples"])
 
 
@@ -174,11 +192,15 @@ def half_constant(sample: Sample) -> float:
 def test_dynamic_sampling_trains_full_batches_of_nonconstant_groups(tmp_path, prefect_api, ray_local):
     from rollflow.flows.train import rl_train
 
-    cfg = small_config(tmp_path, run="dyn", iterations=2, pipeline={
-        "max_staleness": 1, "dynamic_sampling": {"enabled": True, "max_tries": 6}},
+    cfg = small_config(
+        tmp_path,
+        run="dyn",
+        iterations=2,
+        pipeline={"max_staleness": 1, "dynamic_sampling": {"enabled": True, "max_tries": 6}},
         data={"prompts_per_rollout": 8, "eval_prompts": 8},
         rollout={"n_samples_per_prompt": 4, "reward": "tests.test_async_pipeline:half_constant"},
-        train={"num_steps_per_rollout": 1, "micro_batch_size": 32})
+        train={"num_steps_per_rollout": 1, "micro_batch_size": 32},
+    )
     rl_train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "dyn" / "metrics.jsonl").read_text().splitlines()]
     store = RolloutStore(str(tmp_path))
@@ -202,9 +224,16 @@ def test_dynamic_sampling_trains_full_batches_of_nonconstant_groups(tmp_path, pr
 
 # ----------------------------------------------------------------------------- kill + resume
 def _async_sets(root, run: str) -> list[str]:
-    return [f"run={run}", "iterations=3", f"store.root={root}", "data.prompts_per_rollout=32",
-            "rollout.n_samples_per_prompt=4", "train.num_steps_per_rollout=1", "train.micro_batch_size=64",
-            "pipeline.max_staleness=1"]
+    return [
+        f"run={run}",
+        "iterations=3",
+        f"store.root={root}",
+        "data.prompts_per_rollout=32",
+        "rollout.n_samples_per_prompt=4",
+        "train.num_steps_per_rollout=1",
+        "train.micro_batch_size=64",
+        "pipeline.max_staleness=1",
+    ]
 
 
 def _final_weights(root, run: str, iteration: int) -> dict:
@@ -232,8 +261,9 @@ def test_async_run_killed_and_resumed_matches_uninterrupted_run(tmp_path, prefec
     cmd = [sys.executable, "-m", "rollflow.flows.cli", "train"]
     for item in _async_sets(tmp_path, "killed"):
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     marker = tmp_path / "killed" / "checkpoints" / "000001" / "meta.json"
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -254,8 +284,9 @@ def test_async_run_killed_and_resumed_matches_uninterrupted_run(tmp_path, prefec
     assert all(after[name] == manifest for name, manifest in before.items()), "a committed rollout was regenerated"
     store = RolloutStore(str(tmp_path))
     for r in range(3):
-        assert [s.tokens for s in store.load("killed", "train", r).samples] == \
-            [s.tokens for s in store.load("whole", "train", r).samples], r
+        assert [s.tokens for s in store.load("killed", "train", r).samples] == [
+            s.tokens for s in store.load("whole", "train", r).samples
+        ], r
     whole, resumed = _final_weights(tmp_path, "whole", 3), _final_weights(tmp_path, "killed", 3)
     assert sorted(whole) == sorted(resumed)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole), "resumed async run ended on other weights"
@@ -280,8 +311,20 @@ def test_pipeline_config_errors_name_the_field_and_the_fix():
 
 
 def _group(g: int, rewards: list[float]) -> list[Sample]:
-    return [Sample(group_index=g, index=i, prompt="p", tokens=[1, 2, 3], response="x", response_length=1,
-                   loss_mask=[1], rollout_log_probs=[-0.5], reward=r) for i, r in enumerate(rewards)]
+    return [
+        Sample(
+            group_index=g,
+            index=i,
+            prompt="p",
+            tokens=[1, 2, 3],
+            response="x",
+            response_length=1,
+            loss_mask=[1],
+            rollout_log_probs=[-0.5],
+            reward=r,
+        )
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_group_selection_trains_target_groups_and_marks_the_rest():

@@ -43,8 +43,23 @@ def test_git_sha_is_a_commit_or_none():
 
 def test_quick_run_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["--quick", "--repeats", "1", "--suite", "rollout", "--suite", "train", "--suite", "artifact_io",
-               "--out", str(out), "--workdir", str(tmp_path / "work")])
+    rc = main(
+        [
+            "--quick",
+            "--repeats",
+            "1",
+            "--suite",
+            "rollout",
+            "--suite",
+            "train",
+            "--suite",
+            "artifact_io",
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["schema"] == "rollflow.bench/1"

@@ -26,7 +26,7 @@ from rollflow.tasks.train.checkpoint import (
     save_checkpoint,
 )
 
-LOOP = r'''
+LOOP = r"""
 import io, sys, torch
 from rollflow.tasks.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 root, run, total, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -45,7 +45,7 @@ for it in range(start + 1, total + 1):
     buf = io.BytesIO(); torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     save_checkpoint(root, run, it, buf.getvalue(), extra={"data": {"next_rollout_id": it}})
 torch.save(model.state_dict(), out)
-'''
+"""
 
 
 def run_loop(tmp_path: Path, root: Path, run: str, out: str, fault: str | None = None):
@@ -54,13 +54,21 @@ def run_loop(tmp_path: Path, root: Path, run: str, out: str, fault: str | None =
         env["ROLLFLOW_FAULT"] = fault
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    return subprocess.run([sys.executable, str(script), str(root), run, "4", str(tmp_path / out)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(script), str(root), run, "4", str(tmp_path / out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_kill_between_payload_and_marker_resumes_from_previous(tmp_path):

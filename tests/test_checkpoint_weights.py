@@ -31,8 +31,11 @@ def test_torch_checkpoint_gives_its_weights():
 
 def test_megatron_checkpoint_is_converted_to_hf_names():
     pytest.importorskip("megatron.core", reason="needs megatron-core")
-    backend = build_backend(MODEL, OptimConfig(backend="megatron", device="cpu", dtype="float32",
-                                               megatron={"optimizer": "torch"}), temperature=1.0)
+    backend = build_backend(
+        MODEL,
+        OptimConfig(backend="megatron", device="cpu", dtype="float32", megatron={"optimizer": "torch"}),
+        temperature=1.0,
+    )
     with torch.no_grad():
         next(backend.model.parameters()).add_(1.0)
     got = hf_weights_of_checkpoint(backend.checkpoint_bytes(), resolve_model_path(MODEL))
@@ -54,12 +57,21 @@ def test_alignment_drills_reach_a_megatron_trainers_reference():
     from rollflow.tasks.debug.alignment import trainer_perturb_ref, trainer_scramble
     from rollflow.tasks.train.batch import TrainBatch
 
-    backend = build_backend(MODEL, OptimConfig(backend="megatron", device="cpu", dtype="float32",
-                                               megatron={"optimizer": "torch"}), temperature=1.0)
+    backend = build_backend(
+        MODEL,
+        OptimConfig(backend="megatron", device="cpu", dtype="float32", megatron={"optimizer": "torch"}),
+        temperature=1.0,
+    )
     tokens = torch.randint(3, 12, (4, 10), generator=torch.Generator().manual_seed(0))
-    batch = TrainBatch(tokens=tokens, lengths=torch.full((4,), 10), response_mask=torch.ones(4, 9, dtype=torch.bool),
-                       rewards=torch.zeros(4), rollout_log_probs=torch.zeros(4, 9), group_size=4,
-                       truncated=torch.zeros(4, dtype=torch.bool))
+    batch = TrainBatch(
+        tokens=tokens,
+        lengths=torch.full((4,), 10),
+        response_mask=torch.ones(4, 9, dtype=torch.bool),
+        rewards=torch.zeros(4),
+        rollout_log_probs=torch.zeros(4, 9),
+        group_size=4,
+        truncated=torch.zeros(4, dtype=torch.bool),
+    )
     assert torch.equal(backend.compute_log_probs(batch, "ref"), backend.compute_log_probs(batch, "policy"))
     assert not backend.compute_log_probs(batch).requires_grad  # scoring keeps no graph (old log-probs are data)
     trainer_perturb_ref(backend, 0.05, seed=1)

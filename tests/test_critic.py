@@ -77,8 +77,7 @@ def test_gae_rejects_bad_inputs():
 
 
 def test_last_token_rewards():
-    out = last_token_rewards(torch.tensor([1.0, 2.0, 3.0]),
-                             torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1]]))
+    out = last_token_rewards(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1]]))
     assert torch.equal(out, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 3.0]], dtype=out.dtype))
 
 
@@ -143,12 +142,15 @@ def test_explained_variance():
 
 
 # -- config ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, needle", [
-    (["algo.advantage_estimator=ppo", "algo.kl_coef=0.1"], "algo.kl_coef=0.1"),
-    (["algo.advantage_estimator=ppo", "train.backend=megatron"], "train.backend='torch'"),
-    (["algo.advantage_estimator=ppo", "debug.train_only=true"], "replay"),
-    (["algo.lambd=0.9"], "algo.lambd=0.9 only applies"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["algo.advantage_estimator=ppo", "algo.kl_coef=0.1"], "algo.kl_coef=0.1"),
+        (["algo.advantage_estimator=ppo", "train.backend=megatron"], "train.backend='torch'"),
+        (["algo.advantage_estimator=ppo", "debug.train_only=true"], "replay"),
+        (["algo.lambd=0.9"], "algo.lambd=0.9 only applies"),
+    ],
+)
 def test_ppo_config_rejections_name_the_field(overrides, needle):
     from rollflow.flows.config import ConfigError, load_config
 
@@ -160,8 +162,17 @@ def test_ppo_config_rejections_name_the_field(overrides, needle):
 def test_ppo_config_accepts_gamma_lambd_and_kl_loss():
     from rollflow.flows.config import load_config
 
-    cfg = load_config(None, ["algo.advantage_estimator=ppo", "algo.gamma=0.99", "algo.lambd=0.95",
-                             "algo.kl_loss_coef=0.01", "algo.value_clip=0.5", "algo.critic_lr=1e-4"])
+    cfg = load_config(
+        None,
+        [
+            "algo.advantage_estimator=ppo",
+            "algo.gamma=0.99",
+            "algo.lambd=0.95",
+            "algo.kl_loss_coef=0.01",
+            "algo.value_clip=0.5",
+            "algo.critic_lr=1e-4",
+        ],
+    )
     assert (cfg.algo.gamma, cfg.algo.lambd, cfg.algo.value_clip, cfg.algo.critic_lr) == (0.99, 0.95, 0.5, 1e-4)
 
 
@@ -175,20 +186,29 @@ def ppo_artifact(tmp_path_factory):
     from rollflow.tasks.rollout.worker import RolloutWorker
 
     root = str(tmp_path_factory.mktemp("ppo-store"))
-    worker = RolloutWorker("builtin:addition", RolloutConfig(n_samples_per_prompt=4),
-                           DataConfig(prompts_per_rollout=16, eval_prompts=16))
+    worker = RolloutWorker(
+        "builtin:addition", RolloutConfig(n_samples_per_prompt=4), DataConfig(prompts_per_rollout=16, eval_prompts=16)
+    )
     samples = score_samples(worker.rollout(0), resolve_reward_fn("addition"))
-    ref = RolloutStore(root).write("ppo", "train", 0, samples, n_samples_per_prompt=4,
-                                   engine=EngineInfo(backend="hf", model="builtin:addition", weight_version=0),
-                                   config_hash="test")
+    ref = RolloutStore(root).write(
+        "ppo",
+        "train",
+        0,
+        samples,
+        n_samples_per_prompt=4,
+        engine=EngineInfo(backend="hf", model="builtin:addition", weight_version=0),
+        config_hash="test",
+    )
     return root, ref
 
 
 def _ppo_settings(**algo):
     from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
-    return (OptimConfig(num_steps_per_rollout=2, micro_batch_size=32),
-            AlgoConfig(advantage_estimator="ppo", critic_lr=1e-3, **algo))
+    return (
+        OptimConfig(num_steps_per_rollout=2, micro_batch_size=32),
+        AlgoConfig(advantage_estimator="ppo", critic_lr=1e-3, **algo),
+    )
 
 
 def test_critic_estimate_update_train_and_checkpoint(ppo_artifact):
@@ -212,8 +232,14 @@ def test_critic_estimate_update_train_and_checkpoint(ppo_artifact):
     assert abs(float(estimate.advantages[on].mean())) < 1e-5  # whitened
 
     metrics = critic.update()
-    assert set(metrics) == {"critic/value_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/values",
-                            "critic/returns", "critic/explained_variance"}
+    assert set(metrics) == {
+        "critic/value_loss",
+        "critic/vf_clipfrac",
+        "critic/grad_norm",
+        "critic/values",
+        "critic/returns",
+        "critic/explained_variance",
+    }
     assert metrics["critic/value_loss"] > 0 and metrics["critic/values"] == 0.0
     with pytest.raises(RuntimeError, match="before estimate"):
         critic.update()
@@ -254,7 +280,6 @@ def test_trainer_refuses_a_critic_estimate_of_another_shape(ppo_artifact):
 def test_ppo_rl_train_runs_a_critic_actor_and_resumes_it(tmp_path, prefect_api, ray_local):
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
-
     from tests.conftest import small_config
 
     algo = {"advantage_estimator": "ppo", "critic_lr": 1e-3, "lambd": 0.95}

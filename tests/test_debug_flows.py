@@ -96,29 +96,68 @@ def test_replay_unknown_id_lists_existing(tmp_path, prefect_api, ray_local):
 
 def test_cli_rollout_then_replay(tmp_path, prefect_api):
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    common = ["--set", "run=cli", "--set", f"store.root={tmp_path}", "--set", "iterations=2",
-              "--set", "data.prompts_per_rollout=16", "--set", "rollout.n_samples_per_prompt=4",
-              "--set", "train.num_steps_per_rollout=1"]
-    out = subprocess.run([sys.executable, "-m", "rollflow.flows.cli", "rollout", *common], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    common = [
+        "--set",
+        "run=cli",
+        "--set",
+        f"store.root={tmp_path}",
+        "--set",
+        "iterations=2",
+        "--set",
+        "data.prompts_per_rollout=16",
+        "--set",
+        "rollout.n_samples_per_prompt=4",
+        "--set",
+        "train.num_steps_per_rollout=1",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "rollflow.flows.cli", "rollout", *common],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert RolloutStore(str(tmp_path)).list_ids("cli", "train") == [0, 1]
-    rep = subprocess.run([sys.executable, "-m", "rollflow.flows.cli", "replay", *common, "--ids", "0-1",
-                          "--dump-details", str(tmp_path / "dump")], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    rep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollflow.flows.cli",
+            "replay",
+            *common,
+            "--ids",
+            "0-1",
+            "--dump-details",
+            str(tmp_path / "dump"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
-    result = json.loads(rep.stdout[rep.stdout.index("{"):])
+    result = json.loads(rep.stdout[rep.stdout.index("{") :])
     assert [s["rollout_id"] for s in result["steps"]] == [0, 1]
     import pyarrow.parquet as pq
 
     dump = pq.read_table(tmp_path / "dump" / "cli" / "train_dumps" / "000000.parquet")
     assert {"log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", "loss_mask"} <= set(
-        dump.column_names)
+        dump.column_names
+    )
     assert dump.num_rows == 16 * 4
 
     # `show` reads the dump folder: the copied rollout and the per-token train dump.
-    shown = subprocess.run([sys.executable, "-m", "rollflow.flows.cli", "show", str(tmp_path / "dump" / "cli"), "--id", "0",
-                            "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "rollflow.flows.cli", "show", str(tmp_path / "dump" / "cli"), "--id", "0", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 0, shown.stderr[-2000:]
     doc = json.loads(shown.stdout)
     assert doc["rollout_id"] == 0 and doc["train_dump"]["rows"] == 16 * 4
@@ -131,9 +170,9 @@ def test_replay_slime_dump_with_extra_fields(tmp_path, prefect_api, ray_local, r
     import torch
 
     from rollflow.flows.debug import replay_train
-    from rollflow.tasks.rollout.worker import RolloutWorker
     from rollflow.tasks.rollout.rewards import resolve_reward_fn, score_samples
     from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+    from rollflow.tasks.rollout.worker import RolloutWorker
 
     worker = RolloutWorker("builtin:addition", RolloutConfig(n_samples_per_prompt=4), DataConfig(prompts_per_rollout=8))
     for rid in (0, 1):

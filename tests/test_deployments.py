@@ -22,8 +22,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = {"rl_train", "rollout_only", "replay_train", "alignment_check", "ima_bisect"}
 # small enough for the 2-core CI box; the same shape in every run so results are comparable
-SMALL = {"data": {"prompts_per_rollout": 8}, "rollout": {"n_samples_per_prompt": 2, "threads": 1},
-         "train": {"threads": 1}}
+SMALL = {
+    "data": {"prompts_per_rollout": 8},
+    "rollout": {"n_samples_per_prompt": 2, "threads": 1},
+    "train": {"threads": 1},
+}
 
 
 def test_each_flow_has_a_form_of_what_it_reads():
@@ -69,15 +72,27 @@ def test_prefect_yaml_and_worker_use_distinct_names():
 
 # ---- a real worker ----------------------------------------------------------------------------------------
 
+
 def _start_worker(api: str, cwd: Path, *args: str) -> subprocess.Popen:
     from rollflow.infra.automations import heartbeat_env
 
-    env = {**os.environ, **heartbeat_env(), "PREFECT_API_URL": api,
-           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled"}
+    env = {
+        **os.environ,
+        **heartbeat_env(),
+        "PREFECT_API_URL": api,
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+        "RAY_AUTH_MODE": "disabled",
+    }
     log = open(cwd / "worker.log", "ab")  # noqa: SIM115 - the child holds it
     try:
-        return subprocess.Popen([str(Path(sys.executable).with_name("rollflow")), "worker", *args], cwd=cwd, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [str(Path(sys.executable).with_name("rollflow")), "worker", *args],
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     finally:
         log.close()
 
@@ -176,15 +191,19 @@ def test_replay_deployment_runs_then_hits_cache_across_run_names(worker, tmp_pat
     src = _run("rollout_only", {"params": _params("rollout_only", "src", root, iterations=2)})
     assert src.state.name == "Completed", _logs(src.id)
 
-    first = _run("replay_train", {"params": _params("replay_train", "replay-a", root), "rollout_ids": [0, 1],
-                                  "source_run": "src"})
+    first = _run(
+        "replay_train",
+        {"params": _params("replay_train", "replay-a", root), "rollout_ids": [0, 1], "source_run": "src"},
+    )
     assert first.state.name == "Completed", _logs(first.id)
     names = [t.name for t in _task_runs(first.id)]
     assert any(n.startswith("start-workers") for n in names)
     assert sum(n.startswith("replay-train") for n in names) == 2
 
-    again = _run("replay_train", {"params": _params("replay_train", "replay-b", root), "rollout_ids": [0, 1],
-                                  "source_run": "src"})
+    again = _run(
+        "replay_train",
+        {"params": _params("replay_train", "replay-b", root), "rollout_ids": [0, 1], "source_run": "src"},
+    )
     assert again.state.name == "Completed", _logs(again.id)
     tasks = _task_runs(again.id)
     replays = [t for t in tasks if t.name.startswith("replay-train")]
@@ -199,8 +218,9 @@ def _weights(root: Path, run: str, iteration: int) -> dict:
 
     from rollflow.tasks.train.checkpoint import load_checkpoint
 
-    return torch.load(io.BytesIO(load_checkpoint(str(root), run, iteration)), map_location="cpu",
-                      weights_only=True)["model"]
+    return torch.load(io.BytesIO(load_checkpoint(str(root), run, iteration)), map_location="cpu", weights_only=True)[
+        "model"
+    ]
 
 
 def _manifests(root: Path, run: str) -> dict:
@@ -216,8 +236,9 @@ def test_failed_rl_train_retried_from_ui_resumes_in_the_same_run(worker, tmp_pat
     from prefect.states import AwaitingRetry
 
     root = tmp_path / "runs"
-    failed = _run("rl_train", {"params": _params("rl_train", "retry", root, iterations=3,
-                                                 debug={"fail_after_iteration": 2})})
+    failed = _run(
+        "rl_train", {"params": _params("rl_train", "retry", root, iterations=3, debug={"fail_after_iteration": 2})}
+    )
     assert failed.state.name == "Failed", _logs(failed.id)
     assert failed.name == "retry", _logs(failed.id)  # flow runs are named after the rollflow run
     before = _manifests(root, "retry")
@@ -255,7 +276,7 @@ def test_nightly_schedule_and_alert_survive_a_worker_restart(prefect_server, tmp
 
     nightly = ("alignment_check", NIGHTLY)
     with temporary_settings({PREFECT_API_URL: prefect_server}):
-        for attempt in range(2):  # first start, then the restart a service manager does
+        for _attempt in range(2):  # first start, then the restart a service manager does
             proc = _start_worker(prefect_server, tmp_path, "--nightly-cron", "15 3 * * *")
             try:
                 _wait_deployments(proc, tmp_path / "worker.log", also=(nightly,))
@@ -277,8 +298,8 @@ def test_automations_command_after_prefect_deploy(prefect_server, monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from typer.testing import CliRunner
 
-    from rollflow.flows.cli import app
     from rollflow.flows.alignment import alignment_check
+    from rollflow.flows.cli import app
     from rollflow.flows.prefect_ops.deployments import NIGHTLY_POOL
     from rollflow.infra.automations import CRASH_AUTOMATION, alert_name
 

@@ -12,8 +12,15 @@ from rollflow.tasks.rollout.hf_engine import HFEngine
 
 def _model(seed: int, tie: bool = True, dtype=torch.float32):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tie)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        tie_word_embeddings=tie,
+    )
     return Qwen2ForCausalLM(cfg).to(dtype)
 
 

@@ -43,8 +43,9 @@ ENGINE = EngineInfo(backend="hf", model="tiny", weight_version=0)
 
 
 def write(store: RolloutStore, rollout_id: int, *, run: str = "run-a", seed: int = 0):
-    return store.write(run, "train", rollout_id, make_samples(seed=seed), n_samples_per_prompt=2, engine=ENGINE,
-                       config_hash="h")
+    return store.write(
+        run, "train", rollout_id, make_samples(seed=seed), n_samples_per_prompt=2, engine=ENGINE, config_hash="h"
+    )
 
 
 def assert_nothing_half_visible(root: str, run: str) -> list[int]:
@@ -111,8 +112,14 @@ def test_drill1_engine_killed_mid_rollout_task_retry_restarts_it(any_root, prefe
 
 
 def _train_cmd(root: str, run: str, iterations: int) -> list[str]:
-    sets = [f"run={run}", f"iterations={iterations}", f"store.root={root}", "data.prompts_per_rollout=32",
-            "rollout.n_samples_per_prompt=4", "train.num_steps_per_rollout=1"]
+    sets = [
+        f"run={run}",
+        f"iterations={iterations}",
+        f"store.root={root}",
+        "data.prompts_per_rollout=32",
+        "rollout.n_samples_per_prompt=4",
+        "train.num_steps_per_rollout=1",
+    ]
     cmd = [sys.executable, "-m", "rollflow.flows.cli", "train"]
     for item in sets:
         cmd += ["--set", item]
@@ -141,11 +148,15 @@ def test_drill2_sigkill_mid_iteration_resumes_without_duplicates_or_gaps(any_roo
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     run = "killme"
     cmd = _train_cmd(any_root, run, iterations=4)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     deadline = time.monotonic() + 240
-    while not _exists(any_root, f"{run}/checkpoints/000002/meta.json") and proc.poll() is None \
-            and time.monotonic() < deadline:
+    while (
+        not _exists(any_root, f"{run}/checkpoints/000002/meta.json")
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.3)
     alive = proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)  # the flow process and its Ray workers, mid-run
@@ -161,7 +172,7 @@ def test_drill2_sigkill_mid_iteration_resumes_without_duplicates_or_gaps(any_roo
     assert sorted(after) == [0, 1, 2, 3]  # nothing skipped or duplicated
     for rid, manifest in before.items():
         assert after[rid] == manifest, f"rollout {rid} was regenerated after resume"
-    summary = json.loads(done.stdout[done.stdout.index("{"): done.stdout.index("}") + 1])
+    summary = json.loads(done.stdout[done.stdout.index("{") : done.stdout.index("}") + 1])
     assert summary["resumed_from"] >= 2
     fs, base = open_fs(any_root)
     metrics = [json.loads(line) for line in fs.cat_file(f"{base}/{run}/metrics.jsonl").decode().splitlines()]
@@ -214,7 +225,8 @@ def stoppable_s3(s3_endpoint, monkeypatch):
     import s3fs
 
     s3fs.S3FileSystem(**storage_options_for("s3://x"), skip_instance_cache=True).call_s3(
-        "create_bucket", Bucket=endpoint.bucket)
+        "create_bucket", Bucket=endpoint.bucket
+    )
     yield endpoint
     endpoint.stop()
 
@@ -514,8 +526,15 @@ def test_drill5_endpoint_without_conditional_puts_falls_back_and_warns(s3_endpoi
     def no_if_none_match(method, *args, **kwargs):
         if "IfNoneMatch" in kwargs:
             raise botocore.exceptions.ClientError(
-                {"Error": {"Code": "NotImplemented", "Message": "A header you provided implies functionality "
-                           "that is not implemented"}, "ResponseMetadata": {"HTTPStatusCode": 501}}, "PutObject")
+                {
+                    "Error": {
+                        "Code": "NotImplemented",
+                        "Message": "A header you provided implies functionality that is not implemented",
+                    },
+                    "ResponseMetadata": {"HTTPStatusCode": 501},
+                },
+                "PutObject",
+            )
         return original(method, *args, **kwargs)
 
     monkeypatch.setattr(store._fs, "call_s3", no_if_none_match)
@@ -624,8 +643,9 @@ def test_drill7_missing_bucket_is_named_with_the_fix(s3_endpoint):
 
 def _moto_auth(endpoint: str, count: str) -> None:
     """moto's switch: after `count` more requests, every request needs credentials moto's IAM knows."""
-    request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
-                                     headers={"Content-Type": "text/plain"})
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST", headers={"Content-Type": "text/plain"}
+    )
     urllib.request.urlopen(request, timeout=10).read()
 
 
@@ -672,11 +692,18 @@ def test_secrets_are_redacted_and_retry_conditions_classify(monkeypatch):
     down = StorageUnavailable("cannot reach", uri="s3://b/k", endpoint="http://e", bucket="b")
     wrapped = RuntimeError("actor failed")
     wrapped.cause = down  # how Ray's RayTaskError carries the actor's exception
-    corrupt = ArtifactCorrupt("s3://b/k", expected_sha256="0" * 64, actual_sha256="1" * 64, expected_size=1,
-                              actual_size=1)
-    cases = [(down, True, True), (wrapped, True, True), (ConnectionResetError(), True, True),
-             (corrupt, False, False), (ArtifactExists("s3://b/k"), False, False),
-             (StorageAuthError("denied"), False, False), (ValueError("bug"), False, True)]
+    corrupt = ArtifactCorrupt(
+        "s3://b/k", expected_sha256="0" * 64, actual_sha256="1" * 64, expected_size=1, actual_size=1
+    )
+    cases = [
+        (down, True, True),
+        (wrapped, True, True),
+        (ConnectionResetError(), True, True),
+        (corrupt, False, False),
+        (ArtifactExists("s3://b/k"), False, False),
+        (StorageAuthError("denied"), False, False),
+        (ValueError("bug"), False, True),
+    ]
     for exc, transient, unless_permanent in cases:
         state = Failed(data=exc)
         assert retry_if_transient(None, None, state) is transient, exc

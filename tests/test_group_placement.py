@@ -47,8 +47,11 @@ def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_p
     _use_recording_workers(monkeypatch)
     run = f"pg-{uuid.uuid4().hex[:8]}"
     # disaggregated: trainer 1 + engines 1 x 2 = 3 bundles (budget 4): trainer on 0, engine on 1 (+2 for its TP)
-    cfg = small_config(tmp_path, run=run, resources={"num_gpus": 4, "trainer_gpus": 1, "num_engines": 1,
-                                                     "gpus_per_engine": 2, "gpu_resource": FAKE})
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        resources={"num_gpus": 4, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 2, "gpu_resource": FAKE},
+    )
     group = WorkerGroup.for_run(cfg)
     assert group.plan is not None and group.plan.needed == 3  # computed once, held by the group
     pg = group.start_placement()
@@ -99,10 +102,21 @@ def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, 
 
     _use_recording_workers(monkeypatch)
     run = f"colo-{uuid.uuid4().hex[:8]}"
-    resources = {"num_gpus": 1, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1,
-                 "gpu_resource": FAKE} if fake_gpus else {}
-    cfg = small_config(tmp_path, run=run, iterations=1, placement="colocate", offload=True, resources=resources,
-                       data={"prompts_per_rollout": 8}, eval_every=0)
+    resources = (
+        {"num_gpus": 1, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1, "gpu_resource": FAKE}
+        if fake_gpus
+        else {}
+    )
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        iterations=1,
+        placement="colocate",
+        offload=True,
+        resources=resources,
+        data={"prompts_per_rollout": 8},
+        eval_every=0,
+    )
     try:
         rl_train(cfg)
         calls = _calls(run)
@@ -110,8 +124,15 @@ def test_colocate_offload_sequence(fake_gpus, tmp_path, prefect_api, ray_local, 
         calls_file(run).unlink(missing_ok=True)
     steps = [c for c in calls if not c.startswith("start ")]
     # SGLang's colocation order, with the trainer's state on the host while the engine generates
-    assert steps == ["release", "trainer onload", "train", "resume weights", "update 1", "trainer offload",
-                     "resume kv_cache"], calls
+    assert steps == [
+        "release",
+        "trainer onload",
+        "train",
+        "resume weights",
+        "update 1",
+        "trainer offload",
+        "resume kv_cache",
+    ], calls
     starts = _starts_from(calls)
     if fake_gpus:
         # trainer and engine share the one bundle of the run's placement group
@@ -142,10 +163,16 @@ def test_two_data_parallel_trainer_ranks_train_through_the_flow(tmp_path, prefec
     from rollflow.flows.train import rl_train
 
     run = f"dp-{uuid.uuid4().hex[:8]}"
-    cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 8},
-                       placement="colocate", resources={"num_gpus": 2, "trainer_gpus": 2, "num_engines": 1,
-                                                        "gpus_per_engine": 2, "gpu_resource": FAKE},
-                       train={"num_steps_per_rollout": 2})
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        iterations=1,
+        eval_every=0,
+        data={"prompts_per_rollout": 8},
+        placement="colocate",
+        resources={"num_gpus": 2, "trainer_gpus": 2, "num_engines": 1, "gpus_per_engine": 2, "gpu_resource": FAKE},
+        train={"num_steps_per_rollout": 2},
+    )
     rl_train(cfg)
     rows = read_metrics(cfg)
     assert rows[-1]["sync/parity_ok"] == 1.0 and rows[-1]["train/n_samples"] == 32

@@ -34,9 +34,20 @@ def test_step_recorder_equals_output_logits(tiny):
     torch.manual_seed(0)
     ids = torch.randint(3, tok.vocab_size, (5, 7))
     recorder = _StepLogProbs(0.7)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.7,
-                         top_k=0, top_p=1.0, max_new_tokens=9, eos_token_id=[2], pad_token_id=0,
-                         return_dict_in_generate=True, output_logits=True, logits_processor=[recorder])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=9,
+        eos_token_id=[2],
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        logits_processor=[recorder],
+    )
     new = out.sequences[:, 7:]
     expected = torch.log_softmax(torch.stack(out.logits, 1).float() / 0.7, -1).gather(-1, new[..., None])[..., 0]
     assert torch.equal(recorder.finish(new), expected)

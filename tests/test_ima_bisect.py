@@ -91,15 +91,19 @@ def test_verdict_any_toggle_on_crashes():
     v = verdict(hf_cells({("off", "on"), ("on", "off"), ("on", "on")}))
     assert v.kind == "isolated_pass"
     assert v.condition == {"cuda_graph": "off", "speculative": "off"}
-    assert v.text == ("crashes unless cuda_graph off and speculative off (passes only with cuda_graph off and "
-                      "speculative off; switching any of them crashes)")
+    assert v.text == (
+        "crashes unless cuda_graph off and speculative off (passes only with cuda_graph off and "
+        "speculative off; switching any of them crashes)"
+    )
 
 
 def test_verdict_xor_pattern_is_mixed():
     v = verdict(hf_cells({("off", "off"), ("on", "on")}))
     assert v.kind == "mixed"
-    assert v.text == ("crashes in 2 of 4 cells with no single toggle pattern (cuda_graph=off,speculative=off,"
-                      "deepep=off; cuda_graph=on,speculative=on,deepep=off): rerun to check for flakiness")
+    assert v.text == (
+        "crashes in 2 of 4 cells with no single toggle pattern (cuda_graph=off,speculative=off,"
+        "deepep=off; cuda_graph=on,speculative=on,deepep=off): rerun to check for flakiness"
+    )
 
 
 def test_verdict_full_matrix_deepep_only():
@@ -122,8 +126,10 @@ def test_verdict_errors_are_inconclusive_and_reported():
     cells = hf_cells({("on", "on")})
     cells[0] = (cells[0][0], ERROR)
     v = verdict(cells)
-    assert v.text == ("crashes only with cuda_graph on and speculative on (1 cell(s) errored without a CUDA error "
-                      "or signal: see the table)")
+    assert v.text == (
+        "crashes only with cuda_graph on and speculative on (1 cell(s) errored without a CUDA error "
+        "or signal: see the table)"
+    )
     assert v.inconclusive == [t("off", "off")]
 
 
@@ -160,8 +166,14 @@ def test_sglang_flags():
     off = sg.plan(Cell())
     assert off.engine_flags == ("--disable-cuda-graph", "--moe-a2a-backend", "none")
     on = sg.plan(Cell(cuda_graph=True, speculative=True, deepep=True))
-    assert on.engine_flags == ("--speculative-algorithm", "EAGLE", "--moe-a2a-backend", "deepep", "--deepep-mode",
-                               "auto")
+    assert on.engine_flags == (
+        "--speculative-algorithm",
+        "EAGLE",
+        "--moe-a2a-backend",
+        "deepep",
+        "--deepep-mode",
+        "auto",
+    )
     assert on.trainer_flags == ("--moe-enable-deepep",)
     assert all(sg.plan(c).applicable for c in toggle_matrix())
     assert trainer_flags(Cell()) == ()
@@ -188,8 +200,9 @@ def test_cell_env(tmp_path):
     assert env["CUDA_ENABLE_COREDUMP_ON_EXCEPTION"] == "1"
     assert env["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] == "0"
     assert env["CUDA_COREDUMP_FILE"] == str(tmp_path / "coredumps" / "core_cg1-sp0-ep0_%h_%p.nvcudmp")
-    assert env["CUDA_COREDUMP_GENERATION_FLAGS"] == ("skip_nonrelocated_elf_images,skip_global_memory,"
-                                                     "skip_shared_memory,skip_local_memory")
+    assert env["CUDA_COREDUMP_GENERATION_FLAGS"] == (
+        "skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory"
+    )
     assert "CUDA_LAUNCH_BLOCKING" not in env
 
 
@@ -247,11 +260,14 @@ rollflow-ima: last Triton kernel launched before the error: rollflow_ima_oob_sto
 
 
 def test_launch_blocking_log_names_kernel_and_call_site(tmp_path):
-    fake = _fake_python(tmp_path, f"""
+    fake = _fake_python(
+        tmp_path,
+        f"""
         import sys
         sys.stderr.write({chr(10).join(H200_LAUNCH_BLOCKING)!r} + "\\n")
         sys.exit(1)
-    """)
+    """,
+    )
     r = run_cell("{{}}", Cell(cuda_graph=True), pass_name=LAUNCH_BLOCKING, run_dir=tmp_path / "run", python=fake)
     assert r.outcome == CRASH and r.kernel == "rollflow_ima_oob_store"
     assert r.first_error == "RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered"
@@ -269,21 +285,26 @@ def test_transformers_refusal_is_not_applicable():
         except ValueError as exc:
             return exc
 
-    exc = refused("assisted generate is not supported with Static cache classes",
-                  "/x/site-packages/transformers/generation/utils.py")
+    exc = refused(
+        "assisted generate is not supported with Static cache classes",
+        "/x/site-packages/transformers/generation/utils.py",
+    )
     assert unsupported_combination(exc, fault_fired=False).endswith(
-        "cannot run this combination: assisted generate is not supported with Static cache classes")
+        "cannot run this combination: assisted generate is not supported with Static cache classes"
+    )
     assert unsupported_combination(exc, fault_fired=True) is None  # after the fault: a failure, never n/a
     assert unsupported_combination(refused("not supported", "/x/my_code.py"), fault_fired=False) is None
-    assert unsupported_combination(refused("bad value", "/x/transformers/generation/utils.py"),
-                                   fault_fired=False) is None
+    assert (
+        unsupported_combination(refused("bad value", "/x/transformers/generation/utils.py"), fault_fired=False) is None
+    )
 
 
 def test_classify():
     assert classify(0, False, ["ok"]) == (PASS, None, None)
     assert classify(1, False, TORCH_ASYNC)[0] == CRASH
-    assert classify(-6, False, ["rollflow-ima: injected fault abort in decode step 1", "Fatal Python error: Aborted"]) \
-        == (CRASH, "rollflow-ima: injected fault abort in decode step 1", None)
+    assert classify(
+        -6, False, ["rollflow-ima: injected fault abort in decode step 1", "Fatal Python error: Aborted"]
+    ) == (CRASH, "rollflow-ima: injected fault abort in decode step 1", None)
     assert classify(-11, False, [])[1] == "killed by SIGSEGV"
     assert classify(1, False, ["ValueError: bad config"]) == (ERROR, "ValueError: bad config", None)
     assert classify(78, False, ["rollflow-ima: unsupported: no engine"]) == (NA, "no engine", None)
@@ -299,18 +320,23 @@ def _fake_python(tmp_path: Path, body: str) -> str:
 
 
 def test_run_cell_kills_a_hang_and_keeps_going(tmp_path):
-    fake = _fake_python(tmp_path, """
+    fake = _fake_python(
+        tmp_path,
+        """
         import time
         print("generating", flush=True)
         time.sleep(60)
-    """)
+    """,
+    )
     r = run_cell("{}", Cell(cuda_graph=True), run_dir=tmp_path / "run", timeout_s=1.0, python=fake)
     assert r.outcome == TIMEOUT and r.seconds < 20
     assert "killed" in r.note and r.log_tail[-1] == "generating"
 
 
 def test_run_cell_captures_cuda_error_env_and_coredumps(tmp_path):
-    fake = _fake_python(tmp_path, """
+    fake = _fake_python(
+        tmp_path,
+        """
         import os, sys
         pattern = os.environ.get("CUDA_COREDUMP_FILE")
         if pattern:
@@ -318,7 +344,8 @@ def test_run_cell_captures_cuda_error_env_and_coredumps(tmp_path):
         print("launch blocking:", os.environ.get("CUDA_LAUNCH_BLOCKING"), flush=True)
         print("RuntimeError: CUDA error: an illegal memory access was encountered", file=sys.stderr, flush=True)
         sys.exit(1)
-    """)
+    """,
+    )
     os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # an inherited debug variable must not leak into the matrix pass
     try:
         r = run_cell("{}", Cell(), run_dir=tmp_path / "run", timeout_s=30, python=fake)
@@ -328,8 +355,9 @@ def test_run_cell_captures_cuda_error_env_and_coredumps(tmp_path):
     assert r.first_error == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert "launch blocking: None" in r.log_tail and r.coredumps == []
     cd = run_cell("{}", Cell(), pass_name=COREDUMP, run_dir=tmp_path / "run", timeout_s=30, python=fake)
-    assert [Path(p).name for p in cd.coredumps] == [f"core_cg0-sp0-ep0_host_{Path(p).name.split('_')[-1]}"
-                                                    for p in cd.coredumps]
+    assert [Path(p).name for p in cd.coredumps] == [
+        f"core_cg0-sp0-ep0_host_{Path(p).name.split('_')[-1]}" for p in cd.coredumps
+    ]
     assert len(cd.coredumps) == 1 and Path(cd.coredumps[0]).parent == tmp_path / "run" / "coredumps"
     lb = run_cell("{}", Cell(), pass_name=LAUNCH_BLOCKING, run_dir=tmp_path / "run", timeout_s=30, python=fake)
     assert "launch blocking: 1" in lb.log_tail
@@ -354,8 +382,7 @@ def test_cli_registers_bisect_and_rejects_a_bad_toggle(tmp_path):
     help_text = runner.invoke(app, ["bisect", "--help"]).output
     for option in ("--crash-when", "--timeout-s", "--config", "--set", "--local"):
         assert option in help_text
-    bad = runner.invoke(app, ["bisect", "--set", f"store.root={tmp_path}", "--crash-when", "cuda_graphs=on",
-                              "--local"])
+    bad = runner.invoke(app, ["bisect", "--set", f"store.root={tmp_path}", "--crash-when", "cuda_graphs=on", "--local"])
     assert bad.exit_code == 2 and "unknown toggle" in bad.output
 
 
@@ -373,17 +400,28 @@ def test_flow_isolates_the_crashing_combination(tmp_path, prefect_api):
 
     assert out["verdict"]["text"] == "crashes only with cuda_graph on and speculative on"
     assert out["verdict"]["condition"] == {"cuda_graph": "on", "speculative": "on"}
-    outcomes = {(c["toggles"]["cuda_graph"], c["toggles"]["speculative"], c["toggles"]["deepep"]): c["outcome"]
-                for c in out["cells"]}
-    assert outcomes == {("off", "off", "off"): PASS, ("off", "on", "off"): PASS, ("on", "off", "off"): PASS,
-                        ("on", "on", "off"): CRASH, ("off", "off", "on"): NA, ("off", "on", "on"): NA,
-                        ("on", "off", "on"): NA, ("on", "on", "on"): NA}
+    outcomes = {
+        (c["toggles"]["cuda_graph"], c["toggles"]["speculative"], c["toggles"]["deepep"]): c["outcome"]
+        for c in out["cells"]
+    }
+    assert outcomes == {
+        ("off", "off", "off"): PASS,
+        ("off", "on", "off"): PASS,
+        ("on", "off", "off"): PASS,
+        ("on", "on", "off"): CRASH,
+        ("off", "off", "on"): NA,
+        ("off", "on", "on"): NA,
+        ("on", "off", "on"): NA,
+        ("on", "on", "on"): NA,
+    }
     crash = next(c for c in out["cells"] if c["outcome"] == CRASH)
     assert crash["signal"] == "SIGABRT" and "injected fault abort" in crash["first_error"]
     assert "tasks/debug/ima_repro.py:" in crash["user_frame"] and crash["user_frame"].endswith(" in fire")
     # Reruns of the crashing cell: launch blocking, then the core-dump environment.
-    assert [(r["pass_name"], r["outcome"], r["env"].get("CUDA_LAUNCH_BLOCKING")) for r in out["reruns"]] == \
-        [(LAUNCH_BLOCKING, CRASH, "1"), (COREDUMP, CRASH, None)]
+    assert [(r["pass_name"], r["outcome"], r["env"].get("CUDA_LAUNCH_BLOCKING")) for r in out["reruns"]] == [
+        (LAUNCH_BLOCKING, CRASH, "1"),
+        (COREDUMP, CRASH, None),
+    ]
     assert out["reruns"][1]["env"]["CUDA_ENABLE_COREDUMP_ON_EXCEPTION"] == "1"
     assert out["reruns"][1]["env"]["CUDA_COREDUMP_FILE"].startswith(str(tmp_path / "ima-t" / "coredumps"))
     assert out["coredumps"] == []  # CPU: nothing to dump

@@ -9,7 +9,6 @@ another CUDA_VISIBLE_DEVICES and write through it (run by scripts/gpu_checks.sh)
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import pickle
@@ -131,13 +130,14 @@ def test_cpu_cross_process_unrelated_receiver(tmp_path):
     receiver = (
         "import json, sys, torch\n"
         "from rollflow.tasks.sync.ipc import deserialize_named_tensors\n"
-        + DIGEST_SRC +
-        "named = deserialize_named_tensors(open(sys.argv[1], 'rb').read())\n"
+        + DIGEST_SRC
+        + "named = deserialize_named_tensors(open(sys.argv[1], 'rb').read())\n"
         "print(json.dumps([[n, list(t.shape), digest(t)] for n, t in named]))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", receiver, str(path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", receiver, str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [[n, list(t.shape), digest(t)] for n, t in named]
@@ -208,8 +208,23 @@ UUID_B = "9d8e7f6a-aaaa-bbbb-cccc-ddddeeeeffff"
 
 def _synthetic_args(device) -> tuple:
     # rebuild_cuda_tensor's 15 arguments, with recognisable values
-    return (torch.Tensor, (4,), (1,), 0, "storage_cls", torch.float32, device, b"handle", 16, 0, False,
-            b"refcount", 0, b"event", True)
+    return (
+        torch.Tensor,
+        (4,),
+        (1,),
+        0,
+        "storage_cls",
+        torch.float32,
+        device,
+        b"handle",
+        16,
+        0,
+        False,
+        b"refcount",
+        0,
+        b"event",
+        True,
+    )
 
 
 def test_replace_device_slot_touches_only_the_device():
@@ -260,7 +275,9 @@ def test_receiver_maps_the_uuid_before_torch_rebuilds(monkeypatch):
     assert "torch.multiprocessing.reductions.rebuild_cuda_tensor" in _globals(payload)
     calls = []
     monkeypatch.setattr(ipc, "visible_device_uuids", lambda: [UUID_B, UUID_A])
-    monkeypatch.setattr(ipc, "reductions", SimpleNamespace(rebuild_cuda_tensor=lambda *a: calls.append(a) or len(calls)))
+    monkeypatch.setattr(
+        ipc, "reductions", SimpleNamespace(rebuild_cuda_tensor=lambda *a: calls.append(a) or len(calls))
+    )
     assert ipc.deserialize_named_tensors(payload) == [("w", 1), ("v", 2)]
     assert [c[ipc.DEVICE_SLOT] for c in calls] == [1, 2]
     assert calls[0][:6] == _synthetic_args(0)[:6] and calls[0][7:] == _synthetic_args(0)[7:]
@@ -321,10 +338,14 @@ def test_cuda_receiver_with_other_visible_devices_writes_through_the_handle(tmp_
         "torch.cuda.synchronize()\n"
         "print('receiver ok', t.device)\n"
     )
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-" + ipc.device_uuid(dev),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", receiver, str(path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "GPU-" + ipc.device_uuid(dev),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", receiver, str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "receiver ok cuda:0" in proc.stdout
     torch.cuda.synchronize(dev)

@@ -172,7 +172,8 @@ def test_reinforce_plus_plus_baseline() -> None:
         2,
         kl=[t(0, 1), t(1, 0, 2)],
         kl_coef=0.5,
-        eps=0.0, whiten_eps=0.0,
+        eps=0.0,
+        whiten_eps=0.0,
     )
     s = math.sqrt(5 / 12)
     close(adv[0], t(0.75 / s, 0.25 / s))

@@ -12,8 +12,15 @@ from rollflow.tasks.sync.parity import checksums, compare
 def _llama(tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=203,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     return config, LlamaForCausalLM(config).state_dict()
 
@@ -21,8 +28,15 @@ def _llama(tie: bool = False):
 def _qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=150, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=150,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(1)
     sd = Qwen2ForCausalLM(config).state_dict()
     # Random init leaves biases at 0 and norms at 1: make every tensor distinct so a swap would show.
@@ -42,8 +56,16 @@ def _assert_bit_exact(a: dict, b: dict):
 def _qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=150, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=150,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(2)
     sd = {k: v + torch.randn_like(v) * 0.01 for k, v in Qwen3ForCausalLM(config).state_dict().items()}
     return config, sd
@@ -65,8 +87,15 @@ def test_unmapped_hf_tensor_is_an_error_naming_it():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # Llama's attention_bias adds o_proj.bias too; Megatron's add_qkv_bias has no slot for it.
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+    )
     hf = LlamaForCausalLM(config).state_dict()
     with pytest.raises(mn.ConversionError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias"):
         mn.hf_to_megatron(hf, mn.MegatronLayout.from_hf_config(config))
@@ -76,15 +105,18 @@ def test_sliding_window_is_an_error():
     from transformers import MistralConfig, Qwen2Config
 
     with pytest.raises(mn.ConversionError, match="sliding_window=64"):
-        mn.MegatronLayout.from_hf_config(MistralConfig(sliding_window=64, max_position_embeddings=256,
-                                                       num_hidden_layers=1))
+        mn.MegatronLayout.from_hf_config(
+            MistralConfig(sliding_window=64, max_position_embeddings=256, num_hidden_layers=1)
+        )
     with pytest.raises(mn.ConversionError, match="sliding_window=32"):
-        mn.MegatronLayout.from_hf_config(Qwen2Config(use_sliding_window=True, sliding_window=32,
-                                                     max_position_embeddings=256, num_hidden_layers=1))
+        mn.MegatronLayout.from_hf_config(
+            Qwen2Config(use_sliding_window=True, sliding_window=32, max_position_embeddings=256, num_hidden_layers=1)
+        )
     # Qwen2's sliding_window value is inert unless use_sliding_window is on; a window >= the context is no window.
     mn.MegatronLayout.from_hf_config(Qwen2Config(sliding_window=32, max_position_embeddings=256, num_hidden_layers=1))
-    mn.MegatronLayout.from_hf_config(MistralConfig(sliding_window=256, max_position_embeddings=256,
-                                                   num_hidden_layers=1))
+    mn.MegatronLayout.from_hf_config(
+        MistralConfig(sliding_window=256, max_position_embeddings=256, num_hidden_layers=1)
+    )
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -125,8 +157,8 @@ def test_qkv_is_interleaved_by_query_group():
     d, qpg = layout.head_dim, layout.heads_per_group
     rows = []
     for g in range(layout.num_query_groups):
-        rows += [q[(g * qpg + j) * d:(g * qpg + j + 1) * d] for j in range(qpg)]
-        rows += [k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]]
+        rows += [q[(g * qpg + j) * d : (g * qpg + j + 1) * d] for j in range(qpg)]
+        rows += [k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]
     expected = torch.cat(rows)
     assert torch.equal(mn.hf_to_megatron(hf, layout)["decoder.layers.1.self_attention.linear_qkv.weight"], expected)
 
@@ -141,23 +173,27 @@ def test_tensor_parallel_shards_are_megatrons():
         # QKV by query group: rank r holds groups 2r, 2r+1 (4 groups, tp 2) with their q, k and v heads.
         q, k, v = mn.split_qkv(shard["decoder.layers.2.self_attention.linear_qkv.weight"], layout, num_groups=2)
         d = layout.head_dim
-        assert torch.equal(q, hf[p + "self_attn.q_proj.weight"][rank * 4 * d:(rank + 1) * 4 * d])
-        assert torch.equal(k, hf[p + "self_attn.k_proj.weight"][rank * 2 * d:(rank + 1) * 2 * d])
-        assert torch.equal(v, hf[p + "self_attn.v_proj.weight"][rank * 2 * d:(rank + 1) * 2 * d])
+        assert torch.equal(q, hf[p + "self_attn.q_proj.weight"][rank * 4 * d : (rank + 1) * 4 * d])
+        assert torch.equal(k, hf[p + "self_attn.k_proj.weight"][rank * 2 * d : (rank + 1) * 2 * d])
+        assert torch.equal(v, hf[p + "self_attn.v_proj.weight"][rank * 2 * d : (rank + 1) * 2 * d])
         # fc1: [gate_r; up_r], gate and up split separately.
         gate, up = torch.chunk(shard["decoder.layers.2.mlp.linear_fc1.weight"], 2)
-        assert torch.equal(gate, hf[p + "mlp.gate_proj.weight"][rank * 48:(rank + 1) * 48])
-        assert torch.equal(up, hf[p + "mlp.up_proj.weight"][rank * 48:(rank + 1) * 48])
+        assert torch.equal(gate, hf[p + "mlp.gate_proj.weight"][rank * 48 : (rank + 1) * 48])
+        assert torch.equal(up, hf[p + "mlp.up_proj.weight"][rank * 48 : (rank + 1) * 48])
         # row parallel along the input dim
-        assert torch.equal(shard["decoder.layers.2.self_attention.linear_proj.weight"],
-                           hf[p + "self_attn.o_proj.weight"][:, rank * 32:(rank + 1) * 32])
-        assert torch.equal(shard["decoder.layers.2.mlp.linear_fc2.weight"],
-                           hf[p + "mlp.down_proj.weight"][:, rank * 48:(rank + 1) * 48])
+        assert torch.equal(
+            shard["decoder.layers.2.self_attention.linear_proj.weight"],
+            hf[p + "self_attn.o_proj.weight"][:, rank * 32 : (rank + 1) * 32],
+        )
+        assert torch.equal(
+            shard["decoder.layers.2.mlp.linear_fc2.weight"],
+            hf[p + "mlp.down_proj.weight"][:, rank * 48 : (rank + 1) * 48],
+        )
         # vocab parallel over the padded vocabulary (203 -> 256 = 128 * tp)
         assert layout.padded_vocab_size == 256
         assert shard[mn.EMBED].shape == (128, 64) and shard[mn.OUTPUT].shape == (128, 64)
         assert torch.equal(shard["decoder.final_layernorm.weight"], hf["model.norm.weight"])
-    assert torch.equal(shards[1][mn.EMBED][:203 - 128], hf["model.embed_tokens.weight"][128:])
+    assert torch.equal(shards[1][mn.EMBED][: 203 - 128], hf["model.embed_tokens.weight"][128:])
 
 
 def test_pipeline_stages_use_local_layer_ids():
@@ -201,8 +237,9 @@ def test_wrong_pipeline_offset_is_caught_by_parity():
 
     # A stage-local name map fixes names exported without the offset.
     fixed = {mn.hf_layer_name_map(2)(k): v for k, v in bad1.items() if k.startswith("model.layers.")}
-    assert compare(checksums({**stage0, **fixed, **{k: v for k, v in good1.items() if not k.startswith("model.layers.")}}),
-                   engine).ok
+    assert compare(
+        checksums({**stage0, **fixed, **{k: v for k, v in good1.items() if not k.startswith("model.layers.")}}), engine
+    ).ok
 
 
 def test_bad_layouts_are_rejected():

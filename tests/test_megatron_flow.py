@@ -23,17 +23,29 @@ except ImportError:
 from tests.conftest import small_config
 
 FAKE = "fake_gpu"
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (pip install 'rollflow[megatron]')")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (pip install 'rollflow[megatron]')"),
+]
 
 
 def _config(tmp_path, run: str, iterations: int, tp: int = 2, **extra):
     return small_config(
-        tmp_path, run=run, iterations=iterations, eval_every=0, data={"prompts_per_rollout": 8}, **extra,
+        tmp_path,
+        run=run,
+        iterations=iterations,
+        eval_every=0,
+        data={"prompts_per_rollout": 8},
+        **extra,
         placement="colocate",
         resources={"num_gpus": tp, "trainer_gpus": tp, "num_engines": 1, "gpus_per_engine": tp, "gpu_resource": FAKE},
-        train={"backend": "megatron", "num_steps_per_rollout": 2, "micro_batch_size": 8,
-               "megatron": {"tp": tp, "layer_spec": "sdpa", "optimizer": "megatron"}})
+        train={
+            "backend": "megatron",
+            "num_steps_per_rollout": 2,
+            "micro_batch_size": 8,
+            "megatron": {"tp": tp, "layer_spec": "sdpa", "optimizer": "megatron"},
+        },
+    )
 
 
 def test_tensor_parallel_trainer_trains_syncs_checkpoints_and_resumes(tmp_path, prefect_api, ray_local, monkeypatch):
@@ -92,8 +104,9 @@ def _replay_equals_the_run(tmp_path, run: str, rows: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["distributed", "tensor"])
-def test_tensor_parallel_trainer_syncs_sglang_engines_by_tensor_and_broadcast(mode, tmp_path, prefect_api, ray_local,
-                                                                             monkeypatch):
+def test_tensor_parallel_trainer_syncs_sglang_engines_by_tensor_and_broadcast(
+    mode, tmp_path, prefect_api, ray_local, monkeypatch
+):
     """The TP=2 trainer into two SGLang-protocol engines (fake servers): `distributed` - both trainer ranks gather
     the weights, rank 0 broadcasts every bucket to the engines' group (gloo); `tensor` - trainer rank r feeds engine
     r, each from its own gathered copy. The startup weight check and the parity after each sync read every tensor
@@ -107,17 +120,42 @@ def test_tensor_parallel_trainer_syncs_sglang_engines_by_tensor_and_broadcast(mo
     monkeypatch.setattr(group_module, "TrainWorker", CpuMegatronTrainWorker)
     run = f"mtp-sg-{mode}-{uuid.uuid4().hex[:6]}"
     cfg = small_config(
-        tmp_path, run=run, iterations=2, eval_every=0, data={"prompts_per_rollout": 4},
+        tmp_path,
+        run=run,
+        iterations=2,
+        eval_every=0,
+        data={"prompts_per_rollout": 4},
         # tensor: colocated (each engine on a trainer rank's GPU); distributed: engines on GPUs of their own
         placement="colocate" if mode == "tensor" else "disaggregated",
-        resources={"num_gpus": 2 if mode == "tensor" else 4, "trainer_gpus": 2, "num_engines": 2,
-                   "gpus_per_engine": 1, "gpu_resource": FAKE},
+        resources={
+            "num_gpus": 2 if mode == "tensor" else 4,
+            "trainer_gpus": 2,
+            "num_engines": 2,
+            "gpus_per_engine": 1,
+            "gpu_resource": FAKE,
+        },
         debug={"check_weight_update_equal": True},
-        rollout={"engine": "sglang", "n_samples_per_prompt": 2,
-                 "sglang": {"launcher": fake_launcher(), "startup_timeout_s": 60, "weight_sync": mode,
-                            "weight_sync_backend": "gloo", "bucket_mb": 1}},
-        train={"backend": "megatron", "num_steps_per_rollout": 1, "micro_batch_size": 8, "lr": 1e-2,
-               "megatron": {"tp": 2, "layer_spec": "sdpa", "optimizer": "megatron"}})
+        # The fake server samples from no model: the post-sync probe has nothing to compare with.
+        watchdog={"probe_every": 0},
+        rollout={
+            "engine": "sglang",
+            "n_samples_per_prompt": 2,
+            "sglang": {
+                "launcher": fake_launcher(),
+                "startup_timeout_s": 60,
+                "weight_sync": mode,
+                "weight_sync_backend": "gloo",
+                "bucket_mb": 1,
+            },
+        },
+        train={
+            "backend": "megatron",
+            "num_steps_per_rollout": 1,
+            "micro_batch_size": 8,
+            "lr": 1e-2,
+            "megatron": {"tp": 2, "layer_spec": "sdpa", "optimizer": "megatron"},
+        },
+    )
     rl_train(cfg)
     rows = read_metrics(cfg)
     assert [r["sync/weight_version"] for r in rows] == [1, 2]

@@ -28,8 +28,9 @@ except ImportError:
     HAVE_MEGATRON = False
 
 pytestmark = pytest.mark.gpu
-needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core (pip install 'rollflow[megatron]', "
-                                                              "Python >= 3.12 for 0.17+)")
+needs_megatron = pytest.mark.skipif(
+    not HAVE_MEGATRON, reason="needs megatron-core (pip install 'rollflow[megatron]', Python >= 3.12 for 0.17+)"
+)
 DEVICES = [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
     # One device per process: after a CUDA test initialised NCCL, the CPU path (gloo) is not re-tested there.
@@ -40,8 +41,16 @@ DEVICES = [
 def _config(kind: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa")
+    common = dict(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
     if kind == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
     if kind == "qwen3":  # q/k RMSNorm per head (Megatron's qk_layernorm), head_dim != hidden / heads
@@ -65,17 +74,33 @@ def _samples(vocab: int, n: int = 8) -> list[Sample]:
     out = []
     for i in range(n):
         plen, rlen = int(torch.randint(4, 20, (1,), generator=g)), int(torch.randint(5, 40, (1,), generator=g))
-        out.append(Sample(group_index=i // 4, index=i, prompt="p", tokens=torch.randint(3, vocab, (plen + rlen,),
-                                                                                      generator=g).tolist(),
-                          response="", response_length=rlen, loss_mask=[1] * rlen, rollout_log_probs=[-5.0] * rlen,
-                          reward=float(i % 2)))
+        out.append(
+            Sample(
+                group_index=i // 4,
+                index=i,
+                prompt="p",
+                tokens=torch.randint(3, vocab, (plen + rlen,), generator=g).tolist(),
+                response="",
+                response_length=rlen,
+                loss_mask=[1] * rlen,
+                rollout_log_probs=[-5.0] * rlen,
+                reward=float(i % 2),
+            )
+        )
     return out
 
 
 def _optim(backend: str, device: str, dtype: str) -> OptimConfig:
     opt = "auto" if device == "cuda" else "torch"
-    return OptimConfig(backend=backend, device=device, dtype=dtype, micro_batch_size=4, num_steps_per_rollout=1,
-                       lr=1e-4, megatron={"layer_spec": "sdpa", "optimizer": opt})
+    return OptimConfig(
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        micro_batch_size=4,
+        num_steps_per_rollout=1,
+        lr=1e-4,
+        megatron={"layer_spec": "sdpa", "optimizer": opt},
+    )
 
 
 @needs_megatron
@@ -115,8 +140,13 @@ def test_step1_exact_and_weight_sync(device):
     assert m["rollout/log_probs_equal_ref"] == 1.0 and m["rollout/kl"] == 0.0
     assert m["train/ppo_kl"] == 0.0 and m["train/step1_ppo_kl"] == 0.0
     assert m["train/grad_norm"] > 0
-    for name in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/entropy_loss",
-                 "train/train_rollout_logprob_abs_diff"):
+    for name in (
+        "train/loss",
+        "train/pg_loss",
+        "train/pg_clipfrac",
+        "train/entropy_loss",
+        "train/train_rollout_logprob_abs_diff",
+    ):
         assert name in m
     # HF-named export: the engine loads it and the parity check passes unchanged.
     named = be.named_weights()
@@ -165,8 +195,8 @@ def test_missing_megatron_is_a_clear_error():
 @pytest.mark.parametrize("impl", ["chunked", "compiled"])
 def test_fused_log_probs_match_log_softmax(impl):
     """The log-prob / entropy kernels (no megatron needed): values and gradients, vocab padding ignored."""
-    from rollflow.tasks.train.megatron.fused_ops import token_log_probs
     from rollflow.tasks.train.losses import entropy_from_logits
+    from rollflow.tasks.train.megatron.fused_ops import token_log_probs
 
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 56, dtype=torch.float64, requires_grad=True)  # 50 real + 6 padded columns
@@ -221,23 +251,45 @@ def test_offload_frees_the_gpu_and_onload_resumes_exactly(distributed_optimizer,
     config = _config("llama")
     state = {k: v.detach().clone() for k, v in _hf(config).state_dict().items()}
     batch = batch_from_samples(_samples(config.vocab_size), group_size=4)
-    optim = OptimConfig(backend="megatron", device="cuda", dtype=dtype, micro_batch_size=4, num_steps_per_rollout=1,
-                        lr=1e-4, megatron={"layer_spec": "sdpa", "optimizer": "megatron", "fusions": "off",
-                                           "log_prob_impl": "chunked", "rope_fusion": "none",
-                                           "use_distributed_optimizer": distributed_optimizer})
+    optim = OptimConfig(
+        backend="megatron",
+        device="cuda",
+        dtype=dtype,
+        micro_batch_size=4,
+        num_steps_per_rollout=1,
+        lr=1e-4,
+        megatron={
+            "layer_spec": "sdpa",
+            "optimizer": "megatron",
+            "fusions": "off",
+            "log_prob_impl": "chunked",
+            "rope_fusion": "none",
+            "use_distributed_optimizer": distributed_optimizer,
+        },
+    )
     be = MegatronBackend(config, state, optim, keep_ref=False)
     batch.log_probs = be.compute_log_probs(batch)
     # train() takes a prepared batch (step.prepare_batch sets advantages); any fixed values do here
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) \
-        * batch.response_mask
+    batch.advantages = (
+        torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.response_mask
+    )
     be.train(batch, AlgoConfig())  # the optimizer state exists from the first step on
 
     def snapshot():
         weights = {k: v.detach().cpu().clone() for k, v in be.named_weights().items()}
-        moments = [v.detach().cpu().clone() for inner in be._inner_optimizers() for st in inner.state.values()
-                   for v in st.values() if isinstance(v, torch.Tensor)]
-        masters = [p.detach().cpu().clone() for inner in be._inner_optimizers() for g in inner.param_groups
-                   for p in g["params"]]
+        moments = [
+            v.detach().cpu().clone()
+            for inner in be._inner_optimizers()
+            for st in inner.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        masters = [
+            p.detach().cpu().clone()
+            for inner in be._inner_optimizers()
+            for g in inner.param_groups
+            for p in g["params"]
+        ]
         return weights, moments, masters
 
     torch.cuda.synchronize()
@@ -274,9 +326,15 @@ def test_packed_rows_equal_padded_rows_on_gpu(kind):
     batch = batch_from_samples(_samples(config.vocab_size), group_size=4)
     out = {}
     for packing in ("off", "thd"):
-        optim = OptimConfig(backend="megatron", device="cuda", dtype="float32", micro_batch_size=4,
-                            num_steps_per_rollout=1, lr=1e-4,
-                            megatron={"layer_spec": "sdpa", "optimizer": "megatron", "packing": packing})
+        optim = OptimConfig(
+            backend="megatron",
+            device="cuda",
+            dtype="float32",
+            micro_batch_size=4,
+            num_steps_per_rollout=1,
+            lr=1e-4,
+            megatron={"layer_spec": "sdpa", "optimizer": "megatron", "packing": packing},
+        )
         be = MegatronBackend(config, state, optim, keep_ref=False)
         lp = be.compute_log_probs(batch)
         b = batch_from_samples(_samples(config.vocab_size), group_size=4)
@@ -367,16 +425,20 @@ def test_varlen_attention_equals_per_row_sdpa_in_bf16():
     torch.manual_seed(0)
     bounds = [0, 37, 38, 101, 160, 192]
     t, heads, groups, dim = bounds[-1], 8, 2, 64
-    q, k, v = (torch.randn(t, h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for h in (heads, groups, groups))
+    q, k, v = (
+        torch.randn(t, h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (heads, groups, groups)
+    )
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    out = attend(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), dim ** -0.5)
+    out = attend(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])), dim**-0.5)
     ref = []
     for a, b in zip(bounds, bounds[1:]):
         qa, ka, va = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         ka, va = (x.repeat_interleave(heads // groups, dim=1) for x in (ka, va))
-        ref.append(torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True,
-                                                                    scale=dim ** -0.5)[0].transpose(0, 1))
+        ref.append(
+            torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=dim**-0.5)[0].transpose(
+                0, 1
+            )
+        )
     ref = torch.cat(ref)
     torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2e-2)
     grad = torch.randn_like(out)

@@ -32,34 +32,58 @@ LR = 1e-3
 # (name, tp, pp, micro-batches per data-parallel rank, other train.megatron settings); dp = 2 / (tp * pp * cp)
 BUCKET_BYTES = 32 << 10  # the streamed export's bucket size in the layouts below (a layer's tensors are 8-64 KB)
 LAYOUTS = {
-    "llama": [("tp2_mb1", 2, 1, 1, {}), ("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}),
-              ("pp2_vpp2_mb4", 1, 2, 4, {"vpp": 2}), ("dp2_mb1", 1, 1, 1, {}), ("dp2_mb4", 1, 1, 4, {}),
-              ("dp2_distopt_mb4", 1, 1, 4, {"use_distributed_optimizer": True}),
-              ("tp2_tokens48", 2, 1, 1, {"max_tokens_per_gpu": 48}),
-              # packed rows (THD): per-row attention and RoPE, log-probs gathered back to the rows
-              ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}), ("pp2_packed_mb4", 1, 2, 4, {"packing": "thd"}),
-              ("dp2_packed_tokens60", 1, 1, 1, {"packing": "thd", "max_tokens_per_gpu": 60}),
-              # context parallel: each sequence split over 2 ranks (zigzag chunks), keys / values all-gathered
-              # with the compiled RoPE hooks (the CUDA default; rope_thd finds each rank's positions itself)
-              ("cp2_mb4", 1, 1, 4, {"cp": 2, "rope_fusion": "compiled"}),
-              ("cp2_packed_mb4", 1, 1, 4, {"cp": 2, "packing": "thd", "rope_fusion": "compiled"}),
-              ("cp2_packed_tokens30", 1, 1, 1, {"cp": 2, "packing": "thd", "max_tokens_per_gpu": 30}),
-              # sequence parallel: norms on each TP rank's part of the sequence, their grads summed over TP
-              ("tp2_sp_mb4", 2, 1, 4, {"sequence_parallel": True}),
-              ("tp2_sp_packed_mb1", 2, 1, 1, {"sequence_parallel": True, "packing": "thd"})],
-    "qwen2": [("tp2_mb4", 2, 1, 4, {}), ("pp2_mb4", 1, 2, 4, {}), ("pp2_vpp2_mb1", 1, 2, 1, {"vpp": 2}),
-              ("dp2_mb4", 1, 1, 4, {}), ("tp2_packed_mb1", 2, 1, 1, {"packing": "thd"})],
+    "llama": [
+        ("tp2_mb1", 2, 1, 1, {}),
+        ("tp2_mb4", 2, 1, 4, {}),
+        ("pp2_mb4", 1, 2, 4, {}),
+        ("pp2_vpp2_mb4", 1, 2, 4, {"vpp": 2}),
+        ("dp2_mb1", 1, 1, 1, {}),
+        ("dp2_mb4", 1, 1, 4, {}),
+        ("dp2_distopt_mb4", 1, 1, 4, {"use_distributed_optimizer": True}),
+        ("tp2_tokens48", 2, 1, 1, {"max_tokens_per_gpu": 48}),
+        # packed rows (THD): per-row attention and RoPE, log-probs gathered back to the rows
+        ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}),
+        ("pp2_packed_mb4", 1, 2, 4, {"packing": "thd"}),
+        ("dp2_packed_tokens60", 1, 1, 1, {"packing": "thd", "max_tokens_per_gpu": 60}),
+        # context parallel: each sequence split over 2 ranks (zigzag chunks), keys / values all-gathered
+        # with the compiled RoPE hooks (the CUDA default; rope_thd finds each rank's positions itself)
+        ("cp2_mb4", 1, 1, 4, {"cp": 2, "rope_fusion": "compiled"}),
+        ("cp2_packed_mb4", 1, 1, 4, {"cp": 2, "packing": "thd", "rope_fusion": "compiled"}),
+        ("cp2_packed_tokens30", 1, 1, 1, {"cp": 2, "packing": "thd", "max_tokens_per_gpu": 30}),
+        # sequence parallel: norms on each TP rank's part of the sequence, their grads summed over TP
+        ("tp2_sp_mb4", 2, 1, 4, {"sequence_parallel": True}),
+        ("tp2_sp_packed_mb1", 2, 1, 1, {"sequence_parallel": True, "packing": "thd"}),
+    ],
+    "qwen2": [
+        ("tp2_mb4", 2, 1, 4, {}),
+        ("pp2_mb4", 1, 2, 4, {}),
+        ("pp2_vpp2_mb1", 1, 2, 1, {"vpp": 2}),
+        ("dp2_mb4", 1, 1, 4, {}),
+        ("tp2_packed_mb1", 2, 1, 1, {"packing": "thd"}),
+    ],
     # q/k norms are replicated over TP but each rank sees its own heads: their grads must be summed over TP
-    "qwen3": [("tp2_mb4", 2, 1, 4, {}), ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}),
-              ("tp2_sp_mb1", 2, 1, 1, {"sequence_parallel": True}), ("cp2_packed_mb1", 1, 1, 1, {"cp": 2, "packing": "thd"})],
+    "qwen3": [
+        ("tp2_mb4", 2, 1, 4, {}),
+        ("tp2_packed_mb4", 2, 1, 4, {"packing": "thd"}),
+        ("tp2_sp_mb1", 2, 1, 1, {"sequence_parallel": True}),
+        ("cp2_packed_mb1", 1, 1, 1, {"cp": 2, "packing": "thd"}),
+    ],
 }
 
 
 def _config(kind: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     if kind == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)  # QKV bias, tied embeddings
     if kind == "qwen3":
@@ -86,10 +110,19 @@ def _batch(vocab: int):
     samples = []
     for i in range(N_SAMPLES):
         plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(4, 20, (1,), generator=g))
-        samples.append(Sample(group_index=i // 4, index=i, prompt="p",
-                              tokens=torch.randint(3, vocab, (plen + rlen,), generator=g).tolist(), response="",
-                              response_length=rlen, loss_mask=[1] * rlen, rollout_log_probs=[-5.0] * rlen,
-                              reward=float(i % 2)))
+        samples.append(
+            Sample(
+                group_index=i // 4,
+                index=i,
+                prompt="p",
+                tokens=torch.randint(3, vocab, (plen + rlen,), generator=g).tolist(),
+                response="",
+                response_length=rlen,
+                loss_mask=[1] * rlen,
+                rollout_log_probs=[-5.0] * rlen,
+                reward=float(i % 2),
+            )
+        )
     batch = batch_from_samples(samples, group_size=4)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
     return batch
@@ -103,8 +136,11 @@ def _algo():
 
 def _hf_log_probs(model, batch, grad: bool):
     with torch.set_grad_enabled(grad):
-        logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids).logits[:, :-1].float()
+        logits = (
+            model(input_ids=batch.tokens, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+            .logits[:, :-1]
+            .float()
+        )
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
         ent = -(logp.exp() * logp).sum(-1)
@@ -127,8 +163,15 @@ def _reference(kind: str):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=1e-8).step()
     updated = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return dict(config=model.config, state=state, batch=batch, log_probs=lp, loss=float(loss), grad_norm=float(norm),
-                updated=updated)
+    return dict(
+        config=model.config,
+        state=state,
+        batch=batch,
+        log_probs=lp,
+        loss=float(loss),
+        grad_norm=float(norm),
+        updated=updated,
+    )
 
 
 def _vocab_parallel_check(rank: int, device: torch.device) -> dict:
@@ -140,12 +183,25 @@ def _vocab_parallel_check(rank: int, device: torch.device) -> dict:
     target = torch.randint(0, 70, (6, 5), generator=g)
     w_lp = torch.randn(6, 5, generator=g, dtype=torch.float64)
     w_ent = torch.randn(6, 5, generator=g, dtype=torch.float64)
-    shard = logits[..., rank * 40:(rank + 1) * 40].to(device).requires_grad_(True)
-    lp, ent = vocab_parallel_log_probs(shard, target.to(device), vocab_start=rank * 40, vocab_size=70,
-                                       temperature=0.7, group=torch.distributed.group.WORLD)
+    shard = logits[..., rank * 40 : (rank + 1) * 40].to(device).requires_grad_(True)
+    lp, ent = vocab_parallel_log_probs(
+        shard,
+        target.to(device),
+        vocab_start=rank * 40,
+        vocab_size=70,
+        temperature=0.7,
+        group=torch.distributed.group.WORLD,
+    )
     (lp * w_lp.to(device) + ent * w_ent.to(device)).sum().backward()
-    return dict(logits=logits, target=target, w_lp=w_lp, w_ent=w_ent, lp=lp.detach().cpu(), ent=ent.detach().cpu(),
-                grad=shard.grad.cpu())
+    return dict(
+        logits=logits,
+        target=target,
+        w_lp=w_lp,
+        w_ent=w_ent,
+        lp=lp.detach().cpu(),
+        ent=ent.detach().cpu(),
+        grad=shard.grad.cpu(),
+    )
 
 
 def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, device_type: str) -> None:
@@ -156,19 +212,27 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
     from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.megatron.process import destroy_parallel_state
     from rollflow.tasks.train.settings import OptimConfig
-
     from tests.megatron_cpu_shim import cpu_megatron
 
     def backend(ref, tp, pp, n_micro, extra=None):
         dp_size = world // (tp * pp * (extra or {}).get("cp", 1))
         device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-        optim = OptimConfig(backend="megatron", device=device, dtype="float32", lr=LR, num_steps_per_rollout=1,
-                            micro_batch_size=N_SAMPLES // dp_size // n_micro,
-                            megatron={"layer_spec": "sdpa", "optimizer": "megatron", "tp": tp, "pp": pp,
-                                      **(extra or {})})
-        return MegatronBackend(ref["config"], ref["state"], optim, keep_ref=False,
-                               dp=DataParallel(rank, world, "127.0.0.1", port,
-                                               backend="nccl" if device_type == "cuda" else "gloo"))
+        optim = OptimConfig(
+            backend="megatron",
+            device=device,
+            dtype="float32",
+            lr=LR,
+            num_steps_per_rollout=1,
+            micro_batch_size=N_SAMPLES // dp_size // n_micro,
+            megatron={"layer_spec": "sdpa", "optimizer": "megatron", "tp": tp, "pp": pp, **(extra or {})},
+        )
+        return MegatronBackend(
+            ref["config"],
+            ref["state"],
+            optim,
+            keep_ref=False,
+            dp=DataParallel(rank, world, "127.0.0.1", port, backend="nccl" if device_type == "cuda" else "gloo"),
+        )
 
     results: dict = {}
     ckpt = os.path.join(out_dir, "ckpt_tp2")
@@ -182,10 +246,16 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
                 torch.distributed.all_gather_object(names_by_rank, [[n for n, _ in b] for b in buckets])
                 log_probs = be.compute_log_probs(ref["batch"])
                 stats = be.train(ref["batch"], _algo())
-                results[(kind, name)] = dict(exported=exported, buckets=buckets, bucket_names_by_rank=names_by_rank,
-                                             log_probs=log_probs, loss=stats["train/loss"],
-                                             grad_norm=stats["train/grad_norm"], weights=be.named_weights(),
-                                             lr=be.current_lr)
+                results[(kind, name)] = dict(
+                    exported=exported,
+                    buckets=buckets,
+                    bucket_names_by_rank=names_by_rank,
+                    log_probs=log_probs,
+                    loss=stats["train/loss"],
+                    grad_norm=stats["train/grad_norm"],
+                    weights=be.named_weights(),
+                    lr=be.current_lr,
+                )
                 if kind == "llama" and name == "tp2_mb4":  # saved at TP=2 after one step, then a second step
                     be.save_distributed(ckpt)
                     be.train(ref["batch"], _algo())
@@ -223,7 +293,8 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
         results["finite_after"] = be.all_ranks_finite()
         parallel_state.destroy_model_parallel()
         results["vocab_parallel"] = _vocab_parallel_check(
-            rank, torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu"))
+            rank, torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+        )
         destroy_parallel_state()
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
@@ -282,8 +353,13 @@ def _check_layouts(kind: str, refs: dict, results: dict, atol: float = 2e-5, rel
         assert sorted(n for n, _ in streamed) == sorted(ref["state"]), name
         for key, tensor in streamed:
             assert torch.equal(tensor, ref["state"][key]), f"{kind} {name} streamed {key}"
-        torch.testing.assert_close(got["log_probs"][mask], ref["log_probs"][mask], rtol=0, atol=atol,
-                                   msg=lambda m: f"{kind} {name} log-probs: {m}")
+        torch.testing.assert_close(
+            got["log_probs"][mask],
+            ref["log_probs"][mask],
+            rtol=0,
+            atol=atol,
+            msg=lambda m: f"{kind} {name} log-probs: {m}",
+        )
         assert got["loss"] == pytest.approx(ref["loss"], rel=rel, abs=1e-7), name
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), name
         assert got["lr"] == LR
@@ -292,8 +368,9 @@ def _check_layouts(kind: str, refs: dict, results: dict, atol: float = 2e-5, rel
         # by a fraction of that, which round-off can change: 10% of lr tolerates that, a wrong or missing
         # update (>= lr) fails. The grad norm above checks the gradient's scale.
         for key, expected in ref["updated"].items():
-            torch.testing.assert_close(got["weights"][key], expected, rtol=0, atol=0.1 * LR,
-                                       msg=lambda m: f"{kind} {name} {key}: {m}")
+            torch.testing.assert_close(
+                got["weights"][key], expected, rtol=0, atol=0.1 * LR, msg=lambda m: f"{kind} {name} {key}: {m}"
+            )
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(parallel_run):
@@ -308,8 +385,9 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(parallel_run):
     assert results["ckpt_refusals"] == ["FileNotFoundError", "FileExistsError"]
     # The second step from the loaded state (Adam moments resharded from TP=2 to TP=1) equals the TP=2 run's.
     for key, expected in results["ckpt_tp2_step2"].items():
-        torch.testing.assert_close(results["ckpt_tp1_step2"][key], expected, rtol=0, atol=0.1 * LR,
-                                   msg=lambda m: f"second step {key}: {m}")
+        torch.testing.assert_close(
+            results["ckpt_tp1_step2"][key], expected, rtol=0, atol=0.1 * LR, msg=lambda m: f"second step {key}: {m}"
+        )
     moved = max(float((results["ckpt_tp2_step2"][k] - saved[k]).abs().max()) for k in saved)
     assert moved > 0.5 * LR  # the second step did update the weights
 
@@ -338,14 +416,20 @@ def test_full_recompute_runs_in_train_mode_and_changes_nothing():
     trained in eval(), which silently turned it off); the step is the same with and without it."""
     from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.settings import OptimConfig
-
     from tests.megatron_cpu_shim import cpu_megatron
 
     ref = _reference("llama")
     outcome = {}
     for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}):
-        optim = OptimConfig(backend="megatron", device="cpu", dtype="float32", lr=LR, num_steps_per_rollout=1,
-                            micro_batch_size=4, megatron={"layer_spec": "sdpa", "optimizer": "torch", **recompute})
+        optim = OptimConfig(
+            backend="megatron",
+            device="cpu",
+            dtype="float32",
+            lr=LR,
+            num_steps_per_rollout=1,
+            micro_batch_size=4,
+            megatron={"layer_spec": "sdpa", "optimizer": "torch", **recompute},
+        )
         with cpu_megatron():
             be = MegatronBackend(ref["config"], ref["state"], optim, keep_ref=False)
             calls = []
@@ -362,13 +446,18 @@ def test_lr_warmup_follows_megatrons_scheduler():
     (as in Megatron-LM, the first step runs at the warmup's start value)."""
     from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.settings import OptimConfig
-
     from tests.megatron_cpu_shim import cpu_megatron
 
     ref = _reference("llama")
-    optim = OptimConfig(backend="megatron", device="cpu", dtype="float32", lr=LR, num_steps_per_rollout=2,
-                        micro_batch_size=4, megatron={"layer_spec": "sdpa", "optimizer": "megatron",
-                                                      "lr_warmup_steps": 4})
+    optim = OptimConfig(
+        backend="megatron",
+        device="cpu",
+        dtype="float32",
+        lr=LR,
+        num_steps_per_rollout=2,
+        micro_batch_size=4,
+        megatron={"layer_spec": "sdpa", "optimizer": "megatron", "lr_warmup_steps": 4},
+    )
     with cpu_megatron():
         be = MegatronBackend(ref["config"], ref["state"], optim, keep_ref=False)
         lrs = [be.current_lr]
@@ -376,8 +465,12 @@ def test_lr_warmup_follows_megatrons_scheduler():
         be.train(ref["batch"], _algo(), on_step=steps.append)
         lrs.append(be.current_lr)
         with pytest.raises(ValueError, match=r"train\.megatron\.lr_warmup_steps needs optimizer='megatron'"):
-            MegatronBackend(ref["config"], ref["state"], optim.model_copy(update={"megatron": optim.megatron.model_copy(
-                update={"optimizer": "torch"})}), keep_ref=False)
+            MegatronBackend(
+                ref["config"],
+                ref["state"],
+                optim.model_copy(update={"megatron": optim.megatron.model_copy(update={"optimizer": "torch"})}),
+                keep_ref=False,
+            )
     assert len(steps) == 2 and all(s["skipped"] == 0 for s in steps)
     assert lrs == [0.0, pytest.approx(LR * 2 / 4)]
 
@@ -390,14 +483,20 @@ def test_packed_micro_batches_hold_only_real_tokens():
     from rollflow.tasks.train.megatron.process import destroy_parallel_state
     from rollflow.tasks.train.megatron.schedule import token_budget_micro_batches
     from rollflow.tasks.train.settings import OptimConfig
-
     from tests.megatron_cpu_shim import cpu_megatron
 
     ref = _reference("llama")
     batch = ref["batch"]
     lengths = batch.attention_mask.sum(dim=1).tolist()
-    optim = OptimConfig(backend="megatron", device="cpu", dtype="float32", lr=LR, num_steps_per_rollout=1,
-                        micro_batch_size=4, megatron={"layer_spec": "sdpa", "optimizer": "megatron", "packing": "thd"})
+    optim = OptimConfig(
+        backend="megatron",
+        device="cpu",
+        dtype="float32",
+        lr=LR,
+        num_steps_per_rollout=1,
+        micro_batch_size=4,
+        megatron={"layer_spec": "sdpa", "optimizer": "megatron", "packing": "thd"},
+    )
     with cpu_megatron():
         be = MegatronBackend(ref["config"], ref["state"], optim, keep_ref=False)
         try:

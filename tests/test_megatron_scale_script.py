@@ -1,5 +1,6 @@
 """`benchmarks/megatron_scale.py` (the multi-GPU benchmark and the one-GPU fit sweep) runs end to end: two gloo
-ranks at TP=2 with sequence parallelism and at CP=2 on a tiny preset, ragged rows packed, under the test-only CPU shims; it writes its JSON with real
+ranks at TP=2 with sequence parallelism and at CP=2 on a tiny preset, ragged rows packed, under the test-only CPU
+shims; it writes its JSON with real
 token counts, a finite loss and the memory estimate."""
 
 from __future__ import annotations
@@ -34,9 +35,25 @@ def test_scale_benchmark_runs_packed_on_cpu(tmp_path, tp, cp, sp, name):
 
     from benchmarks import megatron_scale
 
-    args = argparse.Namespace(preset="tiny", tp=tp, pp=1, cp=cp, sp=sp, packing="thd", pack_multiple=1, ragged=True,
-                              seq=64, micro_batch=1, micro_batches=2, iters=1, spec="sdpa", no_recompute=False,
-                              no_dist_opt=False, device="cpu", out=str(tmp_path))
+    args = argparse.Namespace(
+        preset="tiny",
+        tp=tp,
+        pp=1,
+        cp=cp,
+        sp=sp,
+        packing="thd",
+        pack_multiple=1,
+        ragged=True,
+        seq=64,
+        micro_batch=1,
+        micro_batches=2,
+        iters=1,
+        spec="sdpa",
+        no_recompute=False,
+        no_dist_opt=False,
+        device="cpu",
+        out=str(tmp_path),
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -31,8 +31,9 @@ def t(*values, dtype=F64) -> torch.Tensor:
 
 
 def close(actual, expected, tol=1e-12) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64), rtol=tol, atol=tol
+    )
 
 
 # ------------------------------------------------------------------------------------------------ GSPO
@@ -63,7 +64,7 @@ def test_gspo_matches_the_published_sequence_objective_in_loss_and_gradient() ->
     eps_low, eps_high = 0.1, 0.12
     ref_loss, s = _published_gspo_loss(new, old, mask, adv, eps_low, eps_high)
     # the inputs exercise both branches: some sequences clipped, some not
-    clipped = ((s < 1 - eps_low) | (s > 1 + eps_high))
+    clipped = (s < 1 - eps_low) | (s > 1 + eps_high)
     assert clipped.any() and (~clipped).any()
     (ref_grad,) = torch.autograd.grad(ref_loss, new)
 
@@ -93,8 +94,10 @@ def test_gspo_differs_from_grpo_in_loss_and_gradient() -> None:
 
 def test_gspo_is_selected_by_the_estimator_in_the_objective() -> None:
     batch = _toy_batch()
-    new = (batch.log_probs + 0.3 * torch.sin(torch.arange(batch.log_probs.numel(), dtype=torch.float32))
-           .reshape(batch.log_probs.shape)).requires_grad_(True)
+    new = (
+        batch.log_probs
+        + 0.3 * torch.sin(torch.arange(batch.log_probs.numel(), dtype=torch.float32)).reshape(batch.log_probs.shape)
+    ).requires_grad_(True)
     entropy = torch.zeros_like(new)
     denom = Denominators.of(batch)
     out = {}
@@ -112,9 +115,19 @@ def _toy_samples(loss_masks=((1, 1, 1), (1, 1, 0))) -> list[Sample]:
     out = []
     for i, lm in enumerate(loss_masks):
         response = [3 + (i + j) % 5 for j in range(len(lm))]
-        out.append(Sample(group_index=0, index=i, prompt="p", tokens=[1, 2] + response, response="r",
-                          response_length=len(response), loss_mask=list(lm),
-                          rollout_log_probs=[-1.0] * len(response), reward=float(i)))
+        out.append(
+            Sample(
+                group_index=0,
+                index=i,
+                prompt="p",
+                tokens=[1, 2] + response,
+                response="r",
+                response_length=len(response),
+                loss_mask=list(lm),
+                rollout_log_probs=[-1.0] * len(response),
+                reward=float(i),
+            )
+        )
     return out
 
 
@@ -135,8 +148,9 @@ def test_masked_token_with_log_ratio_95_keeps_loss_and_gradient_finite() -> None
     new[tuple(masked)] = 0.0
     new.requires_grad_(True)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        loss, stats = micro_batch_objective(new, torch.zeros_like(new), batch, AlgoConfig(loss_agg_mode=agg),
-                                            Denominators.of(batch))
+        loss, stats = micro_batch_objective(
+            new, torch.zeros_like(new), batch, AlgoConfig(loss_agg_mode=agg), Denominators.of(batch)
+        )
         (grad,) = torch.autograd.grad(loss, new)
         assert math.isfinite(float(loss)) and torch.isfinite(grad).all(), agg
         assert grad[tuple(masked)] == 0
@@ -196,12 +210,11 @@ def test_aggregation_modes_hand_worked(dtype) -> None:
         aggregate(values, mask, denom, "sum")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_aggregation_shares_add_up_over_micro_batches(mode) -> None:
     values, mask, denom = _agg_inputs()
     whole = aggregate(values, mask, denom, mode)
-    parts = sum(aggregate(values[i:i + 1], mask[i:i + 1], denom, mode) for i in range(3))
+    parts = sum(aggregate(values[i : i + 1], mask[i : i + 1], denom, mode) for i in range(3))
     close(parts, whole)
 
 
@@ -233,13 +246,14 @@ def test_mismatch_metrics_hand_worked() -> None:
     close(m["mismatch/chi2_token"], (4 + 1 + 0.25) / 3 - 1)  # mean(rho^2) - 1 = 0.75
     close(m["mismatch/chi2_seq"], 0.0)  # (prod rho)^2 - 1 = 1 - 1
     close(m["mismatch/tis"], 3.5 / 3)  # raw mean ratio, unbounded
-    close(m["mismatch/ess_token"], 3.5 ** 2 / (3 * 5.25))
+    close(m["mismatch/ess_token"], 3.5**2 / (3 * 5.25))
     close(m["mismatch/training_log_ppl"], 0.0)
     close(m["mismatch/log_ppl_diff"], 0.0)
     close(m["mismatch/max_abs_log_ratio"], LN2)
     # a uniform shift: old = rollout - 0.1 everywhere -> log_ppl_diff = 0.1, ppl_ratio = e^0.1
-    m = mismatch_metrics(torch.full((2, 3), -1.1, dtype=F64), torch.full((2, 3), -1.0, dtype=F64),
-                         torch.ones(2, 3, dtype=F64))
+    m = mismatch_metrics(
+        torch.full((2, 3), -1.1, dtype=F64), torch.full((2, 3), -1.0, dtype=F64), torch.ones(2, 3, dtype=F64)
+    )
     close(m["mismatch/log_ppl_diff"], 0.1)
     close(m["mismatch/ppl_ratio"], math.exp(0.1))
     close(m["mismatch/kl"], 0.1)
@@ -260,13 +274,15 @@ def test_is_weights_token_modes() -> None:
     close(fix.weights[0], t(1.5, 1.0, 0.5, 0.0))
     close(fix.metrics["mismatch/tis_clipfrac"], 1 / 3)
     assert torch.equal(fix.keep, mask.float())
-    fix = correction(old, rollout, mask, AlgoConfig(use_tis=True, tis_mode="clip", tis_lower_bound=0.8,
-                                                    tis_upper_bound=1.5))
+    fix = correction(
+        old, rollout, mask, AlgoConfig(use_tis=True, tis_mode="clip", tis_lower_bound=0.8, tis_upper_bound=1.5)
+    )
     close(fix.weights[0], t(1.5, 1.0, 0.8, 0.0))
     close(fix.metrics["mismatch/tis_clipfrac"], 2 / 3)
     # mask (icepop): weights kept, tokens outside [0.8, 1.5] rejected
-    fix = correction(old, rollout, mask, AlgoConfig(use_tis=True, tis_mode="mask", tis_lower_bound=0.8,
-                                                    tis_upper_bound=1.5))
+    fix = correction(
+        old, rollout, mask, AlgoConfig(use_tis=True, tis_mode="mask", tis_lower_bound=0.8, tis_upper_bound=1.5)
+    )
     close(fix.weights[0], t(2.0, 1.0, 0.5, 0.0))
     close(fix.keep[0], t(0, 1, 0, 0))
     close(fix.metrics["mismatch/tis_maskfrac"], 2 / 3)
@@ -286,8 +302,12 @@ def test_is_weights_sequence_and_geometric_levels() -> None:
     geo = correction(old, rollout, mask, AlgoConfig(use_tis=True, tis_level="geometric", tis_upper_bound=3.0))
     close(geo.weights, t(1, 1, 1, 2, 2, 0).reshape(2, 3))
     # batch-normalised to mean 1 over samples: (1 + 2) / 2 = 1.5
-    norm = correction(old, rollout, mask, AlgoConfig(use_tis=True, tis_level="geometric", tis_upper_bound=3.0,
-                                                     tis_batch_normalize=True))
+    norm = correction(
+        old,
+        rollout,
+        mask,
+        AlgoConfig(use_tis=True, tis_level="geometric", tis_upper_bound=3.0, tis_batch_normalize=True),
+    )
     close(norm.weights, t(1, 1, 1, 2, 2, 0).reshape(2, 3) / 1.5)
     close(norm.metrics["mismatch/batch_norm_factor"], 1.5)
 
@@ -305,8 +325,9 @@ def test_rejection_sampling_and_veto() -> None:
     close(rs.weights[0], t(1, 1, 1, 0))  # no IS: unit weights
     close(rs.metrics["mismatch/rs_maskfrac"], 2 / 3)
     # sequence-level RS rejects the whole sample or none: sum r = 0 -> ratio 1, kept
-    rs = correction(old, rollout, mask, AlgoConfig(use_rs=True, rs_level="sequence", rs_lower_bound=0.8,
-                                                   rs_upper_bound=1.5))
+    rs = correction(
+        old, rollout, mask, AlgoConfig(use_rs=True, rs_level="sequence", rs_lower_bound=0.8, rs_upper_bound=1.5)
+    )
     close(rs.keep[0], t(1, 1, 1, 0))
     # veto: token ratio 0.5 < 0.6 -> the whole sample is dropped; a second clean sample survives
     old2 = torch.cat([old, torch.zeros_like(old)])
@@ -373,8 +394,17 @@ class _ZeroLogProbs:
 
 
 def test_prepare_batch_keeps_masked_spans_in_the_returns() -> None:
-    sample = Sample(group_index=0, index=0, prompt="p", tokens=[1, 2, 5, 6, 7, 8], response="r",
-                    response_length=4, loss_mask=[1, 0, 0, 1], rollout_log_probs=[-1.0] * 4, reward=1.0)
+    sample = Sample(
+        group_index=0,
+        index=0,
+        prompt="p",
+        tokens=[1, 2, 5, 6, 7, 8],
+        response="r",
+        response_length=4,
+        loss_mask=[1, 0, 0, 1],
+        rollout_log_probs=[-1.0] * 4,
+        reward=1.0,
+    )
     algo = AlgoConfig(advantage_estimator="reinforce_plus_plus", gamma=0.5)
     batch, _ = prepare_batch(_ZeroLogProbs(), [sample], algo, group_size=1, compute_ref=False)
     # response columns are 1..4 (column j scores token j + 1; the prompt has 2 tokens)
@@ -403,8 +433,15 @@ def test_minibatch_steps_skips_a_non_finite_loss() -> None:
         return 0.5
 
     rows: list[dict] = []
-    out = minibatch_steps(batch, 2, 8, zero_grad=lambda: calls.__setitem__("zero", calls["zero"] + 1),
-                          micro_step=micro_step, optimizer_step=optimizer_step, on_step=rows.append)
+    out = minibatch_steps(
+        batch,
+        2,
+        8,
+        zero_grad=lambda: calls.__setitem__("zero", calls["zero"] + 1),
+        micro_step=micro_step,
+        optimizer_step=optimizer_step,
+        on_step=rows.append,
+    )
     assert calls["step"] == 1  # the NaN step never reached the optimizer
     assert [r["skipped"] for r in rows] == [1.0, 0.0]
     assert out["train/skipped_steps"] == 1.0

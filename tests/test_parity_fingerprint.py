@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import struct
 
 import pytest
@@ -11,8 +10,16 @@ import torch
 from rollflow.tasks.sync import parity
 from rollflow.tasks.sync.parity import checksums, compare, tensor_checksum
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
-          torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def reference(tensor: torch.Tensor) -> str:

@@ -34,8 +34,9 @@ def test_disaggregated_layout():
 
 
 def test_colocate_layout_shares_bundles():
-    plan = plan_placement("colocate", res(num_gpus=4, trainer_gpus=4, num_engines=2, gpus_per_engine=2,
-                                          cpus_per_bundle=1))
+    plan = plan_placement(
+        "colocate", res(num_gpus=4, trainer_gpus=4, num_engines=2, gpus_per_engine=2, cpus_per_bundle=1)
+    )
     assert plan.bundles == [{FAKE: 1, "CPU": 1}] * 4
     assert plan.trainer_bundles == [0, 1, 2, 3] and plan.engine_bundles == [[0, 1], [2, 3]]
     assert plan.gpu_fractions["trainer"] + plan.gpu_fractions["engine"] <= 1
@@ -45,20 +46,29 @@ def test_colocate_layout_shares_bundles():
 def test_over_budget_shows_the_arithmetic():
     with pytest.raises(PlacementError) as err:
         plan_placement("disaggregated", res(num_gpus=6, trainer_gpus=4, num_engines=2, gpus_per_engine=2))
-    assert str(err.value) == ("disaggregated needs trainer 4 + engines 2 x 2 = 8 GPUs, cluster has 6 "
-                              "(resources.num_gpus)")
+    assert str(err.value) == (
+        "disaggregated needs trainer 4 + engines 2 x 2 = 8 GPUs, cluster has 6 (resources.num_gpus)"
+    )
     with pytest.raises(PlacementError, match=r"engines 3 x 2 = 6 GPUs must equal trainer 4 GPUs"):
         plan_placement("colocate", res(num_gpus=8, trainer_gpus=4, num_engines=3, gpus_per_engine=2))
-    with pytest.raises(PlacementError, match=r"colocate needs trainer 8 GPUs shared with engines 4 x 2 = 8 GPUs "
-                                             r"= 8 GPUs, cluster has 4"):
+    with pytest.raises(
+        PlacementError,
+        match=r"colocate needs trainer 8 GPUs shared with engines 4 x 2 = 8 GPUs "
+        r"= 8 GPUs, cluster has 4",
+    ):
         plan_placement("colocate", res(num_gpus=4, trainer_gpus=8, num_engines=4, gpus_per_engine=2))
 
 
 def test_cpu_default_and_one_sided_runs():
     assert plan_placement("disaggregated", ResourcesConfig()).empty
-    rollout_only = plan_placement("disaggregated", res(num_gpus=4, trainer_gpus=4, num_engines=2, gpus_per_engine=2),
-                                  train=False)
-    assert rollout_only.needed == 4 and rollout_only.trainer_bundles == [] and rollout_only.engine_bundles == [[0, 1], [2, 3]]
+    rollout_only = plan_placement(
+        "disaggregated", res(num_gpus=4, trainer_gpus=4, num_engines=2, gpus_per_engine=2), train=False
+    )
+    assert (
+        rollout_only.needed == 4
+        and rollout_only.trainer_bundles == []
+        and rollout_only.engine_bundles == [[0, 1], [2, 3]]
+    )
     assert rollout_only.arithmetic == "disaggregated needs engines 2 x 2 = 4 GPUs, cluster has 4"
 
 
@@ -67,16 +77,43 @@ def test_budget_is_checked_at_config_time():
 
     assert RunConfig().resources.num_gpus == 0  # CPU default unchanged
     with pytest.raises(ConfigError, match=r"disaggregated needs trainer 4 \+ engines 2 x 2 = 8 GPUs, cluster has 6"):
-        load_config(None, ["resources.num_gpus=6", "resources.trainer_gpus=4", "resources.num_engines=2",
-                           "resources.gpus_per_engine=2"])
+        load_config(
+            None,
+            [
+                "resources.num_gpus=6",
+                "resources.trainer_gpus=4",
+                "resources.num_engines=2",
+                "resources.gpus_per_engine=2",
+            ],
+        )
     with pytest.raises(ConfigError, match="rollout.sglang.tp_size=4 differs from resources.gpus_per_engine=2"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang.tp_size=4", "resources.num_gpus=8",
-                           "resources.trainer_gpus=4", "resources.num_engines=2", "resources.gpus_per_engine=2"])
-    cfg = load_config(None, ["rollout.engine=sglang", "debug.rollout_only=true", "resources.num_gpus=4",
-                             "resources.trainer_gpus=8", "resources.num_engines=2", "resources.gpus_per_engine=2"])
+        load_config(
+            None,
+            [
+                "rollout.engine=sglang",
+                "rollout.sglang.tp_size=4",
+                "resources.num_gpus=8",
+                "resources.trainer_gpus=4",
+                "resources.num_engines=2",
+                "resources.gpus_per_engine=2",
+            ],
+        )
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "debug.rollout_only=true",
+            "resources.num_gpus=4",
+            "resources.trainer_gpus=8",
+            "resources.num_engines=2",
+            "resources.gpus_per_engine=2",
+        ],
+    )
     assert cfg.debug.rollout_only  # no trainer: its 8 GPUs are not counted
     # the in-process hf engine cannot be several engines
-    with pytest.raises(ConfigError, match=r"resources.num_engines=2 with rollout.engine='hf'.*use rollout.engine='sglang'"):
+    with pytest.raises(
+        ConfigError, match=r"resources.num_engines=2 with rollout.engine='hf'.*use rollout.engine='sglang'"
+    ):
         load_config(None, ["resources.num_engines=2"])
 
 
@@ -156,6 +193,9 @@ def test_over_budget_against_the_ray_cluster(ray_local):
     with pytest.raises(PlacementError) as err:
         create_placement_group(plan, gpu_resource=FAKE)
     assert str(err.value) == "disaggregated needs trainer 4 + engines 3 x 2 = 10 GPUs, Ray cluster has 8 fake_gpu"
-    check_cluster(plan_placement("colocate", res(num_gpus=8, trainer_gpus=8, num_engines=4, gpus_per_engine=2)),
-                  ray.cluster_resources(), FAKE)
+    check_cluster(
+        plan_placement("colocate", res(num_gpus=8, trainer_gpus=8, num_engines=4, gpus_per_engine=2)),
+        ray.cluster_resources(),
+        FAKE,
+    )
     assert actor_options(plan_placement("disaggregated", ResourcesConfig()), None, "engine") == {}

@@ -13,7 +13,12 @@ import pytest
 from rollflow.tasks.model.source import ModelDirError, check_model_dir, resolve_model_path
 from rollflow.tasks.model.tokenizer import CharTokenizer, load_tokenizer, prompt_token_ids
 from rollflow.tasks.rollout.dataset import (
-    DataExhausted, DataResumeMismatch, check_resume, data_state, epoch_order, load_records,
+    DataExhausted,
+    DataResumeMismatch,
+    check_resume,
+    data_state,
+    epoch_order,
+    load_records,
 )
 from rollflow.tasks.rollout.evaluation import eval_summary, pass_at_k
 from rollflow.tasks.rollout.generate import build_requests
@@ -21,8 +26,9 @@ from rollflow.tasks.rollout.prompts import PromptItem
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from tests.hf_fixtures import build_model_dir, build_tokenizer, write_jsonl
 
-ROWS = [{"question": f"What is {i} plus {i + 1}?", "answer": 2 * i + 1, "source": "toy", "level": i % 3}
-        for i in range(10)]
+ROWS = [
+    {"question": f"What is {i} plus {i + 1}?", "answer": 2 * i + 1, "source": "toy", "level": i % 3} for i in range(10)
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +48,7 @@ def data_cfg(path, **kw):
 
 # ---- model directories ---------------------------------------------------------------------------
 
+
 def test_model_dir_checks_name_the_missing_piece(model_dir, tmp_path):
     info = check_model_dir(model_dir)
     assert info["family"] == "Llama" and info["tokenizer"] == "tokenizer.json" and info["chat_template"]
@@ -60,13 +67,16 @@ def test_model_dir_checks_name_the_missing_piece(model_dir, tmp_path):
     with pytest.raises(ModelDirError, match="missing its tokenizer"):
         resolve_model_path(str(broken))
     (broken / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"model_type='gpt2' \(GPT2LMHeadModel\) is not supported.*Llama / Qwen2 / Qwen3"):
+    with pytest.raises(
+        ValueError, match=r"model_type='gpt2' \(GPT2LMHeadModel\) is not supported.*Llama / Qwen2 / Qwen3"
+    ):
         resolve_model_path(str(broken))
     shards = tmp_path / "sharded"
     shards.mkdir()
     (shards / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (shards / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (shards / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     (shards / "model-00001-of-00002.safetensors").write_bytes(b"x")
     with pytest.raises(ModelDirError, match="model-00002-of-00002.safetensors"):
         check_model_dir(shards)
@@ -85,6 +95,7 @@ def test_other_families_load(tmp_path, arch):
 
 
 # ---- tokenization: special tokens exactly once -----------------------------------------------------
+
 
 def test_text_prompts_get_the_tokenizers_bos_once(model_dir):
     tok = load_tokenizer(model_dir)
@@ -116,9 +127,13 @@ def test_dataset_prompts_with_and_without_chat_template(model_dir, jsonl):
     assert plain[0] == PromptItem("What is 0 plus 1?", "1", {"source": "toy", "data_index": 0, "data_epoch": 0})
     req = build_requests(plain[:1], tok, 3)[0]
     assert req.n == 3 and req.prompt_ids == prompt_token_ids(tok, "What is 0 plus 1?")
-    chat = prompts_for(data_cfg(jsonl, shuffle=False, apply_chat_template=True, system_prompt="Answer with a number."), 0)
-    assert chat[1].prompt == [{"role": "system", "content": "Answer with a number."},
-                              {"role": "user", "content": "What is 1 plus 2?"}]
+    chat = prompts_for(
+        data_cfg(jsonl, shuffle=False, apply_chat_template=True, system_prompt="Answer with a number."), 0
+    )
+    assert chat[1].prompt == [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "What is 1 plus 2?"},
+    ]
     ids = build_requests(chat[1:2], tok, 1)[0].prompt_ids
     assert tok.decode(ids) == "<s><|system|>Answer with a number.</s><s><|user|>What is 1 plus 2?</s><s><|assistant|>"
     with_system = prompts_for(data_cfg(jsonl, shuffle=False, system_prompt="Answer:"), 0)
@@ -159,6 +174,7 @@ def test_dataset_errors_are_specific(tmp_path, jsonl):
 
 # ---- epochs, shuffling and the cursor --------------------------------------------------------------
 
+
 def test_epochs_visit_every_record_once_in_fresh_orders(jsonl):
     cfg = data_cfg(jsonl, prompts_per_rollout=4, seed=7)
     seen = [(it.metadata["data_epoch"], it.metadata["data_index"]) for r in range(5) for it in prompts_for(cfg, r)]
@@ -178,8 +194,13 @@ def test_resume_cursor_across_an_epoch_boundary(jsonl):
     uninterrupted = [prompts_for(cfg, r) for r in range(4)]
     # Checkpoint after 2 iterations (8 samples): the cursor sits 2 records before the epoch's end.
     saved = data_state(cfg, 2)
-    assert {k: saved[k] for k in ("epoch", "offset", "samples_consumed", "n_records", "shuffle_seed")} == \
-        {"epoch": 0, "offset": 8, "samples_consumed": 8, "n_records": 10, "shuffle_seed": 3}
+    assert {k: saved[k] for k in ("epoch", "offset", "samples_consumed", "n_records", "shuffle_seed")} == {
+        "epoch": 0,
+        "offset": 8,
+        "samples_consumed": 8,
+        "n_records": 10,
+        "shuffle_seed": 3,
+    }
     # A fresh process (no cached state) resumes from the config alone at the same samples.
     load_records.cache_clear()
     epoch_order.cache_clear()
@@ -188,8 +209,11 @@ def test_resume_cursor_across_an_epoch_boundary(jsonl):
     assert [prompts_for(resumed_cfg, r) for r in (2, 3)] == uninterrupted[2:]
     assert data_state(resumed_cfg, 3)["epoch"] == 1 and data_state(resumed_cfg, 3)["offset"] == 2
     # What would silently continue at another sample is refused, naming the difference.
-    for change, field in (({"prompts_per_rollout": 5}, "samples_consumed"), ({"seed": 4}, "shuffle_seed"),
-                          ({"shuffle": False}, "shuffle")):
+    for change, field in (
+        ({"prompts_per_rollout": 5}, "samples_consumed"),
+        ({"seed": 4}, "shuffle_seed"),
+        ({"shuffle": False}, "shuffle"),
+    ):
         with pytest.raises(DataResumeMismatch, match=field):
             check_resume(saved, data_state(data_cfg(jsonl, **({"prompts_per_rollout": 4, "seed": 3} | change)), 2), 2)
     write_jsonl(jsonl, ROWS[:9])  # the file changed under the run
@@ -199,6 +223,7 @@ def test_resume_cursor_across_an_epoch_boundary(jsonl):
 
 
 # ---- eval: its own sampling and pass@k ----------------------------------------------------------------
+
 
 def test_pass_at_k_is_the_unbiased_estimator():
     for n in range(1, 7):
@@ -216,8 +241,21 @@ def test_pass_at_k_is_the_unbiased_estimator():
 def _scored(rewards_by_group):
     from rollflow.artifacts.sample import Sample
 
-    return [Sample(group_index=g, index=i, prompt="p", tokens=[1, 2], response="r", response_length=1, loss_mask=[1],
-                   rollout_log_probs=[-1.0], reward=r) for g, rs in enumerate(rewards_by_group) for i, r in enumerate(rs)]
+    return [
+        Sample(
+            group_index=g,
+            index=i,
+            prompt="p",
+            tokens=[1, 2],
+            response="r",
+            response_length=1,
+            loss_mask=[1],
+            rollout_log_probs=[-1.0],
+            reward=r,
+        )
+        for g, rs in enumerate(rewards_by_group)
+        for i, r in enumerate(rs)
+    ]
 
 
 def test_eval_summary():
@@ -239,9 +277,18 @@ def test_worker_on_an_hf_directory_with_chat_template_and_eval_sampling(model_di
     from rollflow.tasks.train.worker import build_backend
 
     eval_path = write_jsonl(tmp_path / "eval.jsonl", ROWS[:3])
-    data = data_cfg(jsonl, apply_chat_template=True, system_prompt="Answer with a number.",
-                    eval={"path": str(eval_path), "n_samples_per_prompt": 4, "temperature": 1.0, "max_new_tokens": 3,
-                          "pass_k": [1, 4]})
+    data = data_cfg(
+        jsonl,
+        apply_chat_template=True,
+        system_prompt="Answer with a number.",
+        eval={
+            "path": str(eval_path),
+            "n_samples_per_prompt": 4,
+            "temperature": 1.0,
+            "max_new_tokens": 3,
+            "pass_k": [1, 4],
+        },
+    )
     rollout = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=6, reward="math")
     worker = RolloutWorker(str(model_dir), rollout, data)
     samples = score_samples(worker.rollout(0), reward_fn_from_config(rollout))
@@ -275,9 +322,19 @@ def test_retokenize_agreement_tells_language_from_arbitrary_ids():
     tok = build_bpe_tokenizer()
 
     def as_samples(responses):
-        return [Sample(group_index=i, index=i, prompt="p", tokens=[1] + r, response=tok.decode(r),
-                       response_length=len(r), loss_mask=[1] * len(r), rollout_log_probs=[-0.5] * len(r))
-                for i, r in enumerate(responses)]
+        return [
+            Sample(
+                group_index=i,
+                index=i,
+                prompt="p",
+                tokens=[1] + r,
+                response=tok.decode(r),
+                response_length=len(r),
+                loss_mask=[1] * len(r),
+                rollout_log_probs=[-0.5] * len(r),
+            )
+            for i, r in enumerate(responses)
+        ]
 
     text = as_samples([tok(t, add_special_tokens=False)["input_ids"] for t in CORPUS[:4]])
     rng = random.Random(0)

@@ -16,19 +16,29 @@ from tests.hf_fixtures import write_jsonl
 pytestmark = pytest.mark.slow
 
 # The built-in tiny model speaks the char alphabet of "012+345=": an addition set as a JSONL file.
-ROWS = [{"prompt": f"{a:03d}+{b:03d}=", "answer": f"{a + b:04d}", "id": f"q{i}"}
-        for i, (a, b) in enumerate([(12, 345), (100, 200), (7, 8), (999, 1), (250, 250), (31, 415), (92, 653),
-                                    (589, 79), (323, 846), (264, 338)])]
+ROWS = [
+    {"prompt": f"{a:03d}+{b:03d}=", "answer": f"{a + b:04d}", "id": f"q{i}"}
+    for i, (a, b) in enumerate(
+        [(12, 345), (100, 200), (7, 8), (999, 1), (250, 250), (31, 415), (92, 653), (589, 79), (323, 846), (264, 338)]
+    )
+]
 
 
 def dataset_config(tmp_path, **overrides):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     evals = write_jsonl(tmp_path / "eval.jsonl", ROWS[:3])
-    data = {"task": "dataset", "path": str(train), "label_key": "answer", "metadata_keys": ["id"],
-            "prompts_per_rollout": 4, "seed": 5,
-            "eval": {"path": str(evals), "n_samples_per_prompt": 4, "temperature": 1.0, "pass_k": [1, 4]}}
-    base = dict(run="ds", iterations=2, eval_every=2, data=data, rollout={"n_samples_per_prompt": 2,
-                "reward": "exact_match"})
+    data = {
+        "task": "dataset",
+        "path": str(train),
+        "label_key": "answer",
+        "metadata_keys": ["id"],
+        "prompts_per_rollout": 4,
+        "seed": 5,
+        "eval": {"path": str(evals), "n_samples_per_prompt": 4, "temperature": 1.0, "pass_k": [1, 4]},
+    }
+    base = dict(
+        run="ds", iterations=2, eval_every=2, data=data, rollout={"n_samples_per_prompt": 2, "reward": "exact_match"}
+    )
     return small_config(tmp_path, **(base | overrides))
 
 
@@ -56,10 +66,15 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
     store = RolloutStore(str(tmp_path))
     samples = store.load("ds", "train", 2).samples
     got = [(s.metadata["data_epoch"], s.metadata["data_index"], s.metadata["id"]) for s in samples[::2]]
-    want = [(it.metadata["data_epoch"], it.metadata["data_index"], it.metadata["id"]) for it in prompts_for(cfg.data, 2)]
+    want = [
+        (it.metadata["data_epoch"], it.metadata["data_index"], it.metadata["id"]) for it in prompts_for(cfg.data, 2)
+    ]
     assert got == want and [e for e, _, _ in got] == [0, 0, 1, 1]
-    seen = [(s.metadata["data_epoch"], s.metadata["data_index"]) for rid in (0, 1, 2)
-            for s in store.load("ds", "train", rid).samples[::2]]
+    seen = [
+        (s.metadata["data_epoch"], s.metadata["data_index"])
+        for rid in (0, 1, 2)
+        for s in store.load("ds", "train", rid).samples[::2]
+    ]
     assert sorted(i for e, i in seen if e == 0) == list(range(10))  # epoch 0: every record once, none twice
     assert meta(tmp_path, "ds", 3)["data"]["epoch"] == 1 and meta(tmp_path, "ds", 3)["data"]["offset"] == 2
 

@@ -37,8 +37,11 @@ def _iteration(rollout_id: int = 0) -> IterationTrace:
 
 
 def _trace(run: str = "a") -> RunTrace:
-    return RunTrace(run, [_iteration(0), _iteration(1)],
-                    {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)})
+    return RunTrace(
+        run,
+        [_iteration(0), _iteration(1)],
+        {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)},
+    )
 
 
 def test_identical_runs_pass():
@@ -50,18 +53,29 @@ def test_identical_runs_pass():
     assert result.name == REPRO and result.passed, result.message
 
 
-@pytest.mark.parametrize("change, expected", [
-    (lambda t: t.iterations[1].tokens[2].__setitem__(1, 9), (2, "token ids", "sample 2 token 1", 6, 9)),
-    (lambda t: t.iterations[0].rewards.__setitem__(3, 0.5), (1, "reward", "sample 3", 0.25, 0.5)),
-    (lambda t: t.iterations[0].rollout_log_probs[1].__setitem__(1, -0.30000001),
-     (1, "rollout log-probs", "sample 1 token 1", -0.3, -0.30000001)),
-    (lambda t: t.iterations[1].records["log_prob_sum"].__setitem__(0, -0.3 + 1e-16),
-     (2, "train log_prob_sum", "sample 0", -0.3, -0.3 + 1e-16)),
-    (lambda t: t.iterations[0].steps[1].__setitem__("train_step/loss", 0.2500001),
-     (1, "train_step/loss", "step 2", 0.25, 0.2500001)),
-    (lambda t: t.iterations[1].metrics.__setitem__("train/loss", -0.125), (2, "train/loss", "metrics.jsonl", 0.125,
-                                                                           -0.125)),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda t: t.iterations[1].tokens[2].__setitem__(1, 9), (2, "token ids", "sample 2 token 1", 6, 9)),
+        (lambda t: t.iterations[0].rewards.__setitem__(3, 0.5), (1, "reward", "sample 3", 0.25, 0.5)),
+        (
+            lambda t: t.iterations[0].rollout_log_probs[1].__setitem__(1, -0.30000001),
+            (1, "rollout log-probs", "sample 1 token 1", -0.3, -0.30000001),
+        ),
+        (
+            lambda t: t.iterations[1].records["log_prob_sum"].__setitem__(0, -0.3 + 1e-16),
+            (2, "train log_prob_sum", "sample 0", -0.3, -0.3 + 1e-16),
+        ),
+        (
+            lambda t: t.iterations[0].steps[1].__setitem__("train_step/loss", 0.2500001),
+            (1, "train_step/loss", "step 2", 0.25, 0.2500001),
+        ),
+        (
+            lambda t: t.iterations[1].metrics.__setitem__("train/loss", -0.125),
+            (2, "train/loss", "metrics.jsonl", 0.125, -0.125),
+        ),
+    ],
+)
 def test_first_difference_names_iteration_field_position_and_both_values(change, expected):
     a, b = _trace("a"), _trace("b")
     change(b)

@@ -16,16 +16,33 @@ import pytest
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.rollout.remote_reward import RemoteReward, RemoteRewardError
 from rollflow.tasks.rollout.rewards import (
-    exact_match_reward, extract_answer, extract_boxed, extract_last_number, f1_score, group_reward, math_reward,
-    resolve_reward_fn, reward_fn_from_config, score_samples,
+    exact_match_reward,
+    extract_answer,
+    extract_boxed,
+    extract_last_number,
+    f1_score,
+    group_reward,
+    math_reward,
+    resolve_reward_fn,
+    reward_fn_from_config,
+    score_samples,
 )
 from rollflow.tasks.rollout.settings import RolloutConfig
 
 
 def sample(response: str, label: str | None = None, group: int = 0, index: int = 0, **meta) -> Sample:
-    return Sample(group_index=group, index=index, prompt=[{"role": "user", "content": "q"}], tokens=[1, 2],
-                  response=response, response_length=1, loss_mask=[1], rollout_log_probs=[-0.1], label=label,
-                  metadata=dict(meta))
+    return Sample(
+        group_index=group,
+        index=index,
+        prompt=[{"role": "user", "content": "q"}],
+        tokens=[1, 2],
+        response=response,
+        response_length=1,
+        loss_mask=[1],
+        rollout_log_probs=[-0.1],
+        label=label,
+        metadata=dict(meta),
+    )
 
 
 def test_exact_match():
@@ -34,19 +51,22 @@ def test_exact_match():
     assert resolve_reward_fn("exact_match") is exact_match_reward
 
 
-@pytest.mark.parametrize("response,label,want", [
-    ("so the answer is \\boxed{42}.", "42", 1.0),
-    ("first 3 then 5, final: 17", "17", 1.0),
-    ("she has 1,234 apples", "1234", 1.0),
-    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
-    ("The answer is 12. Then 7", "12", 0.0),  # the last number counts when nothing is boxed
-    ("\\boxed{12} ... later 7", "12", 1.0),  # a boxed answer beats a later number
-    ("Natalia sold 72 clips", "She sold 48 + 24 = 72.\n#### 72", 1.0),  # GSM8K label
-    ("3 + 15 = 18.\n#### 18\nOr 20 with the box", "18", 1.0),  # a '####' answer beats later numbers
-    ("answer: -3.50", "-3.5", 1.0),
-    ("no number here", "5", 0.0),
-    ("\\boxed{x+1}", "\\boxed{x + 1}", 1.0),  # non-numeric answers: normalised text
-])
+@pytest.mark.parametrize(
+    "response,label,want",
+    [
+        ("so the answer is \\boxed{42}.", "42", 1.0),
+        ("first 3 then 5, final: 17", "17", 1.0),
+        ("she has 1,234 apples", "1234", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+        ("The answer is 12. Then 7", "12", 0.0),  # the last number counts when nothing is boxed
+        ("\\boxed{12} ... later 7", "12", 1.0),  # a boxed answer beats a later number
+        ("Natalia sold 72 clips", "She sold 48 + 24 = 72.\n#### 72", 1.0),  # GSM8K label
+        ("3 + 15 = 18.\n#### 18\nOr 20 with the box", "18", 1.0),  # a '####' answer beats later numbers
+        ("answer: -3.50", "-3.5", 1.0),
+        ("no number here", "5", 0.0),
+        ("\\boxed{x+1}", "\\boxed{x + 1}", 1.0),  # non-numeric answers: normalised text
+    ],
+)
 def test_math_answer_extraction(response, label, want):
     assert math_reward(sample(response, label)) == want
 
@@ -104,8 +124,10 @@ def reward_module():
 
 
 def _two_groups():
-    return [sample(r, "x", group=g, index=i) for i, (g, r) in enumerate([(0, "aa"), (0, "a"), (0, "aaa"),
-                                                                         (1, "bbb"), (1, "bb"), (1, "b")])]
+    return [
+        sample(r, "x", group=g, index=i)
+        for i, (g, r) in enumerate([(0, "aa"), (0, "a"), (0, "aaa"), (1, "bbb"), (1, "bb"), (1, "b")])
+    ]
 
 
 def test_group_rewards_sync_async_and_scope(reward_module):
@@ -136,6 +158,7 @@ def test_async_rewards_inside_a_running_event_loop(reward_module):
 
 
 # ---- the reward server over loopback HTTP ------------------------------------------------------------
+
 
 class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # keep the test output clean
@@ -184,8 +207,14 @@ def test_remote_reward_float_dict_and_payload(reward_server, monkeypatch):
     out = score_samples(samples, reward_fn_from_config(cfg))
     assert [s.reward for s in out] == [1.0, 0.0]
     first = next(x for x in server.seen if x["body"]["index"] == 0)
-    assert first["body"] == {"prompt": [{"role": "user", "content": "q"}], "response": "42", "label": "42",
-                             "metadata": {"source": "gsm8k"}, "group_index": 0, "index": 0}
+    assert first["body"] == {
+        "prompt": [{"role": "user", "content": "q"}],
+        "response": "42",
+        "label": "42",
+        "metadata": {"source": "gsm8k"},
+        "group_index": 0,
+        "index": 0,
+    }
     assert first["auth"] == "Bearer tok-123"
     out = score_samples([sample("42", "42")], resolve_reward_fn(f"{base}/dict"), reward_key="correct")
     assert out[0].reward == {"correct": 1.0, "n": 2} and out[0].scalar_reward() == 1.0

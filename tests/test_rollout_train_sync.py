@@ -7,7 +7,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 from rollflow.artifacts.sample import Sample, Status
 from rollflow.tasks.model.source import resolve_model_path
@@ -25,14 +24,16 @@ from rollflow.tasks.train.torch_backend import TorchBackend
 
 @pytest.fixture(scope="module")
 def engine_worker():
-    return RolloutWorker("builtin:addition", RolloutConfig(n_samples_per_prompt=4),
-                         DataConfig(prompts_per_rollout=16, eval_prompts=16))
+    return RolloutWorker(
+        "builtin:addition", RolloutConfig(n_samples_per_prompt=4), DataConfig(prompts_per_rollout=16, eval_prompts=16)
+    )
 
 
 @pytest.fixture
 def backend():
-    return TorchBackend(load_model(resolve_model_path("builtin:addition")),
-                        OptimConfig(num_steps_per_rollout=1, micro_batch_size=32))
+    return TorchBackend(
+        load_model(resolve_model_path("builtin:addition")), OptimConfig(num_steps_per_rollout=1, micro_batch_size=32)
+    )
 
 
 def scored(worker, rollout_id=0):
@@ -64,8 +65,10 @@ def test_truncation_and_stop_tokens():
     prompt = worker.tokenizer.encode("012+345=")
     first = worker.generate([GenerationRequest([1] + prompt)], SamplingParams(temperature=0, max_new_tokens=5))
     stop_id = first[0][0].response_ids[0]
-    out = worker.generate([GenerationRequest([1] + prompt, n=3)],
-                          SamplingParams(temperature=0, max_new_tokens=5, stop_token_ids=(stop_id,)))
+    out = worker.generate(
+        [GenerationRequest([1] + prompt, n=3)],
+        SamplingParams(temperature=0, max_new_tokens=5, stop_token_ids=(stop_id,)),
+    )
     assert [o.response_ids for o in out[0]] == [[stop_id]] * 3 and out[0][0].finish_reason == "stop"
 
 
@@ -82,8 +85,10 @@ def test_micro_batching_does_not_change_the_step(engine_worker):
     samples = scored(engine_worker)
     results = []
     for micro in (64, 16):
-        be = TorchBackend(load_model(resolve_model_path("builtin:addition")),
-                          OptimConfig(num_steps_per_rollout=1, micro_batch_size=micro))
+        be = TorchBackend(
+            load_model(resolve_model_path("builtin:addition")),
+            OptimConfig(num_steps_per_rollout=1, micro_batch_size=micro),
+        )
         results.append(train_on_samples(be, samples, AlgoConfig(), group_size=4).metrics)
     assert results[0]["train/loss"] == pytest.approx(results[1]["train/loss"], abs=1e-6)
     assert results[0]["train/grad_norm"] == pytest.approx(results[1]["train/grad_norm"], rel=1e-4)
@@ -130,8 +135,20 @@ def test_checkpoint_roundtrip_restores_training_state(engine_worker):
 
 
 def _group(gi: int, rewards: list[float]) -> list[Sample]:
-    return [Sample(group_index=gi, index=gi * 10 + i, prompt="p", tokens=[1, 5, 6], response="x", response_length=1,
-                   loss_mask=[1], rollout_log_probs=[-0.5], reward=r) for i, r in enumerate(rewards)]
+    return [
+        Sample(
+            group_index=gi,
+            index=gi * 10 + i,
+            prompt="p",
+            tokens=[1, 5, 6],
+            response="x",
+            response_length=1,
+            loss_mask=[1],
+            rollout_log_probs=[-0.5],
+            reward=r,
+        )
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_subsample_keeps_whole_groups_first_and_last():
@@ -165,8 +182,14 @@ def test_dotted_path_rewards_sync_async_and_dict():
     sys.modules["rf_test_rewards"] = mod
     try:
         samples = _group(0, [None, None])
-        assert [s.reward for s in score_samples(samples, resolve_reward_fn("rf_test_rewards:length_reward"))] == [1.0, 1.0]
-        assert [s.reward for s in score_samples(samples, resolve_reward_fn("rf_test_rewards.async_reward"))] == [2.0, 2.0]
+        assert [s.reward for s in score_samples(samples, resolve_reward_fn("rf_test_rewards:length_reward"))] == [
+            1.0,
+            1.0,
+        ]
+        assert [s.reward for s in score_samples(samples, resolve_reward_fn("rf_test_rewards.async_reward"))] == [
+            2.0,
+            2.0,
+        ]
         out = score_samples(samples, resolve_reward_fn("rf_test_rewards:dict_reward"), reward_key="score")
         assert out[0].scalar_reward() == 3.0
         with pytest.raises(ValueError, match="reward_key"):

@@ -40,9 +40,16 @@ def test_a_killed_holder_is_reclaimed_at_once(prefect_api, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom rollflow.flows.prefect_ops.run_lock import exclusive_run\n"
-                               "with exclusive_run('killed-run'):\n    print('HELD', flush=True)\n    time.sleep(600)\n"],
-        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom rollflow.flows.prefect_ops.run_lock import exclusive_run\n"
+            "with exclusive_run('killed-run'):\n    print('HELD', flush=True)\n    time.sleep(600)\n",
+        ],
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "HELD"
     finally:

@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+OFFLINE = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +37,23 @@ def server(prefect_server):
 def _spawn(api: str, *args: str, extra_env: dict | None = None) -> subprocess.Popen:
     from rollflow.infra.automations import heartbeat_env
 
-    env = {**os.environ, **OFFLINE, **heartbeat_env(), "PREFECT_API_URL": api,
-           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", **(extra_env or {})}
-    return subprocess.Popen([sys.executable, "-m", "tests.run_state_flows", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        **OFFLINE,
+        **heartbeat_env(),
+        "PREFECT_API_URL": api,
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+        **(extra_env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.run_state_flows", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _flow_run_id(proc: subprocess.Popen, timeout: float = 90) -> tuple[str, list[str]]:
@@ -117,8 +133,9 @@ def test_api_cancel_ends_cancelled_and_stops_actors(server):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    proc = _spawn(server, "watched", "cancel-me", "300", extra_env={"RAY_AUTH_MODE": "disabled",
-                                                                     "RAY_USAGE_STATS_ENABLED": "0"})
+    proc = _spawn(
+        server, "watched", "cancel-me", "300", extra_env={"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    )
     try:
         run_id, lines = _flow_run_id(proc, timeout=120)
         time.sleep(3)  # some task runs (actor calls) going on
@@ -163,8 +180,14 @@ def test_nightly_alert_exists_after_deploy_and_fires(server):
     # executed as a worker / `rollflow serve` executes a deployment's run
     env = {**os.environ, **OFFLINE, "PREFECT_API_URL": server, "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}
     # ~65 s alone, over 120 s on a loaded 2-core box
-    done = subprocess.run([str(Path(sys.executable).with_name("prefect")), "flow-run", "execute", str(run.id)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("prefect")), "flow-run", "execute", str(run.id)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     _wait_state(str(run.id), {"Failed"}, 30)
     deadline = time.monotonic() + 30
     while True:
@@ -178,10 +201,13 @@ def test_nightly_alert_exists_after_deploy_and_fires(server):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command, under_way", [
-    ("train", "metrics.jsonl"),  # rl_train: a committed iteration
-    ("rollout", "rollouts/train/000000/manifest.json"),  # rollout_only: a committed rollout
-])
+@pytest.mark.parametrize(
+    "command, under_way",
+    [
+        ("train", "metrics.jsonl"),  # rl_train: a committed iteration
+        ("rollout", "rollouts/train/000000/manifest.json"),  # rollout_only: a committed rollout
+    ],
+)
 def test_ui_cancel_of_a_cli_run_ends_cancelled_and_stops_its_actors(server, ray_local, tmp_path, command, under_way):
     """The real thing: `rollflow train` (or `rollflow rollout`) in a terminal, Cancel in the UI. The CLI joins
     the test's Ray cluster (ray.address), so its detached actors would outlive the process unless the cancel
@@ -196,15 +222,32 @@ def test_ui_cancel_of_a_cli_run_ends_cancelled_and_stops_its_actors(server, ray_
 
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, **OFFLINE, **heartbeat_env(), "PREFECT_API_URL": server, "RAY_AUTH_MODE": "disabled"}
-    argv = [str(Path(sys.executable).with_name("rollflow")), command, "--set", "run=cancel-cli",
-            "--set", "iterations=200", "--set", f"store.root={tmp_path}", "--set", f"ray.address={address}",
-            "--set", "data.prompts_per_rollout=8", "--set", "rollout.n_samples_per_prompt=2"]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    argv = [
+        str(Path(sys.executable).with_name("rollflow")),
+        command,
+        "--set",
+        "run=cancel-cli",
+        "--set",
+        "iterations=200",
+        "--set",
+        f"store.root={tmp_path}",
+        "--set",
+        f"ray.address={address}",
+        "--set",
+        "data.prompts_per_rollout=8",
+        "--set",
+        "rollout.n_samples_per_prompt=2",
+    ]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
     def run_actors() -> list[str]:
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == NAMESPACE and a["name"].startswith("cancel-cli:")]
+        return [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith("cancel-cli:")
+        ]
 
     try:
         deadline = time.monotonic() + 180

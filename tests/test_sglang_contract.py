@@ -26,7 +26,6 @@ from rollflow.tasks.rollout.sglang.flags import (
     UnknownSGLangFlag,
     args_to_argv,
     extract_flags,
-    live_parser_flags,
     load_flags,
     rewrite_cli_args,
 )
@@ -80,11 +79,22 @@ def test_flag_list_is_sglang_0_5_23_and_knows_the_flags_we_pass():
     flags = load_flags()
     assert flags.version == "0.5.23"
     assert len(flags.flags) > 500
-    expect = {"--model-path": "value", "--tp-size": "value", "--port": "value", "--host": "value",
-              "--mem-fraction-static": "value", "--dtype": "value", "--skip-tokenizer-init": "switch",
-              "--enable-memory-saver": "switch", "--base-gpu-id": "value", "--weight-version": "value",
-              "--disable-cuda-graph": "switch", "--speculative-algorithm": "value", "--moe-a2a-backend": "value",
-              "--lora-paths": "list"}
+    expect = {
+        "--model-path": "value",
+        "--tp-size": "value",
+        "--port": "value",
+        "--host": "value",
+        "--mem-fraction-static": "value",
+        "--dtype": "value",
+        "--skip-tokenizer-init": "switch",
+        "--enable-memory-saver": "switch",
+        "--base-gpu-id": "value",
+        "--weight-version": "value",
+        "--disable-cuda-graph": "switch",
+        "--speculative-algorithm": "value",
+        "--moe-a2a-backend": "value",
+        "--lora-paths": "list",
+    }
     for flag, kind in expect.items():
         assert flags.get(flag).kind == kind, flag
     assert flags.get("--disable-cuda-graph").deprecated  # still accepted by 0.5.23, with a warning
@@ -97,22 +107,51 @@ def test_unknown_flag_names_the_flag_and_the_closest():
 
 
 def test_passthrough_args_become_argv():
-    argv = args_to_argv({"disable-cuda-graph": True, "enable-memory-saver": False,
-                         "speculative_algorithm": "EAGLE", "--moe-a2a-backend": "deepep",
-                         "lora-paths": ["a=/x", "b=/y"], "cuda-graph-max-bs-decode": None})
-    assert argv == ["--disable-cuda-graph", "--speculative-algorithm", "EAGLE", "--moe-a2a-backend", "deepep",
-                    "--lora-paths", "a=/x", "b=/y"]
+    argv = args_to_argv(
+        {
+            "disable-cuda-graph": True,
+            "enable-memory-saver": False,
+            "speculative_algorithm": "EAGLE",
+            "--moe-a2a-backend": "deepep",
+            "lora-paths": ["a=/x", "b=/y"],
+            "cuda-graph-max-bs-decode": None,
+        }
+    )
+    assert argv == [
+        "--disable-cuda-graph",
+        "--speculative-algorithm",
+        "EAGLE",
+        "--moe-a2a-backend",
+        "deepep",
+        "--lora-paths",
+        "a=/x",
+        "b=/y",
+    ]
     with pytest.raises(ValueError, match="is a switch"):
         args_to_argv({"disable-cuda-graph": "yes"})
 
 
 def test_cli_spelling_rewrites_to_config_overrides():
-    argv = ["train", "--sglang-disable-cuda-graph", "--sglang-speculative-algorithm", "EAGLE",
-            "--sglang-moe-a2a-backend=deepep", "--set", "run=x"]
+    argv = [
+        "train",
+        "--sglang-disable-cuda-graph",
+        "--sglang-speculative-algorithm",
+        "EAGLE",
+        "--sglang-moe-a2a-backend=deepep",
+        "--set",
+        "run=x",
+    ]
     assert rewrite_cli_args(argv) == [
-        "train", "--set", "rollout.sglang.args.disable-cuda-graph=true",
-        "--set", "rollout.sglang.args.speculative-algorithm=EAGLE",
-        "--set", "rollout.sglang.args.moe-a2a-backend=deepep", "--set", "run=x"]
+        "train",
+        "--set",
+        "rollout.sglang.args.disable-cuda-graph=true",
+        "--set",
+        "rollout.sglang.args.speculative-algorithm=EAGLE",
+        "--set",
+        "rollout.sglang.args.moe-a2a-backend=deepep",
+        "--set",
+        "run=x",
+    ]
     with pytest.raises(UnknownSGLangFlag, match="--speculative-algo"):
         rewrite_cli_args(["--sglang-speculative-algo", "EAGLE"])
 
@@ -128,7 +167,7 @@ def test_config_validates_passthrough_and_refuses_managed_flags():
         load_config(None, ["rollout.sglang.args.tp-size=2"])
 
 
-SYNTHETIC_FIELDS = '''
+SYNTHETIC_FIELDS = """
 import argparse
 from typing import List, Literal, Optional
 import msgspec
@@ -146,9 +185,9 @@ class Ns(msgspec.Struct):
     hidden: A[bool, Arg(no_cli=True)] = False
     gemm: A[str, Arg(help="renamed", cli_name="--gemm-backend")] = "auto"
     plain_field: int = 0
-'''
+"""
 
-SYNTHETIC_SERVER_ARGS = '''
+SYNTHETIC_SERVER_ARGS = """
 from sglang.srt.arg_groups.fields.ns import Ns
 
 class ServerArgs:
@@ -159,7 +198,7 @@ class ServerArgs:
         parser.add_argument("--old-valued", action=DeprecatedStoreConstAction, nargs=None, choices=["x"])
 
 _INPUT_NAMESPACES = [Ns]
-'''
+"""
 
 
 def test_static_extractor_on_a_synthetic_sglang_tree(tmp_path):
@@ -197,27 +236,74 @@ def test_static_extractor_on_a_synthetic_sglang_tree(tmp_path):
 def test_launch_command_for_a_config():
     from rollflow.flows.config import load_config
 
-    cfg = load_config(None, [
-        "rollout.engine=sglang", "rollout.dtype=bfloat16", "rollout.sglang.mem_fraction_static=0.7",
-        "rollout.sglang.args.disable-cuda-graph=true", "rollout.sglang.args.speculative-algorithm=EAGLE",
-        "rollout.sglang.args.moe-a2a-backend=deepep", "resources.num_gpus=4", "resources.trainer_gpus=2",
-        "resources.num_engines=1", "resources.gpus_per_engine=2", "rollout.sglang.tp_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.dtype=bfloat16",
+            "rollout.sglang.mem_fraction_static=0.7",
+            "rollout.sglang.args.disable-cuda-graph=true",
+            "rollout.sglang.args.speculative-algorithm=EAGLE",
+            "rollout.sglang.args.moe-a2a-backend=deepep",
+            "resources.num_gpus=4",
+            "resources.trainer_gpus=2",
+            "resources.num_engines=1",
+            "resources.gpus_per_engine=2",
+            "rollout.sglang.tp_size=2",
+        ],
+    )
     sg = cfg.rollout.sglang
-    spec = LaunchSpec(model_path="/models/qwen", port=31000, tp_size=sg.tp_size, mem_fraction_static=sg.mem_fraction_static,
-                      dtype=sg.dtype or cfg.rollout.dtype, skip_tokenizer_init=sg.skip_tokenizer_init,
-                      enable_memory_saver=sg.memory_saver, base_gpu_id=2, weight_version=3, args=sg.args,
-                      python="/venv/bin/python")
+    spec = LaunchSpec(
+        model_path="/models/qwen",
+        port=31000,
+        tp_size=sg.tp_size,
+        mem_fraction_static=sg.mem_fraction_static,
+        dtype=sg.dtype or cfg.rollout.dtype,
+        skip_tokenizer_init=sg.skip_tokenizer_init,
+        enable_memory_saver=sg.memory_saver,
+        base_gpu_id=2,
+        weight_version=3,
+        args=sg.args,
+        python="/venv/bin/python",
+    )
     assert launch_command(spec) == [
-        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/qwen", "--host", "127.0.0.1",
-        "--port", "31000", "--tp-size", "2", "--dtype", "bfloat16", "--mem-fraction-static", "0.7",
-        "--base-gpu-id", "2", "--weight-version", "3", "--skip-tokenizer-init",
-        "--disable-cuda-graph", "--speculative-algorithm", "EAGLE", "--moe-a2a-backend", "deepep"]
+        "/venv/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/qwen",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--tp-size",
+        "2",
+        "--dtype",
+        "bfloat16",
+        "--mem-fraction-static",
+        "0.7",
+        "--base-gpu-id",
+        "2",
+        "--weight-version",
+        "3",
+        "--skip-tokenizer-init",
+        "--disable-cuda-graph",
+        "--speculative-algorithm",
+        "EAGLE",
+        "--moe-a2a-backend",
+        "deepep",
+    ]
     flags = load_flags()
     for arg in launch_command(spec):  # every flag we generate is one SGLang 0.5.23 has
         if arg.startswith("--"):
             assert flags.get(arg) is not None, arg
-    wrapped = LaunchSpec(model_path="m", port=1, launcher=["nsys", "profile", "{python}", "-m", "sglang.launch_server"],
-                         python="/p", skip_tokenizer_init=False)
+    wrapped = LaunchSpec(
+        model_path="m",
+        port=1,
+        launcher=["nsys", "profile", "{python}", "-m", "sglang.launch_server"],
+        python="/p",
+        skip_tokenizer_init=False,
+    )
     assert launch_command(wrapped)[:5] == ["nsys", "profile", "/p", "-m", "sglang.launch_server"]
 
 
@@ -228,11 +314,15 @@ def test_missing_sglang_is_a_clear_error_at_use_time_only(tmp_path, monkeypatch)
 
     if HAS_SGLANG:  # the test setup installs SGLang's pure-Python wheel: make it look absent here
         real = importlib.util.find_spec
-        monkeypatch.setattr(sglang_server.importlib.util, "find_spec",
-                            lambda name, *a: None if name == "sglang" else real(name, *a))
+        monkeypatch.setattr(
+            sglang_server.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a)
+        )
     assert "pip install 'rollflow[sglang]'" in INSTALL_HINT
-    with pytest.raises(SGLangNotInstalled, match=r"rollout.engine='sglang' needs SGLang on a GPU machine: "
-                                                 r"pip install 'rollflow\[sglang\]'"):
+    with pytest.raises(
+        SGLangNotInstalled,
+        match=r"rollout.engine='sglang' needs SGLang on a GPU machine: "
+        r"pip install 'rollflow\[sglang\]'",
+    ):
         build_engine("builtin:addition", RolloutConfig(engine="sglang"))
 
 
@@ -244,9 +334,20 @@ def test_missing_sglang_is_a_clear_error_at_use_time_only(tmp_path, monkeypatch)
 def test_generate_payload_conforms_to_recorded_schema():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=8, stop_token_ids=(2, 5))
     payload = generate_payload([1, 4, 5], sampling_params_payload(params, n=4, seed=11), rid="r-0")
-    assert payload == {"input_ids": [1, 4, 5], "rid": "r-0", "return_logprob": True,
-                       "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 8,
-                                           "stop_token_ids": [2, 5], "n": 4, "sampling_seed": 11}}
+    assert payload == {
+        "input_ids": [1, 4, 5],
+        "rid": "r-0",
+        "return_logprob": True,
+        "sampling_params": {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "max_new_tokens": 8,
+            "stop_token_ids": [2, 5],
+            "n": 4,
+            "sampling_seed": 11,
+        },
+    }
     assert check_fields(payload, ENDPOINTS["/generate"], "/generate") == []
     assert check_fields(payload["sampling_params"], ENDPOINTS["sampling_params"], "sampling_params") == []
     assert sampling_params_payload(SamplingParams(top_k=20))["top_k"] == 20
@@ -269,8 +370,10 @@ def test_finish_reason_mapping(kind, expected):
 
     recorded = ENDPOINTS["/generate"]["finish_reasons"][kind]
     assert finish_reason_of({"finish_reason": recorded}) == expected
-    assert FINISH_TO_STATUS[expected] == {"stop": Status.COMPLETED, "length": Status.TRUNCATED,
-                                          "abort": Status.ABORTED}[kind]
+    assert (
+        FINISH_TO_STATUS[expected]
+        == {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}[kind]
+    )
 
 
 def test_response_parsing_of_the_recorded_example():
@@ -310,8 +413,9 @@ def test_generate_and_statuses_through_generate_samples(fake):
 
 def test_native_n_is_one_request_per_prompt(fake):
     engine = engine_for(fake.url, n_mode="native")
-    out = engine.generate([GenerationRequest([1, 4, 5], n=3), GenerationRequest([1, 6], n=1)],
-                          SamplingParams(max_new_tokens=4))
+    out = engine.generate(
+        [GenerationRequest([1, 4, 5], n=3), GenerationRequest([1, 6], n=1)], SamplingParams(max_new_tokens=4)
+    )
     assert [len(o) for o in out] == [3, 1]
     calls = fake.calls("/generate")
     assert sorted(c[2]["sampling_params"].get("n", 1) for c in calls) == [1, 3]
@@ -328,8 +432,13 @@ def test_abort_all_inflight(fake):
     fake.step_delay_s = 0.02
     engine = engine_for(fake.url, max_inflight=4)
     result = {}
-    t = threading.Thread(target=lambda: result.update(out=engine.generate(
-        [GenerationRequest([1, 4], n=4), GenerationRequest([1, 5], n=4)], SamplingParams(max_new_tokens=200))))
+    t = threading.Thread(
+        target=lambda: result.update(
+            out=engine.generate(
+                [GenerationRequest([1, 4], n=4), GenerationRequest([1, 5], n=4)], SamplingParams(max_new_tokens=200)
+            )
+        )
+    )
     t.start()
     deadline = time.monotonic() + 10
     while not fake.inflight and time.monotonic() < deadline:
@@ -346,8 +455,13 @@ def test_abort_one_request_by_rid(fake):
     fake.step_delay_s = 0.02
     engine = engine_for(fake.url, max_inflight=2)
     result = {}
-    t = threading.Thread(target=lambda: result.update(out=engine.generate(
-        [GenerationRequest([1, 4], n=1), GenerationRequest([1, 5], n=1)], SamplingParams(max_new_tokens=40))))
+    t = threading.Thread(
+        target=lambda: result.update(
+            out=engine.generate(
+                [GenerationRequest([1, 4], n=1), GenerationRequest([1, 5], n=1)], SamplingParams(max_new_tokens=40)
+            )
+        )
+    )
     t.start()
     deadline = time.monotonic() + 10
     while len(engine.inflight()) < 2 and time.monotonic() < deadline:
@@ -375,7 +489,9 @@ def test_load_balancing_policies():
 def test_requests_spread_over_servers():
     with FakeSGLang() as a, FakeSGLang() as b:
         engine = engine_for(a.url, b.url, load_balance="round_robin", max_inflight=1)
-        engine.generate([GenerationRequest([1, 4], n=4), GenerationRequest([1, 5], n=2)], SamplingParams(max_new_tokens=3))
+        engine.generate(
+            [GenerationRequest([1, 4], n=4), GenerationRequest([1, 5], n=2)], SamplingParams(max_new_tokens=3)
+        )
         assert len(a.calls("/generate")) == 3 and len(b.calls("/generate")) == 3
         a.step_delay_s = 0.05  # a slow server gets fewer requests under least_outstanding
         engine = engine_for(a.url, b.url, load_balance="least_outstanding", max_inflight=4)
@@ -390,9 +506,11 @@ def test_requests_spread_over_servers():
 
 def tiny_weights():
     g = torch.Generator().manual_seed(0)
-    return {"model.embed_tokens.weight": torch.randn(15, 8, generator=g),
-            "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=g),
-            "lm_head.weight": torch.randn(15, 8, generator=g)}
+    return {
+        "model.embed_tokens.weight": torch.randn(15, 8, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=g),
+        "lm_head.weight": torch.randn(15, 8, generator=g),
+    }
 
 
 def builtin_weights(n: int) -> dict[str, torch.Tensor]:
@@ -408,8 +526,12 @@ def test_write_hf_checkpoint_single_and_sharded(tmp_path):
 
     w = tiny_weights()
     one = write_hf_checkpoint(w, tmp_path / "one", config_dir=BUILTIN)
-    assert sorted(p.name for p in one.iterdir()) == ["config.json", "generation_config.json",
-                                                     "model.safetensors", "rollflow_char_tokenizer.json"]
+    assert sorted(p.name for p in one.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "rollflow_char_tokenizer.json",
+    ]
     back = load_file(str(one / "model.safetensors"))
     assert all(torch.equal(back[k], w[k]) for k in w)
     sharded = write_hf_checkpoint(w, tmp_path / "sharded", config={"model_type": "qwen2"}, max_shard_bytes=600)
@@ -424,12 +546,25 @@ def test_update_from_disk_call_sequence(fake, tmp_path):
     engine.update_weights(tiny_weights(), 2)
     calls = fake.calls("/update_weights_from_disk")
     assert [c[2] for c in calls] == [
-        {"model_path": str(tmp_path / "w" / "v000001"), "weight_version": "1", "flush_cache": True,
-         "abort_all_requests": False},
-        {"model_path": str(tmp_path / "w" / "v000002"), "weight_version": "2", "flush_cache": True,
-         "abort_all_requests": False}]
-    assert fake.disk_updates[0]["files"] == ["config.json", "generation_config.json", "model.safetensors",
-                                             "rollflow_char_tokenizer.json"]
+        {
+            "model_path": str(tmp_path / "w" / "v000001"),
+            "weight_version": "1",
+            "flush_cache": True,
+            "abort_all_requests": False,
+        },
+        {
+            "model_path": str(tmp_path / "w" / "v000002"),
+            "weight_version": "2",
+            "flush_cache": True,
+            "abort_all_requests": False,
+        },
+    ]
+    assert fake.disk_updates[0]["files"] == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "rollflow_char_tokenizer.json",
+    ]
     assert engine.weight_version == 2 and engine.model_info()["weight_version"] == "2"
     with pytest.raises(ValueError, match="does not follow"):
         engine.update_weights(tiny_weights(), 5)  # a skipped version is refused before any request
@@ -507,11 +642,25 @@ def test_update_from_distributed_gloo_end_to_end(tmp_path):
         group: list = []
         w = builtin_weights(3)  # names and shapes the served model has (others are refused)
         buckets = engine.sync_weights_distributed(
-            w, 1, broadcast=lambda t: broadcaster(group[0])(t),
-            join_group=lambda: group.append(init_weight_group("127.0.0.1", port, rank=0,
-                                                              world_size=engine.weight_group_world_size,
-                                                              group_name="g", backend="gloo", timeout_s=60)),
-            master_port=port, group_name="g", backend="gloo", timeout_s=60)
+            w,
+            1,
+            broadcast=lambda t: broadcaster(group[0])(t),
+            join_group=lambda: group.append(
+                init_weight_group(
+                    "127.0.0.1",
+                    port,
+                    rank=0,
+                    world_size=engine.weight_group_world_size,
+                    group_name="g",
+                    backend="gloo",
+                    timeout_s=60,
+                )
+            ),
+            master_port=port,
+            group_name="g",
+            backend="gloo",
+            timeout_s=60,
+        )
         engine.destroy_weights_update_group("g")
         dist.destroy_process_group(group[0])
         state = engine.client.get(f"{server.url}/_fake/state").json()
@@ -521,14 +670,27 @@ def test_update_from_distributed_gloo_end_to_end(tmp_path):
     assert [(r[0], tuple(r[1])) for r in state["received"]] == [(k, tuple(v.shape)) for k, v in w.items()]
     assert [r[2] for r in state["received"]] == [_sha(v) for v in w.values()]  # the broadcast data arrived
     calls = [(p, b) for _, p, b in state["calls"] if p != "/health"]
-    assert calls[0] == ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                       "rank_offset": 1, "world_size": 2, "group_name": "g",
-                                                       "backend": "gloo"})
+    assert calls[0] == (
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "g",
+            "backend": "gloo",
+        },
+    )
     dist_calls = [b for p, b in calls if p == "/update_weights_from_distributed"]
     assert [b["names"] for b in dist_calls] == [[k] for k in w]
     first = next(iter(w))
-    assert dist_calls[0] == {"names": [first], "dtypes": ["float32"], "shapes": [list(w[first].shape)],
-                             "group_name": "g", "flush_cache": False}
+    assert dist_calls[0] == {
+        "names": [first],
+        "dtypes": ["float32"],
+        "shapes": [list(w[first].shape)],
+        "group_name": "g",
+        "flush_cache": False,
+    }
     assert [p for p, _ in calls if "weight_update" in p] == ["/begin_weight_update", "/end_weight_update"]
     assert dist_calls[-1]["weight_version"] == "1" and dist_calls[-1]["flush_cache"] is True
     assert calls[-1] == ("/destroy_weights_update_group", {"group_name": "g"})
@@ -573,8 +735,11 @@ def test_server_dying_mid_rollout_is_reported_with_its_log_then_a_new_one_comple
 
 
 def test_startup_death_fails_fast_with_the_log(tmp_path):
-    spec = LaunchSpec(model_path="m", port=free_port(),
-                      launcher=[sys.executable, "-c", "import sys; print('CUDA error: no kernel image'); sys.exit(3)"])
+    spec = LaunchSpec(
+        model_path="m",
+        port=free_port(),
+        launcher=[sys.executable, "-c", "import sys; print('CUDA error: no kernel image'); sys.exit(3)"],
+    )
     server = SGLangServer(spec, log_path=tmp_path / "s.log").start()
     t0 = time.monotonic()
     with pytest.raises(EngineDiedError, match=r"died during startup \(exit code 3\)(.|\n)*no kernel image"):
@@ -583,10 +748,16 @@ def test_startup_death_fails_fast_with_the_log(tmp_path):
 
 
 def test_stop_escalates_to_sigkill(tmp_path):
-    spec = LaunchSpec(model_path="m", port=free_port(), launcher=[
-        sys.executable, "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignor' + 'ing', flush=True); "
-        "time.sleep(60)"])
+    spec = LaunchSpec(
+        model_path="m",
+        port=free_port(),
+        launcher=[
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignor' + 'ing', flush=True); "
+            "time.sleep(60)",
+        ],
+    )
     server = SGLangServer(spec, log_path=tmp_path / "s.log").start()
     deadline = time.monotonic() + 10
     while "ignoring" not in server.log_tail()[1:] and time.monotonic() < deadline:
@@ -615,11 +786,21 @@ def test_prefect_retry_restarts_the_engine_actor_after_its_server_died(tmp_path,
     from tests.conftest import small_config
 
     marker = tmp_path / "died-once"
-    cfg = small_config(tmp_path, run="sglang-crash", data={"prompts_per_rollout": 4},
-                       rollout={"engine": "sglang", "n_samples_per_prompt": 2,
-                                "sglang": {"launcher": fake_launcher("--die-after", "1", "--die-once-marker", str(marker)),
-                                           "max_inflight": 1, "startup_timeout_s": 60}},
-                       train={"num_steps_per_rollout": 1})
+    cfg = small_config(
+        tmp_path,
+        run="sglang-crash",
+        data={"prompts_per_rollout": 4},
+        rollout={
+            "engine": "sglang",
+            "n_samples_per_prompt": 2,
+            "sglang": {
+                "launcher": fake_launcher("--die-after", "1", "--die-once-marker", str(marker)),
+                "max_inflight": 1,
+                "startup_timeout_s": 60,
+            },
+        },
+        train={"num_steps_per_rollout": 1},
+    )
 
     @flow(name="sglang-crash-retry")
     def rollout_once():

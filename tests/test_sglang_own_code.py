@@ -40,14 +40,20 @@ from tests.test_sglang_contract import BUILTIN, builtin_weights, fake_launcher
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None,
     reason=f"sglang is not installed: `make setup` installs it (pip install --no-deps sglang=={SGLANG_VERSION} "
-           "plus the sglang-contract extra)")
+    "plus the sglang-contract extra)",
+)
 
 
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
     """A fake server (bf16, the built-in model) that checks every request with SGLang's own objects."""
-    spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher("--own-code"),
-                      dtype="bfloat16", skip_tokenizer_init=False)
+    spec = LaunchSpec(
+        model_path=str(BUILTIN),
+        port=free_port(),
+        launcher=fake_launcher("--own-code"),
+        dtype="bfloat16",
+        skip_tokenizer_init=False,
+    )
     server = SGLangServer(spec, log_path=tmp_path_factory.mktemp("own") / "fake.log").start()
     try:
         server.wait_healthy(timeout=180)  # SGLang's import takes ~15 s
@@ -77,14 +83,34 @@ def _configs():
     from rollflow.flows.config import load_config
 
     yield load_config(None, ["rollout.engine=sglang"])  # defaults: bf16, SGLang's memory share
-    yield load_config(None, ["rollout.engine=sglang", "placement=colocate", "offload=true", "resources.num_gpus=2",
-                             "resources.trainer_gpus=2", "resources.num_engines=2", "resources.gpus_per_engine=1"])
-    yield load_config(None, [
-        "rollout.engine=sglang", "rollout.sglang.dtype=float16", "rollout.sglang.mem_fraction_static=0.7",
-        "rollout.sglang.args.disable-cuda-graph=true", "rollout.sglang.args.speculative-algorithm=EAGLE",
-        "rollout.sglang.args.moe-a2a-backend=deepep", "rollout.sglang.args.lora-paths=[\"a=/x\",\"b=/y\"]",
-        "resources.num_gpus=4", "resources.trainer_gpus=2", "resources.num_engines=1",
-        "resources.gpus_per_engine=2"])
+    yield load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "placement=colocate",
+            "offload=true",
+            "resources.num_gpus=2",
+            "resources.trainer_gpus=2",
+            "resources.num_engines=2",
+            "resources.gpus_per_engine=1",
+        ],
+    )
+    yield load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang.dtype=float16",
+            "rollout.sglang.mem_fraction_static=0.7",
+            "rollout.sglang.args.disable-cuda-graph=true",
+            "rollout.sglang.args.speculative-algorithm=EAGLE",
+            "rollout.sglang.args.moe-a2a-backend=deepep",
+            'rollout.sglang.args.lora-paths=["a=/x","b=/y"]',
+            "resources.num_gpus=4",
+            "resources.trainer_gpus=2",
+            "resources.num_engines=1",
+            "resources.gpus_per_engine=2",
+        ],
+    )
 
 
 def test_every_command_line_rollflow_builds_parses_with_sglangs_parser(own):
@@ -152,9 +178,19 @@ def test_every_body_rollflow_posts_passes_sglangs_request_structures(own):
     engine.abort(["rf-none."])
     engine.abort()
     state = _state(own)
-    assert {"/generate", "/abort_request", "/release_memory_occupation", "/resume_memory_occupation",
-            "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update", "/weights_checker",
-            "/get_weights_by_name", "/destroy_weights_update_group", "/flush_cache"} <= set(state["paths"])
+    assert {
+        "/generate",
+        "/abort_request",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/end_weight_update",
+        "/weights_checker",
+        "/get_weights_by_name",
+        "/destroy_weights_update_group",
+        "/flush_cache",
+    } <= set(state["paths"])
     assert not state["refusals"], state["refusals"]
     judged = [p for _, p, _ in state["calls"] if "fields" in ENDPOINTS[p]]  # GETs without a body aside
     assert state["own_checked"] == judged and len(judged) > 15  # every body went through SGLang's structures
@@ -162,22 +198,45 @@ def test_every_body_rollflow_posts_passes_sglangs_request_structures(own):
 
 def test_bodies_of_the_other_calls_and_a_typo(own):
     bodies = {
-        "/init_weights_update_group": {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
-                                       "world_size": 3, "group_name": "rollflow-r", "backend": "nccl"},
-        "/update_weights_from_distributed": {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
-                                             "group_name": "g", "flush_cache": True, "weight_version": "2"},
-        "/update_weights_from_disk": {"model_path": "/w/v000001", "weight_version": "1", "flush_cache": True,
-                                      "abort_all_requests": False},
+        "/init_weights_update_group": {
+            "master_address": "10.0.0.1",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 3,
+            "group_name": "rollflow-r",
+            "backend": "nccl",
+        },
+        "/update_weights_from_distributed": {
+            "names": ["a"],
+            "dtypes": ["bfloat16"],
+            "shapes": [[2, 3]],
+            "group_name": "g",
+            "flush_cache": True,
+            "weight_version": "2",
+        },
+        "/update_weights_from_disk": {
+            "model_path": "/w/v000001",
+            "weight_version": "1",
+            "flush_cache": True,
+            "abort_all_requests": False,
+        },
         "/get_weights_by_name": {"name": "model.norm.weight", "truncate_size": 64},
         "/weights_checker": {"action": "compare"},
-        "/begin_weight_update": {}, "/end_weight_update": {},
+        "/begin_weight_update": {},
+        "/end_weight_update": {},
         "/open_session": {"capacity_of_str_len": 4096, "session_id": "s1"},
         "/close_session": {"session_id": "s1"},
     }
     for route, body in bodies.items():
         assert _ask(own, "body_errors", {"route": route, "body": body}) == [], route
-    typo = _ask(own, "body_errors", {"route": "/update_weights_from_tensor",
-                                     "body": {"serialized_named_tensors": [], "load_fromat": "flattened_bucket"}})
+    typo = _ask(
+        own,
+        "body_errors",
+        {
+            "route": "/update_weights_from_tensor",
+            "body": {"serialized_named_tensors": [], "load_fromat": "flattened_bucket"},
+        },
+    )
     assert typo and "load_fromat" in typo[0]
     missing = _ask(own, "body_errors", {"route": "/init_weights_update_group", "body": {"master_address": "x"}})
     assert missing and "master_port" in missing[0]
@@ -186,12 +245,22 @@ def test_bodies_of_the_other_calls_and_a_typo(own):
 def test_rids_and_seeds_as_sglang_normalizes_them(own):
     from rollflow.tasks.rollout.sglang.payloads import batch_payload, generate_payload, request_id
 
-    one = _ask(own, "generate_request", {"body": generate_payload(
-        [1, 4], {"max_new_tokens": 2, "n": 3, "sampling_seed": 9}, request_id("rf1-1-ab", 0))})
+    one = _ask(
+        own,
+        "generate_request",
+        {
+            "body": generate_payload(
+                [1, 4], {"max_new_tokens": 2, "n": 3, "sampling_seed": 9}, request_id("rf1-1-ab", 0)
+            )
+        },
+    )
     assert one["seeds"] == [9, 9, 9]  # why rollflow never sends a seeded native n
     rids = [request_id("rf1-1-ab", 0, j) for j in range(3)]
-    many = _ask(own, "generate_request", {"body": batch_payload(
-        [1, 4], [{"max_new_tokens": 2, "sampling_seed": s} for s in (9, 10, 11)], rids)})
+    many = _ask(
+        own,
+        "generate_request",
+        {"body": batch_payload([1, 4], [{"max_new_tokens": 2, "sampling_seed": s} for s in (9, 10, 11)], rids)},
+    )
     assert many["seeds"] == [9, 10, 11] and many["rids"] == rids
 
 
@@ -202,14 +271,20 @@ def test_rids_and_seeds_as_sglang_normalizes_them(own):
 
 def _named():
     g = torch.Generator().manual_seed(0)
-    return [("w", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
-            ("i", torch.randint(0, 100, (2, 2), generator=g)), ("t", torch.randn(4, 6, generator=g).t())]
+    return [
+        ("w", torch.randn(3, 5, generator=g)),
+        ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("i", torch.randint(0, 100, (2, 2), generator=g)),
+        ("t", torch.randn(4, 6, generator=g).t()),
+    ]
 
 
 def test_cpu_payloads_load_through_sglangs_unpickler(own):
     named = _named()
-    for fmt, raw in ((ipc.FLATTENED_BUCKET, ipc.serialize_flattened_bucket(*ipc.flatten_bucket(named[:2]))),
-                     (None, ipc.serialize_named_tensors(named))):
+    for fmt, raw in (
+        (ipc.FLATTENED_BUCKET, ipc.serialize_flattened_bucket(*ipc.flatten_bucket(named[:2]))),
+        (None, ipc.serialize_named_tensors(named)),
+    ):
         out = _ask(own, "payload", {"data": base64.b64encode(raw).decode(), "load_format": fmt})
         assert "error" not in out, out
         expect = named[:2] if fmt else named
@@ -227,8 +302,22 @@ def _cuda_like_payload(uuid: str) -> str:
     tensor, built without a GPU), its device slot holding the GPU's UUID as rollflow writes it."""
     from torch.multiprocessing import reductions
 
-    args = (torch.Tensor, (16,), (1,), torch.uint8, torch.UntypedStorage, 0, uuid, b"handle", 16, 0,
-            b"ref", 0, b"event", False)
+    args = (
+        torch.Tensor,
+        (16,),
+        (1,),
+        torch.uint8,
+        torch.UntypedStorage,
+        0,
+        uuid,
+        b"handle",
+        16,
+        0,
+        b"ref",
+        0,
+        b"event",
+        False,
+    )
     assert args[ipc.DEVICE_SLOT] == uuid
 
     class Handle:
@@ -253,14 +342,20 @@ def test_per_gpu_payloads_map_to_each_engine_ranks_own_gpu(own):
     from another GPU is SGLang's `Invalid device_uuid` (the server dies on it), as all-from-rank-0 was."""
     gpus = [f"0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]  # torch's uuid strings
     engines = [[gpus[0], gpus[1]], [gpus[2], gpus[3]]]  # 2 engines x tp 2, each server sees its 2 GPUs
-    for k, visible in enumerate(engines):
+    for _k, visible in enumerate(engines):
         for j, gpu in enumerate(visible):
-            out = _ask(own, "payload", {"data": _cuda_like_payload(gpu), "load_format": ipc.FLATTENED_BUCKET,
-                                        "visible_uuids": visible})
+            out = _ask(
+                own,
+                "payload",
+                {"data": _cuda_like_payload(gpu), "load_format": ipc.FLATTENED_BUCKET, "visible_uuids": visible},
+            )
             assert "error" not in out, out
             assert out["opened"][0]["device"] == j and out["tensors"][0]["name"] == "w"
-    refused = _ask(own, "payload", {"data": _cuda_like_payload(gpus[0]), "load_format": ipc.FLATTENED_BUCKET,
-                                    "visible_uuids": engines[1]})
+    refused = _ask(
+        own,
+        "payload",
+        {"data": _cuda_like_payload(gpus[0]), "load_format": ipc.FLATTENED_BUCKET, "visible_uuids": engines[1]},
+    )
     assert "Invalid device_uuid" in refused["error"]
 
 

@@ -45,7 +45,10 @@ def test_the_fake_refuses_the_session_less_sequence_and_takes_the_session_one():
             engine.end_weight_update()
         engine.update_weights_from_tensor(w, 1)  # begin -> tensor -> end
         assert [p for p in fake.paths() if "weight" in p][-3:] == [
-            "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+            "/begin_weight_update",
+            "/update_weights_from_tensor",
+            "/end_weight_update",
+        ]
         assert fake.weight_version == "1" and not fake.session_open
         # a session left open by a failed attempt (a Prefect retry of the sync) is closed and reopened
         engine.begin_weight_update()
@@ -66,8 +69,11 @@ def test_release_after_an_abort_waits_for_idle_and_a_retried_resume_is_a_no_op()
     with FakeSGLang(vocab_size=15, step_delay_s=0.02, abort_linger_s=0.6) as fake:
         engine = SGLangEngine([fake.url], max_inflight=4)
         out: list = []
-        worker = threading.Thread(target=lambda: out.append(engine.generate(
-            [GenerationRequest([1, 4, 5], n=2)], SamplingParams(max_new_tokens=200))))
+        worker = threading.Thread(
+            target=lambda: out.append(
+                engine.generate([GenerationRequest([1, 4, 5], n=2)], SamplingParams(max_new_tokens=200))
+            )
+        )
         worker.start()
         deadline = time.monotonic() + 20
         while len(fake.inflight) < 2 and time.monotonic() < deadline:
@@ -88,7 +94,8 @@ def test_release_after_an_abort_waits_for_idle_and_a_retried_resume_is_a_no_op()
         assert resumes == [{"tags": ["weights"]}]
         engine.resume_memory(["kv_cache"])  # what rl_iteration asks after the sync: the CUDA graphs come too
         assert [b for _, p, b in fake.calls() if p == "/resume_memory_occupation"][-1] == {
-            "tags": ["kv_cache", "cuda_graph"]}
+            "tags": ["kv_cache", "cuda_graph"]
+        }
         assert not fake.refusals and not fake.released
         # the rule the engine keeps: SGLang raises on resuming a tag it holds
         r = httpx.post(f"{fake.url}/resume_memory_occupation", json={"tags": ["weights"]}, timeout=10)
@@ -96,8 +103,9 @@ def test_release_after_an_abort_waits_for_idle_and_a_retried_resume_is_a_no_op()
 
 
 def test_request_ids_are_never_prefixes_and_seeded_native_n_sends_n_seeds():
-    ids = [request_id("rf1-2-ab", i, j) for i in range(12) for j in range(12)] + [request_id("rf1-2-ab", i)
-                                                                                  for i in range(12)]
+    ids = [request_id("rf1-2-ab", i, j) for i in range(12) for j in range(12)] + [
+        request_id("rf1-2-ab", i) for i in range(12)
+    ]
     assert not [(a, b) for a in ids for b in ids if a != b and b.startswith(a)]
     with FakeSGLang(vocab_size=15) as fake:
         engine = SGLangEngine([fake.url], n_mode="native", seeded=True)
@@ -119,11 +127,22 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
     from rollflow.flows.train import rl_train
 
     run = f"sgcolo-{uuid.uuid4().hex[:6]}"
-    cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 4},
-                       placement="colocate", offload=True, debug={"check_weight_update_equal": True},
-                       resources={"num_gpus": 2, "trainer_gpus": 2, "num_engines": 2, "gpus_per_engine": 1},
-                       rollout={"engine": "sglang", "n_samples_per_prompt": 2,
-                                "sglang": {"launcher": fake_launcher(), "startup_timeout_s": 60, "bucket_mb": 1}})
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        iterations=1,
+        eval_every=0,
+        data={"prompts_per_rollout": 4},
+        placement="colocate",
+        offload=True,
+        debug={"check_weight_update_equal": True},
+        resources={"num_gpus": 2, "trainer_gpus": 2, "num_engines": 2, "gpus_per_engine": 1},
+        rollout={
+            "engine": "sglang",
+            "n_samples_per_prompt": 2,
+            "sglang": {"launcher": fake_launcher(), "startup_timeout_s": 60, "bucket_mb": 1},
+        },
+    )
     assert cfg.rollout.sglang.weight_sync == "tensor" and cfg.rollout.sglang.dtype == "bfloat16"
     assert cfg.rollout.sglang.mem_fraction_static == 0.5  # colocated default beside the trainer's share
     seen: list = []
@@ -133,9 +152,14 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
         out = original(cfg_, weight_version)
         group = WorkerGroup.for_run(cfg_)
         servers = [group.server(k) for k in range(2)]
-        seen.append({"out": out, "trainer_gpus": group.trainer().gpu_ids(),
-                     "server_gpus": [s.info().gpu_ids for s in servers],
-                     "states": [httpx.get(f"{s.url()}/_fake/state", timeout=10).json() for s in servers]})
+        seen.append(
+            {
+                "out": out,
+                "trainer_gpus": group.trainer().gpu_ids(),
+                "server_gpus": [s.info().gpu_ids for s in servers],
+                "states": [httpx.get(f"{s.url()}/_fake/state", timeout=10).json() for s in servers],
+            }
+        )
         return out
 
     iteration.sync_task.fn = spy
@@ -181,12 +205,21 @@ def test_engine_dtype_memory_share_and_allocator_env_defaults(tmp_path, monkeypa
     assert cfg.rollout.sglang.dtype == "bfloat16" and cfg.rollout.sglang.mem_fraction_static is None
     assert any("SGLang engines run bfloat16 while the trainer runs float32" in n for n in cfg.notices)
     assert load_config(None, ["rollout.engine=sglang", "rollout.dtype=float32"]).rollout.sglang.dtype == "float32"
-    colo = ["rollout.engine=sglang", "placement=colocate", "offload=true", "resources.num_gpus=1",
-            "resources.trainer_gpus=1", "resources.gpus_per_engine=1"]
+    colo = [
+        "rollout.engine=sglang",
+        "placement=colocate",
+        "offload=true",
+        "resources.num_gpus=1",
+        "resources.trainer_gpus=1",
+        "resources.gpus_per_engine=1",
+    ]
     cfg = load_config(None, colo)
     assert cfg.rollout.sglang.mem_fraction_static == 0.5 and cfg.rollout.sglang.memory_saver
-    with pytest.raises(ConfigError, match=r"mem_fraction_static=0.8 \+ rollout.sglang.colocate_trainer_fraction=0.4 "
-                                          r"> 0.9.*set mem_fraction_static <= 0.5"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mem_fraction_static=0.8 \+ rollout.sglang.colocate_trainer_fraction=0.4 "
+        r"> 0.9.*set mem_fraction_static <= 0.5",
+    ):
         load_config(None, colo + ["rollout.sglang.mem_fraction_static=0.8"])
     # one trainer rank cannot feed colocated engines on other GPUs: refused before any worker starts
     with pytest.raises(ConfigError, match="engines 2 x 1 = 2 GPUs must equal trainer 1 GPUs"):

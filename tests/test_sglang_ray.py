@@ -30,10 +30,19 @@ def _fake_state(url: str) -> dict:
 
 def _sglang_cfg(tmp_path, run: str, *, resources: dict, launcher_args=(), **rollout):
     return small_config(
-        tmp_path, run=run, debug={"rollout_only": True}, data={"prompts_per_rollout": 8},
+        tmp_path,
+        run=run,
+        debug={"rollout_only": True},
+        data={"prompts_per_rollout": 8},
         resources=resources,
-        rollout={"engine": "sglang", "n_samples_per_prompt": 2,
-                 "sglang": {"launcher": fake_launcher(*launcher_args), "startup_timeout_s": 60, **rollout}})
+        # The fake server samples from no model: the post-sync probe has nothing to compare with.
+        watchdog={"probe_every": 0},
+        rollout={
+            "engine": "sglang",
+            "n_samples_per_prompt": 2,
+            "sglang": {"launcher": fake_launcher(*launcher_args), "startup_timeout_s": 60, **rollout},
+        },
+    )
 
 
 def test_two_engines_in_their_bundles_see_exactly_their_gpus_and_share_the_rollout(tmp_path, ray_local):
@@ -113,8 +122,9 @@ def test_a_dead_server_actor_is_reported_and_ensure_engine_restarts_all(tmp_path
         assert not engine.alive()
         with pytest.raises(Exception) as err:
             engine.rollout(0)
-        assert isinstance(err.value.cause if hasattr(err.value, "cause") else err.value, EngineDiedError) or \
-            "died" in str(err.value)
+        assert isinstance(
+            err.value.cause if hasattr(err.value, "cause") else err.value, EngineDiedError
+        ) or "died" in str(err.value)
         healed = group.ensure_engine(0)
         new = [group.server(k).info().pid for k in range(2)]
         assert set(new).isdisjoint(old)
@@ -136,12 +146,29 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
     from rollflow.flows.train import rl_train
 
     run = f"sgsync-{mode}-{uuid.uuid4().hex[:6]}"
-    cfg = small_config(tmp_path, run=run, iterations=2, eval_every=0, data={"prompts_per_rollout": 4},
-                       resources={"num_engines": 2}, debug={"check_weight_update_equal": True},
-                       rollout={"engine": "sglang", "n_samples_per_prompt": 2,
-                                "sglang": {"launcher": fake_launcher(), "startup_timeout_s": 60, "weight_sync": mode,
-                                           "weight_sync_backend": "gloo", "bucket_mb": 1}},
-                       train={"lr": 1e-2})
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        iterations=2,
+        eval_every=0,
+        data={"prompts_per_rollout": 4},
+        resources={"num_engines": 2},
+        debug={"check_weight_update_equal": True},
+        # The fake server samples from no model: the post-sync probe has nothing to compare with.
+        watchdog={"probe_every": 0},
+        rollout={
+            "engine": "sglang",
+            "n_samples_per_prompt": 2,
+            "sglang": {
+                "launcher": fake_launcher(),
+                "startup_timeout_s": 60,
+                "weight_sync": mode,
+                "weight_sync_backend": "gloo",
+                "bucket_mb": 1,
+            },
+        },
+        train={"lr": 1e-2},
+    )
     states: list[dict] = []
 
     import rollflow.flows.iteration as iteration
@@ -186,10 +213,25 @@ def test_weight_update_check_names_the_tensor_an_engine_did_not_take(tmp_path, p
     from rollflow.flows.train import rl_train
 
     run = f"sgcheck-{uuid.uuid4().hex[:6]}"
-    cfg = small_config(tmp_path, run=run, iterations=1, eval_every=0, data={"prompts_per_rollout": 4},
-                       resources={"num_engines": 1}, debug={"check_weight_update_equal": True},
-                       rollout={"engine": "sglang", "n_samples_per_prompt": 2,
-                                "sglang": {"launcher": fake_launcher("--ignore-update-of", "model.norm.weight"),
-                                           "startup_timeout_s": 60, "weight_sync": "tensor"}})
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        iterations=1,
+        eval_every=0,
+        data={"prompts_per_rollout": 4},
+        resources={"num_engines": 1},
+        debug={"check_weight_update_equal": True},
+        # The fake server samples from no model: the post-sync probe has nothing to compare with.
+        watchdog={"probe_every": 0},
+        rollout={
+            "engine": "sglang",
+            "n_samples_per_prompt": 2,
+            "sglang": {
+                "launcher": fake_launcher("--ignore-update-of", "model.norm.weight"),
+                "startup_timeout_s": 60,
+                "weight_sync": "tensor",
+            },
+        },
+    )
     with pytest.raises(Exception, match=r"weight update check FAILED.*model\.norm\.weight"):
         rl_train(cfg)

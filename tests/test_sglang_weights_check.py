@@ -36,8 +36,13 @@ DROPPED = "model.layers.1.mlp.down_proj.weight"  # not fused: SGLang reports it 
 def engine_names(names) -> set[str]:
     """SGLang's parameter names for HF names: q/k/v fused into qkv_proj, gate/up into gate_up_proj, and no
     lm_head in a tied model (the built-in one is tied)."""
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-             "up_proj": "gate_up_proj"}
+    fused = {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+    }
     out = set()
     for name in names:
         for hf, engine in fused.items():
@@ -133,31 +138,43 @@ def test_requests_conform_to_the_recorded_schema_and_extra_fields_are_refused():
     assert spec["required"] == ["action"] and spec["fields"]["action"] == "str"
     with FakeSGLang(model_path=str(BUILTIN)) as fake:
         engine = tensor_engine(fake.url)
-        verify_update_overwrites_all(engine, lambda: engine.update_weights_from_tensor(checkpoint(), 1),
-                                     skip_tensor_list=["norm"], allow_quant_error=False)
+        verify_update_overwrites_all(
+            engine,
+            lambda: engine.update_weights_from_tensor(checkpoint(), 1),
+            skip_tensor_list=["norm"],
+            allow_quant_error=False,
+        )
         engine_checksums(engine)
         sent = [c[2] for c in fake.calls("/weights_checker")]
-        assert sent == [{"action": "snapshot", "skip_tensor_list": ["norm"]},
-                        {"action": "reset_tensors", "skip_tensor_list": ["norm"]},
-                        {"action": "compare", "skip_tensor_list": ["norm"], "allow_quant_error": False},
-                        {"action": "checksum"}]
+        assert sent == [
+            {"action": "snapshot", "skip_tensor_list": ["norm"]},
+            {"action": "reset_tensors", "skip_tensor_list": ["norm"]},
+            {"action": "compare", "skip_tensor_list": ["norm"], "allow_quant_error": False},
+            {"action": "checksum"},
+        ]
         assert all(check_fields(p, spec, "/weights_checker") == [] for p in sent)
         # what the fake refuses, as recorded: an unknown field, a missing action, a wrong type
-        for bad, problem in (({"action": "compare", "snapshot_id": 1}, "unknown field 'snapshot_id'"),
-                             ({}, "missing required field 'action'"),
-                             ({"action": 3}, "is not str")):
+        for bad, problem in (
+            ({"action": "compare", "snapshot_id": 1}, "unknown field 'snapshot_id'"),
+            ({}, "missing required field 'action'"),
+            ({"action": 3}, "is not str"),
+        ):
             r = engine.client.post(f"{fake.url}/weights_checker", json=bad)
             assert r.status_code == 400 and problem in r.json()["error"], bad
         # SGLang's own refusals: an unknown action
         r = engine.client.post(f"{fake.url}/weights_checker", json={"action": "restore"})
-        assert r.status_code == 400 and r.json() == ENDPOINTS["/weights_checker"]["example_responses"][
-            "unsupported_action"]["body"]
+        assert (
+            r.status_code == 400
+            and r.json() == ENDPOINTS["/weights_checker"]["example_responses"]["unsupported_action"]["body"]
+        )
         with pytest.raises(ValueError, match="unknown /weights_checker action 'restore'"):
             check_weights(engine, "restore")
         # the recorded failed-compare example parses
         example = ENDPOINTS["/weights_checker"]["example_responses"]["compare_failed"]["body"]["message"]
-        assert [m.name for m in parse_mismatches(example)] == ["model.layers.0.self_attn.qkv_proj.weight",
-                                                               "model.norm.weight"]
+        assert [m.name for m in parse_mismatches(example)] == [
+            "model.layers.0.self_attn.qkv_proj.weight",
+            "model.norm.weight",
+        ]
 
 
 def test_a_server_without_the_endpoint_is_a_clear_error():
@@ -189,10 +206,12 @@ def test_snapshot_failure_and_a_body_that_is_no_result_raise():
 
 
 def test_parse_mismatches_merges_ranks_and_keeps_the_largest_error():
-    message = ("check tensor equality failed:\nname=a.weight max_abs_err=0.5 mean_abs_err=0.1 num_exceed=3 "
-               "expect=raw(shape=(2,) dtype=torch.float32) actual=raw(shape=(2,) dtype=torch.float32) \n"
-               "name=b max_abs_err=nan mean_abs_err=nan num_exceed=-1 expect=missing actual=raw(shape=(1,)) "
-               " | check tensor equality failed:\nname=a.weight max_abs_err=0.75 mean_abs_err=0.2 num_exceed=4 ")
+    message = (
+        "check tensor equality failed:\nname=a.weight max_abs_err=0.5 mean_abs_err=0.1 num_exceed=3 "
+        "expect=raw(shape=(2,) dtype=torch.float32) actual=raw(shape=(2,) dtype=torch.float32) \n"
+        "name=b max_abs_err=nan mean_abs_err=nan num_exceed=-1 expect=missing actual=raw(shape=(1,)) "
+        " | check tensor equality failed:\nname=a.weight max_abs_err=0.75 mean_abs_err=0.2 num_exceed=4 "
+    )
     got = parse_mismatches(message)
     assert [m.name for m in got] == ["a.weight", "b"]
     assert got[0] == Mismatch("a.weight", 0.75, 0.2, 4)
@@ -208,8 +227,10 @@ def test_parse_mismatches_merges_ranks_and_keeps_the_largest_error():
 def test_compare_engines_names_the_tensor_and_the_server_that_missed_an_update():
     w = checkpoint()
     new = {k: v + 1.0 for k, v in w.items()}
-    with FakeSGLang(model_path=str(BUILTIN), tp_size=2) as a, \
-            FakeSGLang(model_path=str(BUILTIN), tp_size=2, ignore_update_of=DROPPED) as b:
+    with (
+        FakeSGLang(model_path=str(BUILTIN), tp_size=2) as a,
+        FakeSGLang(model_path=str(BUILTIN), tp_size=2, ignore_update_of=DROPPED) as b,
+    ):
         engine = tensor_engine(a.url, b.url, tp_sizes=2)
         before = engine_checksums(engine)
         assert set(before) == {a.url, b.url} and set(before[a.url]) == engine_names(w)
@@ -273,8 +294,10 @@ def test_get_weights_by_name_serves_the_held_weights_as_sglang_does(tmp_path):
         assert engine.get_weights_by_name(norm, truncate_size=3) == tensor_prefix(w[norm], 3)
         with pytest.raises(SGLangRequestError, match="Get parameter by name failed"):
             engine.get_weights_by_name("lm_head.weight")
-        assert all(check_fields(c[2], ENDPOINTS["/get_weights_by_name"], "/get_weights_by_name") == []
-                   for c in fake.calls("/get_weights_by_name"))
+        assert all(
+            check_fields(c[2], ENDPOINTS["/get_weights_by_name"], "/get_weights_by_name") == []
+            for c in fake.calls("/get_weights_by_name")
+        )
 
 
 def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
@@ -285,8 +308,9 @@ def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
     from rollflow.tasks.sync.weight_group import broadcaster, init_weight_group
 
     w = checkpoint()
-    spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(),
-                      launcher=[sys.executable, FAKE, "--ignore-update-of", DROPPED])
+    spec = LaunchSpec(
+        model_path=str(BUILTIN), port=free_port(), launcher=[sys.executable, FAKE, "--ignore-update-of", DROPPED]
+    )
     with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
         server.wait_healthy(timeout=30)
         engine = SGLangEngine([server.url], servers=[server], bucket_bytes=2**20)
@@ -295,11 +319,25 @@ def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
 
         def push():
             engine.sync_weights_distributed(
-                w, 1, broadcast=lambda t: broadcaster(group[0])(t),
-                join_group=lambda: group.append(init_weight_group("127.0.0.1", port, rank=0,
-                                                                  world_size=engine.weight_group_world_size,
-                                                                  group_name="g", backend="gloo", timeout_s=60)),
-                master_port=port, group_name="g", backend="gloo", timeout_s=60)
+                w,
+                1,
+                broadcast=lambda t: broadcaster(group[0])(t),
+                join_group=lambda: group.append(
+                    init_weight_group(
+                        "127.0.0.1",
+                        port,
+                        rank=0,
+                        world_size=engine.weight_group_world_size,
+                        group_name="g",
+                        backend="gloo",
+                        timeout_s=60,
+                    )
+                ),
+                master_port=port,
+                group_name="g",
+                backend="gloo",
+                timeout_s=60,
+            )
 
         try:
             result = verify_update_overwrites_all(engine, push)

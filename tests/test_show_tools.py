@@ -11,6 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from rollflow.artifacts import EngineInfo, RolloutStore, Sample, Status
+from rollflow.flows.cli.tools import register
 from rollflow.tasks.debug.display import (
     SampleTable,
     discover,
@@ -20,7 +21,6 @@ from rollflow.tasks.debug.display import (
     rollout_metrics,
     select_rollout,
 )
-from rollflow.flows.cli.tools import register
 from rollflow.tasks.debug.replay_reward import replay_reward
 
 ENGINE = EngineInfo(backend="hf", model="builtin:addition", weight_version=0)
@@ -38,12 +38,31 @@ def invoke(app, *args: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "160"})
 
 
-def sample(group: int, index: int, response_tokens: list[int], reward, status=Status.COMPLETED, *,
-           response: str = "", label: str | None = "0357", prompt_tokens=(1, 3, 4, 5)) -> Sample:
-    return Sample(group_index=group, index=index, prompt=f"p{group}", tokens=list(prompt_tokens) + response_tokens,
-                  response=response or f"r{index}", response_length=len(response_tokens),
-                  loss_mask=[1] * len(response_tokens), rollout_log_probs=[-0.1] * len(response_tokens),
-                  reward=reward, label=label, status=status, metadata={"i": index})
+def sample(
+    group: int,
+    index: int,
+    response_tokens: list[int],
+    reward,
+    status=Status.COMPLETED,
+    *,
+    response: str = "",
+    label: str | None = "0357",
+    prompt_tokens=(1, 3, 4, 5),
+) -> Sample:
+    return Sample(
+        group_index=group,
+        index=index,
+        prompt=f"p{group}",
+        tokens=list(prompt_tokens) + response_tokens,
+        response=response or f"r{index}",
+        response_length=len(response_tokens),
+        loss_mask=[1] * len(response_tokens),
+        rollout_log_probs=[-0.1] * len(response_tokens),
+        reward=reward,
+        label=label,
+        status=status,
+        metadata={"i": index},
+    )
 
 
 def hand_built() -> list[Sample]:
@@ -54,19 +73,28 @@ def hand_built() -> list[Sample]:
     T = Status.TRUNCATED
     return [
         # group 0: all rewards 1 -> zero std
-        sample(0, 0, rep, 1.0, T), sample(0, 1, [4, 4], 1.0), sample(0, 2, [4], 1.0), sample(0, 3, [4, 5, 6], 1.0),
+        sample(0, 0, rep, 1.0, T),
+        sample(0, 1, [4, 4], 1.0),
+        sample(0, 2, [4], 1.0),
+        sample(0, 3, [4, 5, 6], 1.0),
         # group 1: mixed rewards
-        sample(1, 4, twice, 0.0), sample(1, 5, [8, 8], 1.0, T), sample(1, 6, [6, 7], 0.0), sample(1, 7, same, 1.0),
+        sample(1, 4, twice, 0.0),
+        sample(1, 5, [8, 8], 1.0, T),
+        sample(1, 6, [6, 7], 0.0),
+        sample(1, 7, same, 1.0),
         # group 2: two equal scored rewards and an unscored sample -> zero std
-        sample(2, 8, [3, 3, 3], 0.0, Status.ABORTED), sample(2, 9, [3], 0.0), sample(2, 10, [3, 4], None),
+        sample(2, 8, [3, 3, 3], 0.0, Status.ABORTED),
+        sample(2, 9, [3], 0.0),
+        sample(2, 10, [3, 4], None),
         # group 3: a single scored sample -> no std to speak of
         sample(3, 11, [7, 7, 5, 6], 0.5, Status.FAILED),
     ]
 
 
 def write(store: RolloutStore, run: str, rollout_id: int, samples, split: str = "train", per_prompt: int = 4):
-    return store.write(run, split, rollout_id, samples, n_samples_per_prompt=per_prompt, engine=ENGINE,
-                       config_hash="test")
+    return store.write(
+        run, split, rollout_id, samples, n_samples_per_prompt=per_prompt, engine=ENGINE, config_hash="test"
+    )
 
 
 @pytest.fixture
@@ -120,7 +148,8 @@ def test_filters_and_lazy_table(hand_store):
     assert [s.index for s in ranged] == [11]
     assert [s.index for s in filter_samples(table, reward_max=0.0)] == [4, 6, 8, 9]  # unscored dropped
     assert render_table(truncated, 1, 1, json_mode=True) == json.dumps(
-        [{"row": 5, **hand_built()[5].to_dict()}], ensure_ascii=False)
+        [{"row": 5, **hand_built()[5].to_dict()}], ensure_ascii=False
+    )
     with pytest.raises(ValueError, match="unknown status"):
         filter_samples(table, status="done")
 
@@ -203,12 +232,22 @@ def test_show_first_page_of_10000_samples_under_3s(app, tmp_path):
     samples = []
     for i in range(10_000):
         response = [rng.randrange(3, 15) for _ in range(48)]
-        samples.append(Sample(
-            group_index=i // 8, index=i, prompt=f"{i % 1000:03d}+{(7 * i) % 1000:03d}=",
-            tokens=[1] + [rng.randrange(3, 15) for _ in range(8)] + response, response="".join(map(str, response)),
-            response_length=48, loss_mask=[1] * 48, rollout_log_probs=[-rng.random() for _ in range(48)],
-            reward=float(rng.random() < 0.3), label="0357",
-            status=Status.TRUNCATED if i % 7 == 0 else Status.COMPLETED, metadata={"seed": i}))
+        samples.append(
+            Sample(
+                group_index=i // 8,
+                index=i,
+                prompt=f"{i % 1000:03d}+{(7 * i) % 1000:03d}=",
+                tokens=[1] + [rng.randrange(3, 15) for _ in range(8)] + response,
+                response="".join(map(str, response)),
+                response_length=48,
+                loss_mask=[1] * 48,
+                rollout_log_probs=[-rng.random() for _ in range(48)],
+                reward=float(rng.random() < 0.3),
+                label="0357",
+                status=Status.TRUNCATED if i % 7 == 0 else Status.COMPLETED,
+                metadata={"seed": i},
+            )
+        )
     store = RolloutStore(str(tmp_path / "runs"))
     write(store, "big", 0, samples, per_prompt=8)
 
@@ -313,8 +352,9 @@ def test_send_reproduces_greedy_artifact_and_reports_perturbations(app, tmp_path
     write(store, "g", 1, perturbed, per_prompt=1)
     run_uri = str(tmp_path / "runs" / "g")
 
-    res = invoke(app, "send", run_uri, "--id", "0", "--engine", "hf", "--model", "builtin:addition",
-                 "--greedy", "--json")
+    res = invoke(
+        app, "send", run_uri, "--id", "0", "--engine", "hf", "--model", "builtin:addition", "--greedy", "--json"
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["n_samples"] == 16 and doc["identical_fraction"] == 1.0 and doc["first_mismatch"] is None
@@ -343,8 +383,9 @@ def test_send_errors(app, tmp_path, greedy_samples, monkeypatch):
     # The test setup installs SGLang's pure-Python wheel (contract tests): make it look absent here,
     # as on a machine without the extra, where `send --engine sglang` must say what to install.
     real = importlib.util.find_spec
-    monkeypatch.setattr(sglang_server.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "sglang" else real(name, *a))
+    monkeypatch.setattr(
+        sglang_server.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a)
+    )
     store = RolloutStore(str(tmp_path / "runs"))
     write(store, "g", 0, greedy_samples[:2], per_prompt=1)
     run_uri = str(tmp_path / "runs" / "g")

@@ -13,7 +13,6 @@ import typer
 from typer.testing import CliRunner
 
 from rollflow.artifacts import ArtifactSchemaError, EngineInfo, RolloutStore, Sample, Status
-from rollflow.tasks.debug.display import discover
 from rollflow.artifacts.slime import (
     SlimeTemplateError,
     discover_template_ids,
@@ -23,6 +22,7 @@ from rollflow.artifacts.slime import (
     sample_to_slime_dict,
 )
 from rollflow.flows.cli.tools import register
+from rollflow.tasks.debug.display import discover
 
 ENGINE = EngineInfo(backend="hf", model="tiny", weight_version=2)
 
@@ -51,8 +51,11 @@ def rollflow_samples() -> list[Sample]:
                 status=Status.parse(["completed", "Status.TRUNCATED", "aborted", "failed"][k]),
                 weight_version=2,
                 reward_key="acc" if k == 3 else None,
-                metadata={"source": "unit", "nested": {"a": [1, None]},
-                          "extra_fields": {"spec_info": {"accept": k}, "train_metadata": None}},
+                metadata={
+                    "source": "unit",
+                    "nested": {"a": [1, None]},
+                    "extra_fields": {"spec_info": {"accept": k}, "train_metadata": None},
+                },
             )
         )
     return samples
@@ -150,8 +153,9 @@ def test_slime_dict_with_extra_fields_survives_store_and_export(tmp_path):
 
 
 def test_missing_log_probs_and_loss_mask_are_filled_and_flagged(tmp_path):
-    raw = slime_dict(0, rollout_log_probs=None, loss_mask=None, status="pending", label={"answer": 357},
-                     weight_versions=[])
+    raw = slime_dict(
+        0, rollout_log_probs=None, loss_mask=None, status="pending", label={"answer": 357}, weight_versions=[]
+    )
     path = tmp_path / "data_0.pt"
     torch.save({"rollout_id": 0, "samples": [raw]}, path)
     _, [sample] = import_slime_pt(str(path))
@@ -168,8 +172,11 @@ def test_missing_log_probs_and_loss_mask_are_filled_and_flagged(tmp_path):
 
 
 def test_tensor_fields_load_as_lists(tmp_path):
-    raw = slime_dict(0, rollout_log_probs=torch.tensor([-0.5, -0.25, -0.125], dtype=torch.float64),
-                     tokens=torch.tensor([1, 3, 4, 5, 6, 7, 2]))
+    raw = slime_dict(
+        0,
+        rollout_log_probs=torch.tensor([-0.5, -0.25, -0.125], dtype=torch.float64),
+        tokens=torch.tensor([1, 3, 4, 5, 6, 7, 2]),
+    )
     path = tmp_path / "data_0.pt"
     torch.save({"rollout_id": 0, "samples": [raw]}, path)
     _, [sample] = import_slime_pt(str(path))

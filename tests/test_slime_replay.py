@@ -28,8 +28,16 @@ from rollflow.flows.cli.tools import register
 REPO = Path(__file__).resolve().parents[1]
 
 
-def slime_sample(group: int, index: int, *, reward, status: str = "completed", prompt_ids=(3, 4, 5, 6),
-                 response_ids=(7, 8, 9), label: str = "12") -> dict:
+def slime_sample(
+    group: int,
+    index: int,
+    *,
+    reward,
+    status: str = "completed",
+    prompt_ids=(3, 4, 5, 6),
+    response_ids=(7, 8, 9),
+    label: str = "12",
+) -> dict:
     n = len(response_ids)
     return {
         "group_index": group,
@@ -55,8 +63,12 @@ def slime_sample(group: int, index: int, *, reward, status: str = "completed", p
         "train_metadata": None,
         "session_id": None,
         "non_generation_time": 0.0,
-        "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
-                      "completion_token_num": n},
+        "spec_info": {
+            "spec_accept_token_num": 0,
+            "spec_draft_token_num": 0,
+            "spec_verify_ct": 0,
+            "completion_token_num": n,
+        },
         "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(prompt_ids)},
     }
 
@@ -69,9 +81,15 @@ def slime_rollout(rid: int, *, groups: int = 2, per_group: int = 4, bump: float 
             i = g * per_group + k
             acc = float((i + rid) % 2)
             response = (7, 8, bad_token) if bad_token is not None and i == 1 else (7, 8, 9)
-            samples.append(slime_sample(g, i, reward={"acc": acc, "score": 0.25 * k + bump},
-                                        status="truncated" if k == per_group - 1 else "completed",
-                                        response_ids=response))
+            samples.append(
+                slime_sample(
+                    g,
+                    i,
+                    reward={"acc": acc, "score": 0.25 * k + bump},
+                    status="truncated" if k == per_group - 1 else "completed",
+                    response_ids=response,
+                )
+            )
     return samples
 
 
@@ -84,8 +102,11 @@ def save_dump(path: Path, rid, samples) -> None:
 
 def tree(root: Path) -> dict[str, str]:
     """Every file under `root` with its sha256 (to prove nothing was written or lost)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -169,14 +190,38 @@ def test_show_and_replay_reward_honour_run_level_reward_keys(tmp_path, app):
     doc = json.loads(invoke(app, "show", template, "--id", "0", "--split", "train", "--json").output)
     assert doc["metrics"]["n_scored"] == 0
     # Eval split: --eval-reward-key wins over --reward-key (as slime's --eval-reward-key).
-    res = invoke(app, "show", template, "--split", "eval", "--id", "0", "--reward-key", "acc",
-                 "--eval-reward-key", "score", "--json")
+    res = invoke(
+        app,
+        "show",
+        template,
+        "--split",
+        "eval",
+        "--id",
+        "0",
+        "--reward-key",
+        "acc",
+        "--eval-reward-key",
+        "score",
+        "--json",
+    )
     doc = json.loads(res.output)
     assert doc["metrics"]["reward_mean"] == pytest.approx(0.5 + 0.25 * 1.5)
 
     # replay-reward compares the stored `acc` with a function returning {acc, ...}: nothing changed.
-    res = invoke(app, "replay-reward", template, "--id", "0", "--split", "train",
-                 "--reward", "tests.test_slime_replay:same_acc", "--reward-key", "acc", "--json")
+    res = invoke(
+        app,
+        "replay-reward",
+        template,
+        "--id",
+        "0",
+        "--split",
+        "train",
+        "--reward",
+        "tests.test_slime_replay:same_acc",
+        "--reward-key",
+        "acc",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["n_changed"] == 0
 
@@ -215,8 +260,9 @@ def test_parquet_reads_hand_arrow_owned_memory(monkeypatch):
         return real(source, **kwargs)
 
     monkeypatch.setattr(codec.pq, "read_table", spy)
-    data = codec.samples_to_parquet_bytes([__import__("rollflow.artifacts.slime", fromlist=["x"])
-                                           .slime_dict_to_sample(slime_sample(0, 0, reward=1.0))])
+    data = codec.samples_to_parquet_bytes(
+        [__import__("rollflow.artifacts.slime", fromlist=["x"]).slime_dict_to_sample(slime_sample(0, 0, reward=1.0))]
+    )
     codec.samples_from_parquet_bytes(data)
     assert seen["pre_buffer"] is False
     assert isinstance(seen["source"], pa.BufferReader)
@@ -232,14 +278,25 @@ def test_export_slime_exits_zero_in_subprocesses(tmp_path):
 
     samples = [slime_dict_to_sample(d, position=i) for i, d in enumerate(slime_rollout(0))]
     for rid in range(3):
-        store.write("src", "train", rid, samples, n_samples_per_prompt=4,
-                    engine=EngineInfo(backend="slime", model="m", weight_version=0), config_hash="c")
+        store.write(
+            "src",
+            "train",
+            rid,
+            samples,
+            n_samples_per_prompt=4,
+            engine=EngineInfo(backend="slime", model="m", weight_version=0),
+            config_hash="c",
+        )
     exe = str(Path(sys.executable).with_name("rollflow"))
     runs = int(os.environ.get("ROLLFLOW_EXPORT_RUNS", "4"))
     for n in range(runs):
         out = tmp_path / f"out{n}"
-        proc = subprocess.run([exe, "export-slime", str(tmp_path / "store" / "src"), f"{out}/d_{{rollout_id}}.pt",
-                               "--all"], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [exe, "export-slime", str(tmp_path / "store" / "src"), f"{out}/d_{{rollout_id}}.pt", "--all"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "terminate called" not in proc.stderr
         assert sorted(p.name for p in out.iterdir()) == ["d_0.pt", "d_1.pt", "d_2.pt"]
@@ -259,11 +316,15 @@ def test_replay_slime_dict_rewards_eval_and_changed_dump(tmp_path, prefect_api, 
         save_dump(Path(template.format(rollout_id=rid)), rid, slime_rollout(rid))
     save_dump(Path(template.format(rollout_id="eval_0")), "eval_0", slime_rollout(0, bump=0.5))
     root = tmp_path / "store"
-    cfg = small_config(root, run="sr", eval_every=1,
-                       rollout={"n_samples_per_prompt": 4, "reward_key": "acc", "eval_reward_key": "score"},
-                       train={"num_steps_per_rollout": 1, "micro_batch_size": 64},
-                       data={"prompts_per_rollout": 2, "eval_prompts": 2},
-                       debug={"load_debug_rollout_data": template})
+    cfg = small_config(
+        root,
+        run="sr",
+        eval_every=1,
+        rollout={"n_samples_per_prompt": 4, "reward_key": "acc", "eval_reward_key": "score"},
+        train={"num_steps_per_rollout": 1, "micro_batch_size": 64},
+        data={"prompts_per_rollout": 2, "eval_prompts": 2},
+        debug={"load_debug_rollout_data": template},
+    )
     out = replay_train(cfg)
     assert [s["rollout_id"] for s in out["steps"]] == [0, 1] and out["eval_ids"] == [0]
     first = out["steps"][0]
@@ -293,9 +354,9 @@ def test_replay_slime_dict_rewards_eval_and_changed_dump(tmp_path, prefect_api, 
 
 @pytest.mark.slow
 def test_replay_checks_every_pinned_checksum_before_training(tmp_path, prefect_api, ray_local):
+    from rollflow.artifacts import EngineInfo
     from rollflow.artifacts.errors import ArtifactCorrupt
     from rollflow.artifacts.slime import slime_dict_to_sample
-    from rollflow.artifacts import EngineInfo
     from rollflow.flows.debug import replay_train
     from tests.conftest import small_config
 
@@ -305,12 +366,18 @@ def test_replay_checks_every_pinned_checksum_before_training(tmp_path, prefect_a
         samples = [slime_dict_to_sample(d, position=i) for i, d in enumerate(slime_rollout(rid))]
         for s in samples:
             s.reward = s.reward["acc"]
-        store.write("src", "train", rid, samples, n_samples_per_prompt=4,
-                    engine=EngineInfo(backend="slime", model="m", weight_version=0), config_hash="c")
+        store.write(
+            "src",
+            "train",
+            rid,
+            samples,
+            n_samples_per_prompt=4,
+            engine=EngineInfo(backend="slime", model="m", weight_version=0),
+            config_hash="c",
+        )
     payload = root / "src" / "rollouts" / "train" / "000001" / "samples.parquet"
     payload.write_bytes(payload.read_bytes()[:-10] + b"0123456789")
-    cfg = small_config(root, run="rp", data={"prompts_per_rollout": 2, "eval_prompts": 2},
-                       debug={"train_only": True})
+    cfg = small_config(root, run="rp", data={"prompts_per_rollout": 2, "eval_prompts": 2}, debug={"train_only": True})
     with pytest.raises(ArtifactCorrupt) as info:
         replay_train(cfg, source_run="src")
     assert "000001" in str(info.value)

@@ -30,8 +30,9 @@ def test_compare_values_with_dtype_tolerance():
     ok = compare_values("advantage", 3, "advantage", [0.5, -0.5, None], [0.5 + 1e-9, -0.5, None], fp32)
     assert ok.ok and ok.compared == 2
     bad = compare_values("advantage", 3, "advantage", [0.5, -0.5], [0.5, -0.49], fp32)
-    assert [(m.field, m.where, m.recorded, m.replayed) for m in bad.mismatches] == [("advantage", "sample 1", -0.5,
-                                                                                      -0.49)]
+    assert [(m.field, m.where, m.recorded, m.replayed) for m in bad.mismatches] == [
+        ("advantage", "sample 1", -0.5, -0.49)
+    ]
     assert compare_values("reward", 0, "reward", [1.0], [1.0 + 1e-12], EXACT).mismatches
     assert compare_values("reward", 0, "reward", [1.0, 0.0], [1.0], EXACT).mismatches[0].field == "reward (count)"
     assert tolerance_for("bfloat16").close(1.0, 1.01) and not fp32.close(1.0, 1.01)
@@ -40,13 +41,20 @@ def test_compare_values_with_dtype_tolerance():
 
 
 def test_compare_metrics_skips_timings_and_other_stages():
-    recorded = {"train/loss": 0.25, "perf/iteration_s": 1.0, "sync/parity_ok": 1.0, "train/n_samples": 64.0,
-                "rollout_uri": "/x", "train/pg_clipfrac": 0.1}
+    recorded = {
+        "train/loss": 0.25,
+        "perf/iteration_s": 1.0,
+        "sync/parity_ok": 1.0,
+        "train/n_samples": 64.0,
+        "rollout_uri": "/x",
+        "train/pg_clipfrac": 0.1,
+    }
     replayed = {"train/loss": 0.25, "perf/iteration_s": 2.0, "train/n_samples": 32.0, "train/pg_clipfrac": 0.2}
     result = compare_metrics("loss", 1, recorded, replayed, tolerance_for("float32"))
     assert result.compared == 2 and [m.field for m in result.mismatches] == ["train/pg_clipfrac"]
-    steps = compare_steps(1, [{"train_step/loss": 1.0}], [{"train_step/loss": 1.0}, {"train_step/loss": 2.0}],
-                          tolerance_for("float32"))
+    steps = compare_steps(
+        1, [{"train_step/loss": 1.0}], [{"train_step/loss": 1.0}, {"train_step/loss": 2.0}], tolerance_for("float32")
+    )
     assert steps.mismatches[0].field == "optimizer steps (count)"
 
 
@@ -66,8 +74,14 @@ def test_report_round_trip_and_summary():
 
 
 def _cli(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollflow.flows.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollflow.flows.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +95,6 @@ def committed_run(tmp_path_factory, prefect_api):
     return env, common
 
 
-
 @pytest.mark.slow
 def test_every_stage_replays_clean(committed_run):
     env, common = committed_run
@@ -93,8 +106,23 @@ def test_every_stage_replays_clean(committed_run):
 @pytest.mark.slow
 def test_changed_reward_function_fails_the_reward_stage(committed_run):
     env, common = committed_run
-    out = _cli(["replay", "--stage", "reward", "--source-run", "src", "--ids", "0", "--set", "run=chk",
-                "--set", "rollout.reward=tests.reward_fixtures:last_digit", *common], env)
+    out = _cli(
+        [
+            "replay",
+            "--stage",
+            "reward",
+            "--source-run",
+            "src",
+            "--ids",
+            "0",
+            "--set",
+            "run=chk",
+            "--set",
+            "rollout.reward=tests.reward_fixtures:last_digit",
+            *common,
+        ],
+        env,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "stage replay mismatches" in out.stdout and "reward (rollout 0)" in out.stdout
     assert "│ reward │ 0" in out.stdout  # a table row: stage, rollout id, field, sample, both values
@@ -103,11 +131,41 @@ def test_changed_reward_function_fails_the_reward_stage(committed_run):
 @pytest.mark.slow
 def test_changed_loss_coefficient_fails_the_loss_stage(committed_run):
     env, common = committed_run
-    out = _cli(["replay", "--stage", "loss", "--source-run", "src", "--ids", "1", "--set", "run=chk",
-                "--set", "algo.eps_clip=0.02", *common], env)
+    out = _cli(
+        [
+            "replay",
+            "--stage",
+            "loss",
+            "--source-run",
+            "src",
+            "--ids",
+            "1",
+            "--set",
+            "run=chk",
+            "--set",
+            "algo.eps_clip=0.02",
+            *common,
+        ],
+        env,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "loss (rollout 1)" in out.stdout and "pg_clipfrac" in out.stdout
     # the advantages do not depend on the clip: that stage still passes on the changed config
-    ok = _cli(["replay", "--stage", "advantage", "--source-run", "src", "--ids", "1", "--set", "run=chk",
-               "--set", "algo.eps_clip=0.02", *common], env)
+    ok = _cli(
+        [
+            "replay",
+            "--stage",
+            "advantage",
+            "--source-run",
+            "src",
+            "--ids",
+            "1",
+            "--set",
+            "run=chk",
+            "--set",
+            "algo.eps_clip=0.02",
+            *common,
+        ],
+        env,
+    )
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]

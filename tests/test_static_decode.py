@@ -15,8 +15,15 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17], [1]]
 
 def _model(device: str = "cpu", dtype=torch.float32):
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=50, max_position_embeddings=256)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=256,
+    )
     return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
@@ -24,7 +31,7 @@ def _teacher_forced(model, prompt, response, temperature):
     ids = torch.tensor([prompt + response], device=next(model.parameters()).device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1).cpu()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu()
 
 
 def test_greedy_equals_generate_and_stops_where_generate_stops():

@@ -106,8 +106,13 @@ def test_trend_config_bounds():
 # -- in process: one real train step, then a sync into a fresh and into a stale-serving engine ------------------
 def probe_diff(engine: RolloutWorker, trainer: TrainWorker, spec: ProbeSpec) -> float:
     samples = engine.probe(spec)
-    return compare_probe([s.rollout_log_probs for s in samples], trainer.score_probe(samples), dtype="float32",
-                         bound=1e-3, weight_version=1).mean_abs_diff
+    return compare_probe(
+        [s.rollout_log_probs for s in samples],
+        trainer.score_probe(samples),
+        dtype="float32",
+        bound=1e-3,
+        weight_version=1,
+    ).mean_abs_diff
 
 
 def test_stale_serving_passes_checksums_and_fails_the_probe(tmp_path):
@@ -116,14 +121,22 @@ def test_stale_serving_passes_checksums_and_fails_the_probe(tmp_path):
     optim = OptimConfig(num_steps_per_rollout=1, micro_batch_size=64)
     fresh = RolloutWorker("builtin:addition", rollout, data)
     stale = StaleServingWorker("builtin:addition", rollout, data)
-    trainer = TrainWorker("builtin:addition", optim, AlgoConfig(), store_root=str(tmp_path), run="probe",
-                          temperature=rollout.temperature)
+    trainer = TrainWorker(
+        "builtin:addition", optim, AlgoConfig(), store_root=str(tmp_path), run="probe", temperature=rollout.temperature
+    )
     spec = ProbeSpec()
     assert probe_diff(fresh, trainer, spec) < 1e-4  # before any step: generation vs teacher-forced noise only
 
     samples = score_samples(fresh.rollout(0), reward_fn_from_config(rollout), reward_key=rollout.reward_key)
-    ref = RolloutStore(str(tmp_path)).write("probe", "train", 0, samples, n_samples_per_prompt=4, config_hash="test",
-                                            engine=EngineInfo(backend="hf", model="builtin:addition", weight_version=0))
+    ref = RolloutStore(str(tmp_path)).write(
+        "probe",
+        "train",
+        0,
+        samples,
+        n_samples_per_prompt=4,
+        config_hash="test",
+        engine=EngineInfo(backend="hf", model="builtin:addition", weight_version=0),
+    )
     trainer.train_on_artifact(ref)
     for engine in (fresh, stale):
         engine.update_weights(trainer.named_weights(), 1)
@@ -136,8 +149,13 @@ def test_stale_serving_passes_checksums_and_fails_the_probe(tmp_path):
 
 
 # -- end to end: `rollflow train` ------------------------------------------------------------------------------
-SMALL = ["data.prompts_per_rollout=32", "rollout.n_samples_per_prompt=4", "train.num_steps_per_rollout=1",
-         "train.micro_batch_size=64", "checkpoint_every=1"]
+SMALL = [
+    "data.prompts_per_rollout=32",
+    "rollout.n_samples_per_prompt=4",
+    "train.num_steps_per_rollout=1",
+    "train.micro_batch_size=64",
+    "checkpoint_every=1",
+]
 
 
 def rollflow_train(tmp_path, monkeypatch, run: str, *sets: str):
@@ -164,8 +182,10 @@ def test_rollflow_train_records_the_probe(tmp_path, prefect_api, ray_local, monk
     for row in rows:
         assert row["sync/parity_ok"] == 1.0
         assert 0.0 <= row["sync/probe_logprob_diff"] < 1e-4  # fp32: generation vs teacher-forced noise only
-        print(f"iteration {row['iteration']}: probe diff {row['sync/probe_logprob_diff']:.3g}, probe "
-              f"{row['perf/sync_probe_s']:.3f} s of {row['perf/iteration_s']:.2f} s")
+        print(
+            f"iteration {row['iteration']}: probe diff {row['sync/probe_logprob_diff']:.3g}, probe "
+            f"{row['perf/sync_probe_s']:.3f} s of {row['perf/iteration_s']:.2f} s"
+        )
     assert "mismatch/logprob_diff_slope" not in rows[1] and abs(rows[2]["mismatch/logprob_diff_slope"]) < 5e-4
 
 

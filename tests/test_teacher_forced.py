@@ -37,9 +37,17 @@ DTYPES = ["float32", "bfloat16"]
 
 # mismatch/* figures that measure a distance (exactly 0 when the log-probs are bitwise equal) and the
 # ratios (exactly 1); whichever of them the train step reports
-ZERO_WHEN_EQUAL = ("train/train_rollout_logprob_abs_diff", "mismatch/log_ppl_diff", "mismatch/log_ppl_abs_diff",
-                   "mismatch/kl", "mismatch/k3_kl", "mismatch/chi2_token", "mismatch/chi2_seq",
-                   "mismatch/max_abs_log_ratio", "mismatch/log_ratio_clampfrac")
+ZERO_WHEN_EQUAL = (
+    "train/train_rollout_logprob_abs_diff",
+    "mismatch/log_ppl_diff",
+    "mismatch/log_ppl_abs_diff",
+    "mismatch/kl",
+    "mismatch/k3_kl",
+    "mismatch/chi2_token",
+    "mismatch/chi2_seq",
+    "mismatch/max_abs_log_ratio",
+    "mismatch/log_ratio_clampfrac",
+)
 ONE_WHEN_EQUAL = ("mismatch/ppl_ratio", "mismatch/tis", "mismatch/ess_token", "mismatch/ess_seq")
 
 
@@ -49,12 +57,23 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float) ->
     return TorchBackend(model, optim, temperature=temperature)
 
 
-def _setup(device: str, dtype: str, *, logprobs: str = "teacher_forced", micro_batch_size: int = 16,
-           prompts: int = 16, n: int = 4):
+def _setup(
+    device: str,
+    dtype: str,
+    *,
+    logprobs: str = "teacher_forced",
+    micro_batch_size: int = 16,
+    prompts: int = 16,
+    n: int = 4,
+):
     rollout = RolloutConfig(logprobs=logprobs, dtype=dtype, device=device, n_samples_per_prompt=n)
     optim = OptimConfig(dtype=dtype, device=device, micro_batch_size=micro_batch_size, num_steps_per_rollout=1)
-    worker = RolloutWorker(MODEL, rollout, DataConfig(prompts_per_rollout=prompts),
-                           scoring=ScoringLayout.of(optim) if logprobs == "teacher_forced" else None)
+    worker = RolloutWorker(
+        MODEL,
+        rollout,
+        DataConfig(prompts_per_rollout=prompts),
+        scoring=ScoringLayout.of(optim) if logprobs == "teacher_forced" else None,
+    )
     backend = build_backend(MODEL, optim, temperature=rollout.temperature or 1.0)
     samples = score_samples(worker.rollout(0), reward_fn_from_config(rollout))
     return rollout, worker, backend, samples
@@ -88,8 +107,15 @@ def test_bitwise_survives_the_artifact_round_trip(tmp_path):
 
     rollout, _, backend, samples = _setup("cpu", "float32")
     store = RolloutStore(str(tmp_path))
-    ref = store.write("tf", "train", 0, samples, n_samples_per_prompt=rollout.n_samples_per_prompt,
-                      engine=EngineInfo(backend="hf", model=MODEL, weight_version=0), config_hash="x")
+    ref = store.write(
+        "tf",
+        "train",
+        0,
+        samples,
+        n_samples_per_prompt=rollout.n_samples_per_prompt,
+        engine=EngineInfo(backend="hf", model=MODEL, weight_version=0),
+        config_hash="x",
+    )
     artifact = store.load_uri(ref.uri)
     # both of the trainer's batch builders: from Sample objects, and (when the store has it) from the columns
     sources = [artifact.samples] + ([artifact.columns] if hasattr(artifact, "columns") else [])
@@ -128,8 +154,9 @@ def test_worker_without_a_scoring_layout_is_refused():
 def test_engine_in_another_dtype_than_the_trainer_is_refused():
     layout = ScoringLayout(micro_batch_size=8, threads=1, dtype="bfloat16", device="cpu")
     with pytest.raises(ValueError, match=r"set rollout.dtype='bfloat16'"):
-        RolloutWorker(MODEL, RolloutConfig(logprobs="teacher_forced"), DataConfig(prompts_per_rollout=2),
-                      scoring=layout)
+        RolloutWorker(
+            MODEL, RolloutConfig(logprobs="teacher_forced"), DataConfig(prompts_per_rollout=2), scoring=layout
+        )
 
 
 def test_bf16_trainer_keeps_rope_frequencies_as_loaded():
@@ -153,11 +180,17 @@ def test_right_padded_is_the_train_batch_layout():
 
 # ---- alignment check ---------------------------------------------------------------------------------
 
+
 def _cfg(root: str = "runs", **rollout):
     from rollflow.flows.config import RunConfig
 
-    return RunConfig(run="tf-align", data={"prompts_per_rollout": 16}, store={"root": root},
-                     rollout={"n_samples_per_prompt": 4, **rollout}, train={"micro_batch_size": 16})
+    return RunConfig(
+        run="tf-align",
+        data={"prompts_per_rollout": 16},
+        store={"root": root},
+        rollout={"n_samples_per_prompt": 4, **rollout},
+        train={"micro_batch_size": 16},
+    )
 
 
 def test_alignment_reports_bitwise(tmp_path):
@@ -177,10 +210,19 @@ def test_mismatch_check_verdicts():
     from rollflow.tasks.debug.train_checks import mismatch_check
 
     def figs(max_diff: float) -> dict:
-        return {"n_tokens": 10, "temperature": 1.0,
-                "mismatch": {"bitwise": max_diff == 0.0, "n_unequal_tokens": 0 if max_diff == 0 else 3,
-                             "mean_abs_diff": max_diff / 10, "max_abs_diff": max_diff, "mean_train_log_prob": -0.5,
-                             "mean_rollout_log_prob": -0.5, "worst_samples": []}}
+        return {
+            "n_tokens": 10,
+            "temperature": 1.0,
+            "mismatch": {
+                "bitwise": max_diff == 0.0,
+                "n_unequal_tokens": 0 if max_diff == 0 else 3,
+                "mean_abs_diff": max_diff / 10,
+                "max_abs_diff": max_diff,
+                "mean_train_log_prob": -0.5,
+                "mean_rollout_log_prob": -0.5,
+                "worst_samples": [],
+            },
+        }
 
     thr = AlignmentThresholds()
     exact = mismatch_check(figs(0.0), thr, expect_bitwise=True)
@@ -193,21 +235,32 @@ def test_mismatch_check_verdicts():
 
 # ---- config validation: one line naming the field and the fix ------------------------------------------
 
-@pytest.mark.parametrize("override, expected", [
-    ({"rollout": {"engine": "sglang", "logprobs": "teacher_forced"}},
-     "rollout.logprobs='teacher_forced' needs rollout.engine='hf'"),
-    ({"rollout": {"logprobs": "teacher_forced", "dtype": "bfloat16"}},
-     "needs rollout.dtype == train.dtype (got 'bfloat16' and 'float32'); set rollout.dtype='float32'"),
-    ({"rollout": {"logprobs": "teacher_forced"}, "train": {"backend": "megatron"}},
-     "rollout.logprobs='teacher_forced' needs train.backend='torch'"),
-    ({"rollout": {"logprobs": "teacher_forced", "device": "cuda"}},
-     "needs rollout.device and train.device of one type"),
-])
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            {"rollout": {"engine": "sglang", "logprobs": "teacher_forced"}},
+            "rollout.logprobs='teacher_forced' needs rollout.engine='hf'",
+        ),
+        (
+            {"rollout": {"logprobs": "teacher_forced", "dtype": "bfloat16"}},
+            "needs rollout.dtype == train.dtype (got 'bfloat16' and 'float32'); set rollout.dtype='float32'",
+        ),
+        (
+            {"rollout": {"logprobs": "teacher_forced"}, "train": {"backend": "megatron"}},
+            "rollout.logprobs='teacher_forced' needs train.backend='torch'",
+        ),
+        (
+            {"rollout": {"logprobs": "teacher_forced", "device": "cuda"}},
+            "needs rollout.device and train.device of one type",
+        ),
+    ],
+)
 def test_config_rejects_what_cannot_hold(override, expected):
     from rollflow.flows.config import ConfigError, load_config
 
-    overrides = [f"{section}.{key}={value}" for section, fields in override.items()
-                 for key, value in _flat(fields)]
+    overrides = [f"{section}.{key}={value}" for section, fields in override.items() for key, value in _flat(fields)]
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
     assert expected in str(err.value)
@@ -230,14 +283,16 @@ def test_config_accepts_teacher_forced_and_builds_the_layout():
 
 # ---- the deterministic-seed trap ---------------------------------------------------------------------
 
+
 def test_seeds_of_a_group_differ():
     n, prompts = 8, 64
     seeds = [sample_seed(12345, i) for i in range(n * prompts)]
     assert len(set(seeds)) == len(seeds)
     # across rollouts too (the call seed is rollout.seed * 1000003 + rollout_id)
     cfg = RolloutConfig()
-    assert not set(sample_seed(cfg.sampling(0).seed, i) for i in range(512)) & \
-        set(sample_seed(cfg.sampling(1).seed, i) for i in range(512))
+    assert not set(sample_seed(cfg.sampling(0).seed, i) for i in range(512)) & set(
+        sample_seed(cfg.sampling(1).seed, i) for i in range(512)
+    )
 
 
 class _SeededPerPrompt:
@@ -314,8 +369,9 @@ def test_sglang_repeat_mode_seeds_every_sample(monkeypatch):
         return [GenerationOutput([3], [-0.1], "length")]
 
     monkeypatch.setattr(engine, "_run_job", run_job)
-    engine.generate([GenerationRequest(prompt_ids=[5, 6], n=4), GenerationRequest(prompt_ids=[7], n=4)],
-                    SamplingParams(seed=7))
+    engine.generate(
+        [GenerationRequest(prompt_ids=[5, 6], n=4), GenerationRequest(prompt_ids=[7], n=4)], SamplingParams(seed=7)
+    )
     group0 = [seed for ids, seed in sent if ids == (5, 6)]
     assert len(group0) == 4 and len(set(seed for _, seed in sent)) == 8
 
@@ -335,6 +391,7 @@ def test_sglang_native_seeded_groups_get_one_seed_per_sample(monkeypatch):
         return [GenerationOutput([3], [-0.1], "length")] * n
 
     monkeypatch.setattr(engine, "_run_job", run_job)
-    engine.generate([GenerationRequest(prompt_ids=[5, 6], n=4), GenerationRequest(prompt_ids=[7], n=4)],
-                    SamplingParams(seed=7))
+    engine.generate(
+        [GenerationRequest(prompt_ids=[5, 6], n=4), GenerationRequest(prompt_ids=[7], n=4)], SamplingParams(seed=7)
+    )
     assert [len(s) for s in sent] == [4, 4] and len({x for s in sent for x in s}) == 8

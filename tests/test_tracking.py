@@ -20,10 +20,16 @@ ALL = ["tensorboard", "mlflow", "wandb"]
 
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
-    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "wb-config",
-                        "WANDB_CACHE_DIR": tmp_path / "wb-cache", "WANDB_DATA_DIR": tmp_path / "wb-data",
-                        "WANDB_DISABLE_GIT": "true", "WANDB_X_DISABLE_STATS": "true",
-                        "WANDB_X_DISABLE_MACHINE_INFO": "true"}.items():
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONFIG_DIR": tmp_path / "wb-config",
+        "WANDB_CACHE_DIR": tmp_path / "wb-cache",
+        "WANDB_DATA_DIR": tmp_path / "wb-data",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_X_DISABLE_MACHINE_INFO": "true",
+    }.items():
         monkeypatch.setenv(name, str(value))
 
 
@@ -44,8 +50,13 @@ def problems(monkeypatch):
 
 
 def tracked_config(tmp_path, run: str, backends=ALL, **overrides):
-    tracking = {"backends": backends, "wandb_mode": "offline", "project": "rollflow-test",
-                "uri": str(tmp_path / "mlruns"), **overrides.pop("tracking", {})}
+    tracking = {
+        "backends": backends,
+        "wandb_mode": "offline",
+        "project": "rollflow-test",
+        "uri": str(tmp_path / "mlruns"),
+        **overrides.pop("tracking", {}),
+    }
     overrides.setdefault("data", {"prompts_per_rollout": 8, "eval_prompts": 8})  # small: this tests logging
     overrides.setdefault("train", {"num_steps_per_rollout": 2})  # two optimizer steps per iteration
     return small_config(tmp_path, run=run, tracking=tracking, **overrides)
@@ -100,8 +111,8 @@ def wandb_records(path: Path) -> list:
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
             continue
@@ -124,15 +135,18 @@ def wandb_steps(folder: Path, pattern: str = "wandb/offline-run-*/run-*.wandb") 
         for record in wandb_records(log):
             if record.WhichOneof("record_type") != "history":
                 continue
-            items = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                     for item in record.history.item}
+            items = {
+                (item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item
+            }
             step = items[STEP_AXIS] if STEP_AXIS in items else items[ROW_AXIS]
-            out.setdefault(int(step), set()).update(k for k in items if not k.startswith("_")
-                                                    and k not in (ROW_AXIS, STEP_AXIS))
+            out.setdefault(int(step), set()).update(
+                k for k in items if not k.startswith("_") and k not in (ROW_AXIS, STEP_AXIS)
+            )
     return out
 
 
 # ---- fast ------------------------------------------------------------------------------------------------
+
 
 def test_config_section_defaults_off_and_validates():
     from rollflow.flows.config import ConfigError, RunConfig, load_config
@@ -149,22 +163,26 @@ def test_config_section_defaults_off_and_validates():
 
 
 def test_import_of_the_cli_loads_no_tracking_backend():
-    code = ("import sys, rollflow.flows.cli, rollflow.flows.tracking, rollflow.flows.train; "
-            "print([m for m in ('mlflow', 'tensorboard', 'wandb') if m in sys.modules])")
+    code = (
+        "import sys, rollflow.flows.cli, rollflow.flows.tracking, rollflow.flows.train; "
+        "print([m for m in ('mlflow', 'tensorboard', 'wandb') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_schema_helpers():
-    from rollflow.flows.tracking import alignment_metrics, config_params, mlflow_key, numeric_metrics
     from rollflow.flows.config import RunConfig
+    from rollflow.flows.tracking import alignment_metrics, config_params, mlflow_key, numeric_metrics
 
     row = {"iteration": 2, "rollout_id": 1, "train/loss": 0.5, "sync/parity_ok": True, "rollout_uri": "file:///x"}
     assert numeric_metrics(row) == {"rollout_id": 1.0, "train/loss": 0.5, "sync/parity_ok": 1.0}
     assert mlflow_key("eval/pass@4") == "eval/pass_at_4" and mlflow_key("train/loss") == "train/loss"
     report = {"checks": [{"name": "one_step_update", "status": "warn", "figures": {"ppo_kl": 0.0, "note": "x"}}]}
-    assert alignment_metrics(report) == {"alignment/one_step_update/status": 0.5,
-                                         "alignment/one_step_update/ppo_kl": 0.0}
+    assert alignment_metrics(report) == {
+        "alignment/one_step_update/status": 0.5,
+        "alignment/one_step_update/ppo_kl": 0.0,
+    }
     params = config_params(RunConfig())
     assert params["algo.advantage_estimator"] == "grpo" and "tracking.backends" in params
 
@@ -193,8 +211,7 @@ def test_resume_logs_each_committed_step_once(tmp_path, problems):
     once, to the same MLflow run."""
     from rollflow.flows import reporting, tracking
 
-    cfg = tracked_config(tmp_path, "resume-unit", backends=["mlflow", "tensorboard"],
-                         iterations=4, checkpoint_every=2)
+    cfg = tracked_config(tmp_path, "resume-unit", backends=["mlflow", "tensorboard"], iterations=4, checkpoint_every=2)
     rows = [{"iteration": i, "rollout_id": i - 1, "train/loss": float(i), "rollout_uri": f"u{i}"} for i in (1, 2, 3)]
     reporting.write_metrics(cfg, rows)
     for i in (1, 2, 3):  # two optimizer steps per iteration: global steps 1-2, 3-4, 5-6
@@ -214,17 +231,27 @@ def test_resume_logs_each_committed_step_once(tmp_path, problems):
     assert sorted(steps) == list(range(1, 9))
     assert {s: sorted(keys) for s, keys in steps.items()} == {
         **{s: ["train_step/loss"] for s in range(5, 9)},
-        **{s: ["rollout_id", "train/loss", "train_step/loss"] for s in (1, 2, 3, 4)}}  # each point once
+        **{s: ["rollout_id", "train/loss", "train_step/loss"] for s in (1, 2, 3, 4)},
+    }  # each point once
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.mlflow_uri(cfg))
     assert [p.value for p in client.get_metric_history(first_id, "train/loss")] == [1.0, 2.0, 30.0, 40.0]
     # the dropped first attempt's iteration-3 steps (3.1, 3.2) are nowhere; the rerun's took their numbers
     assert [(p.step, p.value) for p in client.get_metric_history(first_id, "train_step/loss")] == [
-        (1, 1.1), (2, 1.2), (3, 2.1), (4, 2.2), (5, 30.1), (6, 30.2), (7, 40.1), (8, 40.2)]
+        (1, 1.1),
+        (2, 1.2),
+        (3, 2.1),
+        (4, 2.2),
+        (5, 30.1),
+        (6, 30.2),
+        (7, 40.1),
+        (8, 40.2),
+    ]
     assert tensorboard_steps(tmp_path / "resume-unit" / "tensorboard" / "rl_train") == {
         **{i: {"rollout_id", "train/loss", "train_step/loss"} for i in (1, 2, 3, 4)},
-        **{i: {"train_step/loss"} for i in (5, 6, 7, 8)}}
+        **{i: {"train_step/loss"} for i in (5, 6, 7, 8)},
+    }
     assert problems == []
 
 
@@ -244,23 +271,29 @@ def test_optimizer_loop_reports_each_step():
     losses = iter([1.0, 2.0, 3.0, 6.0])
     norms = iter([10.0, 20.0, 30.0, 40.0])
     seen: list[dict[str, float]] = []
-    out = minibatch_steps(Rows(8), 4, 64, zero_grad=lambda: None, micro_step=lambda micro, denom: {"loss": next(losses)},
-                          optimizer_step=lambda: next(norms), on_step=seen.append)
+    out = minibatch_steps(
+        Rows(8),
+        4,
+        64,
+        zero_grad=lambda: None,
+        micro_step=lambda micro, denom: {"loss": next(losses)},
+        optimizer_step=lambda: next(norms),
+        on_step=seen.append,
+    )
     assert [(row["loss"], row["grad_norm"]) for row in seen] == [(1.0, 10.0), (2.0, 20.0), (3.0, 30.0), (6.0, 40.0)]
     assert out["train/loss"] == 3.0 and out["train/grad_norm"] == 25.0 and out["train/step1_grad_norm"] == 10.0
 
 
 # ---- end to end (Prefect + Ray) ---------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api, ray_local, offline_wandb,
-                                                         problems):
+def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api, ray_local, offline_wandb, problems):
     from mlflow.tracking import MlflowClient
 
     from rollflow.flows import tracking
-    from rollflow.flows.train import rl_train
-
     from rollflow.flows.reporting import read_metrics, read_train_steps
+    from rollflow.flows.train import rl_train
 
     cfg = tracked_config(tmp_path, "tracked", iterations=3)
     summary = rl_train(cfg)
@@ -283,7 +316,8 @@ def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api,
     uri = tracking.mlflow_uri(cfg)
     got = mlflow_steps(uri, state["mlflow_run_id"])
     assert {step: set(keys) for step, keys in got.items()} == {
-        step: {tracking.mlflow_key(k) for k in keys} for step, keys in expected.items()}
+        step: {tracking.mlflow_key(k) for k in keys} for step, keys in expected.items()
+    }
     assert all(len(keys) == len(set(keys)) for keys in got.values())  # each point once
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(state["mlflow_run_id"])
@@ -297,9 +331,13 @@ def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api,
     [wandb_run] = list((tmp_path / "tracked" / "wandb").glob("offline-run-*"))
     assert state["wandb_run_id"] in wandb_run.name
     assert wandb_steps(tmp_path / "tracked") == expected
-    config = {item.key: json.loads(item.value_json) for log in wandb_run.glob("run-*.wandb")
-              for record in wandb_records(log) if record.WhichOneof("record_type") == "run"
-              for item in record.run.config.update}  # the config logged with the run's start
+    config = {
+        item.key: json.loads(item.value_json)
+        for log in wandb_run.glob("run-*.wandb")
+        for record in wandb_records(log)
+        if record.WhichOneof("record_type") == "run"
+        for item in record.run.config.update
+    }  # the config logged with the run's start
     assert config["algo.advantage_estimator"] == cfg.algo.advantage_estimator
     assert not [k for k in config if "secret" in k.lower() or "token" in k.lower()]
     assert (wandb_run / "files" / "reward_curve.png").exists()
@@ -364,8 +402,9 @@ def test_two_alignment_runs_give_two_points_per_check_figure(tmp_path, prefect_a
 
 
 @pytest.mark.slow
-def test_a_failing_sink_is_disabled_with_one_warning_and_training_completes(tmp_path, prefect_api, ray_local,
-                                                                            monkeypatch, problems):
+def test_a_failing_sink_is_disabled_with_one_warning_and_training_completes(
+    tmp_path, prefect_api, ray_local, monkeypatch, problems
+):
     from rollflow.flows import tracking
     from rollflow.flows.train import rl_train
 
@@ -386,8 +425,9 @@ def mlflow_run(uri: str, experiment: str, name: str) -> list:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
-                              filter_string=f"attributes.run_name = '{name}'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name(experiment).experiment_id], filter_string=f"attributes.run_name = '{name}'"
+    )
     return sorted(runs, key=lambda r: r.info.start_time)
 
 
@@ -395,8 +435,10 @@ def replay_expected(result: dict) -> dict[int, set[str]]:
     """What replay_train logs: each row at step = rollout id, each optimizer step at its number."""
     from rollflow.flows.tracking import numeric_metrics
 
-    out = {row["rollout_id"]: set(numeric_metrics({k: v for k, v in row.items() if k != "rollout_id"}))
-           for row in result["steps"]}
+    out = {
+        row["rollout_id"]: set(numeric_metrics({k: v for k, v in row.items() if k != "rollout_id"}))
+        for row in result["steps"]
+    }
     for row in result["optimizer_steps"]:
         out.setdefault(row["step"], set()).update(k for k in row if k.startswith("train_step/"))
     return out
@@ -418,7 +460,9 @@ def test_rollout_only_and_replay_train_log_to_every_sink(tmp_path, prefect_api, 
     assert {s: set(k) for s, k in mlflow_steps(uri, run.info.run_id).items()} == want
     client = MlflowClient(tracking_uri=uri)
     assert [p.value for p in client.get_metric_history(run.info.run_id, "rollout/raw_reward")] == [
-        out["rollouts"][0]["raw_reward"], out["rollouts"][1]["raw_reward"]]
+        out["rollouts"][0]["raw_reward"],
+        out["rollouts"][1]["raw_reward"],
+    ]
     assert run.data.tags["rollflow.flow"] == "rollout_only" and run.info.status == "FINISHED"
     [tb] = list((tmp_path / "dbg-tr" / "tensorboard" / "rollout_only").iterdir())  # a folder per call
     assert tensorboard_steps(tb) == want
@@ -431,8 +475,9 @@ def test_rollout_only_and_replay_train_log_to_every_sink(tmp_path, prefect_api, 
     assert {"train/loss", "rollout/raw_reward", "cached"} <= expected[0] and "train_step/grad_norm" in expected[4]
     [run] = mlflow_run(uri, "rollflow-test", "dbg-tr2-replay")
     got = mlflow_steps(uri, run.info.run_id)
-    assert {s: set(k) for s, k in got.items()} == {s: {tracking.mlflow_key(k) for k in keys}
-                                                   for s, keys in expected.items()}
+    assert {s: set(k) for s, k in got.items()} == {
+        s: {tracking.mlflow_key(k) for k in keys} for s, keys in expected.items()
+    }
     assert all(len(keys) == len(set(keys)) for keys in got.values())
     [tb] = list((tmp_path / "dbg-tr2" / "tensorboard" / "replay_train").iterdir())
     assert tensorboard_steps(tb) == expected
@@ -444,7 +489,8 @@ def test_rollout_only_and_replay_train_log_to_every_sink(tmp_path, prefect_api, 
     assert second["optimizer_steps"] == first["optimizer_steps"]
     again = mlflow_run(uri, "rollflow-test", "dbg-tr2-replay")[-1]
     assert [p.value for p in client.get_metric_history(again.info.run_id, "train_step/loss")] == [
-        r["train_step/loss"] for r in first["optimizer_steps"]]
+        r["train_step/loss"] for r in first["optimizer_steps"]
+    ]
     assert problems == []
 
 
@@ -456,8 +502,13 @@ def test_ima_bisect_logs_its_verdict_table(tmp_path, prefect_api, problems):
     from rollflow.flows import tracking
     from rollflow.flows.bisect import ima_bisect
 
-    cfg = tracked_config(tmp_path, "ima-tr", backends=["mlflow", "tensorboard"], data={"prompts_per_rollout": 4},
-                         rollout={"n_samples_per_prompt": 2})
+    cfg = tracked_config(
+        tmp_path,
+        "ima-tr",
+        backends=["mlflow", "tensorboard"],
+        data={"prompts_per_rollout": 4},
+        rollout={"n_samples_per_prompt": 2},
+    )
     out = ima_bisect(cfg, crash_when="cuda_graph=on,speculative=on", timeout_s=120, parallel=2)
     verdict = out["verdict"]["text"]
     assert verdict == "crashes only with cuda_graph on and speculative on"

@@ -43,8 +43,16 @@ def run_ranks(entry: str, world: int, spec: dict, tmp_path: Path) -> list[dict]:
         args = json.dumps({**spec, "rank": rank, "world": world, "port": port, "out": str(tmp_path / f"rank{rank}.pt")})
         code = f"import sys; from tests.test_train_dp import {entry}; {entry}(sys.argv[1])"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", code, args], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = []
     try:
         for p in procs:
@@ -108,8 +116,12 @@ def test_megatron_with_several_ranks_is_refused(tmp_path):
     with pytest.raises(NotImplementedError, match="trainer_gpus=1"):
         TrainWorker(MODEL, optim, AlgoConfig(), store_root=f"file://{tmp_path}", run="r", dp=dp)
     with pytest.raises(NotImplementedError, match=r"train\.megatron\.optimizer=auto\|megatron"):
-        build_backend(MODEL, OptimConfig(backend="megatron", device="cuda", megatron={"tp": 2, "optimizer": "torch"}),
-                      temperature=1.0, dp=dp)
+        build_backend(
+            MODEL,
+            OptimConfig(backend="megatron", device="cuda", megatron={"tp": 2, "optimizer": "torch"}),
+            temperature=1.0,
+            dp=dp,
+        )
     assert not torch.distributed.is_initialized()  # refused before joining any group
 
 
@@ -133,9 +145,17 @@ def rollout_refs(tmp_path_factory):
     refs = []
     for rid in (0, 1):
         samples = score_samples(engine.rollout(rid), resolve_reward_fn("addition"))
-        refs.append(store.write("src", "train", rid, samples, n_samples_per_prompt=4,
-                                engine=EngineInfo(backend="hf", model=MODEL, weight_version=0),
-                                config_hash="dp").to_dict())
+        refs.append(
+            store.write(
+                "src",
+                "train",
+                rid,
+                samples,
+                n_samples_per_prompt=4,
+                engine=EngineInfo(backend="hf", model=MODEL, weight_version=0),
+                config_hash="dp",
+            ).to_dict()
+        )
     return root, refs
 
 
@@ -152,8 +172,10 @@ def worker_rank_main(spec_json: str) -> None:
         worker.load_artifact(ref)
         metrics.append(worker.train_on_artifact(ref, dump_uri=f"{spec['dump']}/rank{spec['rank']}_{ref.rollout_id}"))
     folder = worker.save_checkpoint(1)
-    torch.save({"metrics": metrics, "weights": worker.named_weights(), "describe": worker.describe(),
-                "folder": folder}, spec["out"])
+    torch.save(
+        {"metrics": metrics, "weights": worker.named_weights(), "describe": worker.describe(), "folder": folder},
+        spec["out"],
+    )
     destroy_data_parallel()
 
 
@@ -165,8 +187,14 @@ def test_two_ranks_train_like_one(rollout_refs, tmp_path):
     ranks = run_ranks("worker_rank_main", 2, {"root": root, "refs": refs, "dump": str(tmp_path / "dumps")}, tmp_path)
 
     # The single-rank reference, in this process; world_size 1 builds no process group.
-    solo = TrainWorker(MODEL, OptimConfig(**OPTIM), AlgoConfig(), store_root=root, run="solo",
-                       dp=DataParallel(rank=0, world_size=1, master_addr="127.0.0.1", master_port=1))
+    solo = TrainWorker(
+        MODEL,
+        OptimConfig(**OPTIM),
+        AlgoConfig(),
+        store_root=root,
+        run="solo",
+        dp=DataParallel(rank=0, world_size=1, master_addr="127.0.0.1", master_port=1),
+    )
     assert not torch.distributed.is_initialized()
     start_weights = solo.named_weights()
     solo_metrics = [solo.train_on_artifact(ArtifactRef.from_dict(ref)) for ref in refs]
@@ -215,8 +243,10 @@ class ToyLM(torch.nn.Module):
         return types.SimpleNamespace(logits=self.out(torch.tanh(self.emb(input_ids))))
 
 
-TOY_ALGOS = [AlgoConfig(), AlgoConfig(loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
-                                        tis_mode="clip")]
+TOY_ALGOS = [
+    AlgoConfig(),
+    AlgoConfig(loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True, tis_mode="clip"),
+]
 
 
 def toy_samples() -> list[Sample]:
@@ -225,9 +255,19 @@ def toy_samples() -> list[Sample]:
     for i in range(5):
         prompt = [1, 2 + i]
         response = [3 + (i * 3 + j) % 9 for j in range(1 + i % 3)]
-        out.append(Sample(group_index=0, index=i, prompt="p", tokens=prompt + response, response="r",
-                          response_length=len(response), loss_mask=[1] * len(response),
-                          rollout_log_probs=[-2.5] * len(response), reward=float(i % 2)))
+        out.append(
+            Sample(
+                group_index=0,
+                index=i,
+                prompt="p",
+                tokens=prompt + response,
+                response="r",
+                response_length=len(response),
+                loss_mask=[1] * len(response),
+                rollout_log_probs=[-2.5] * len(response),
+                reward=float(i % 2),
+            )
+        )
     return out
 
 
@@ -272,8 +312,7 @@ def test_uneven_and_empty_shards_and_broadcast(tmp_path):
 def test_a_whole_state_trainer_refuses_a_sharded_checkpoint(tmp_path):
     """A distributed (sharded megatron) checkpoint resumed by a trainer that holds the whole state: one clear line
     naming the fix, not an unpickling error."""
-    from rollflow.tasks.train.checkpoint import save_checkpoint
-    from rollflow.tasks.train.checkpoint import DIST_CHECKPOINT_FORMAT
+    from rollflow.tasks.train.checkpoint import DIST_CHECKPOINT_FORMAT, save_checkpoint
     from rollflow.tasks.train.worker import TrainWorker
 
     payload = json.dumps({"format": DIST_CHECKPOINT_FORMAT, "dir": "dist"}).encode()

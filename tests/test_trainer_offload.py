@@ -15,16 +15,21 @@ from tests.test_megatron_gpu import _config, _hf, _samples
 
 
 def _backend(device: str) -> TorchBackend:
-    optim = OptimConfig(backend="torch", device=device, dtype="float32", micro_batch_size=4, num_steps_per_rollout=1,
-                        lr=1e-4)
+    optim = OptimConfig(
+        backend="torch", device=device, dtype="float32", micro_batch_size=4, num_steps_per_rollout=1, lr=1e-4
+    )
     return TorchBackend(_hf(_config("qwen2")), optim)
 
 
 def _state(be: TorchBackend) -> tuple[dict, list]:
     weights = {k: v.detach().cpu().clone() for k, v in be.model.state_dict().items()}
     ref = {k: v.detach().cpu().clone() for k, v in be.ref_model.state_dict().items()}
-    moments = [v.detach().cpu().clone() for st in be.optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor)]
+    moments = [
+        v.detach().cpu().clone()
+        for st in be.optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    ]
     return (weights, ref), moments
 
 

@@ -29,8 +29,12 @@ def _worker_operations() -> set[str]:
     from rollflow.tasks.train.critic_worker import CriticWorker
     from rollflow.tasks.train.worker import TrainWorker
 
-    return {name for cls in (TrainWorker, RolloutWorker, SGLangServerWorker, CriticWorker) for name in vars(cls)
-            if not name.startswith("_") and callable(getattr(cls, name))}
+    return {
+        name
+        for cls in (TrainWorker, RolloutWorker, SGLangServerWorker, CriticWorker)
+        for name in vars(cls)
+        if not name.startswith("_") and callable(getattr(cls, name))
+    }
 
 
 def _handle_names(tree: ast.AST) -> set[str]:
@@ -55,16 +59,23 @@ def _is_handle(node: ast.expr, handles: set[str]) -> bool:
 def dispatch_hits(source: str, operations: set[str]) -> list[tuple[int, str]]:
     """(line, why) of every actor call by name in `source`: a method name in a string passed to a dispatcher or
     to a helper on `self` / a handle (`self._on(0, "weight_prefixes")`), or `getattr(handle, anything)`."""
-    hits = [(n, "method name in a string") for n, line in enumerate(source.splitlines(), start=1)
-            if STRING_DISPATCH.search(line)]
+    hits = [
+        (n, "method name in a string")
+        for n, line in enumerate(source.splitlines(), start=1)
+        if STRING_DISPATCH.search(line)
+    ]
     tree = ast.parse(source)
     handles = _handle_names(tree)
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Name) and func.id in ("getattr", "hasattr") and node.args \
-                and _is_handle(node.args[0], handles):
+        if (
+            isinstance(func, ast.Name)
+            and func.id in ("getattr", "hasattr")
+            and node.args
+            and _is_handle(node.args[0], handles)
+        ):
             hits.append((node.lineno, f"{func.id} on an actor handle"))
         elif isinstance(func, ast.Attribute) and (_is_handle(func.value, handles) or ast.unparse(func.value) == "self"):
             named = [a.value for a in node.args if isinstance(a, ast.Constant) and a.value in operations]
@@ -73,8 +84,9 @@ def dispatch_hits(source: str, operations: set[str]) -> list[tuple[int, str]]:
     return sorted(set(hits))
 
 
-def string_dispatches(roots: list[Path], base: Path = REPO, operations: set[str] | None = None
-                      ) -> tuple[list[str], int]:
+def string_dispatches(
+    roots: list[Path], base: Path = REPO, operations: set[str] | None = None
+) -> tuple[list[str], int]:
     """`file:line: code (why)` of every actor call by name in the .py files under `roots`, and the files read."""
     operations = _worker_operations() if operations is None else operations
     hits, files = [], 0
@@ -91,16 +103,19 @@ def string_dispatches(roots: list[Path], base: Path = REPO, operations: set[str]
 def test_flows_and_infra_call_no_actor_method_by_name():
     hits, files = string_dispatches([REPO / folder for folder in SCANNED])
     assert files >= 20, f"the scan read only {files} files under {SCANNED}: did the folders move?"
-    assert not hits, ("flows/ or infra/ calls actor methods by name; call them as attributes through the typed "
-                      "clients (rollflow.infra.clients, through flows/group.py:WorkerGroup):\n" + "\n".join(hits))
+    assert not hits, (
+        "flows/ or infra/ calls actor methods by name; call them as attributes through the typed "
+        "clients (rollflow.infra.clients, through flows/group.py:WorkerGroup):\n" + "\n".join(hits)
+    )
 
 
 def test_the_scan_catches_string_dispatch(tmp_path):
     (tmp_path / "flows").mkdir()
     (tmp_path / "infra").mkdir()
     (tmp_path / "flows" / "bad.py").write_text(
-        'x = 1\nengine.call("rollout", 0)\ntrainer.submit(\'named_weights\')\n'
-        'h.control("abort")\ngetattr(self.actor, "ping")\nengine.rollout(0)\n')
+        "x = 1\nengine.call(\"rollout\", 0)\ntrainer.submit('named_weights')\n"
+        'h.control("abort")\ngetattr(self.actor, "ping")\nengine.rollout(0)\n'
+    )
     (tmp_path / "infra" / "bad.py").write_text(
         "class C:\n"
         "    def _on(self, rank, method):\n"
@@ -111,13 +126,23 @@ def test_the_scan_catches_string_dispatch(tmp_path):
         "        return [getattr(a, method).remote() for a in self.ranks]\n"  # 7: a handle bound by a loop
         "    def ok(self, data, key):\n"
         '        reporting.stage("rollout")\n'  # not a dispatch: a stage label equal to an operation's name
-        "        return getattr(data, key), self.ranks[0].weight_prefixes.remote(4)\n")
-    hits, files = string_dispatches([tmp_path / "flows", tmp_path / "infra"], base=tmp_path,
-                                    operations={"rollout", "named_weights", "ping", "weight_prefixes"})
+        "        return getattr(data, key), self.ranks[0].weight_prefixes.remote(4)\n"
+    )
+    hits, files = string_dispatches(
+        [tmp_path / "flows", tmp_path / "infra"],
+        base=tmp_path,
+        operations={"rollout", "named_weights", "ping", "weight_prefixes"},
+    )
     assert files == 2
-    assert [h.split(": ", 1)[0] for h in hits] == ["flows/bad.py:2", "flows/bad.py:3", "flows/bad.py:4",
-                                                   "flows/bad.py:5", "infra/bad.py:3", "infra/bad.py:5",
-                                                   "infra/bad.py:7"]
+    assert [h.split(": ", 1)[0] for h in hits] == [
+        "flows/bad.py:2",
+        "flows/bad.py:3",
+        "flows/bad.py:4",
+        "flows/bad.py:5",
+        "infra/bad.py:3",
+        "infra/bad.py:5",
+        "infra/bad.py:7",
+    ]
 
 
 # -- declared capabilities: the worker classes ask `isinstance(engine, Abortable)`, never probe names ------
@@ -153,21 +178,24 @@ def test_worker_classes_probe_no_capability_by_name():
         hits += more
         found |= seen
     assert found == {c.__name__ for c in _worker_classes()}, f"the scan found only {sorted(found)}"
-    assert not hits, ("the worker classes probe capabilities by name; declare them as protocols "
-                      "(tasks/rollout/capabilities.py, tasks/train/capabilities.py) and ask with isinstance:\n"
-                      + "\n".join(hits))
+    assert not hits, (
+        "the worker classes probe capabilities by name; declare them as protocols "
+        "(tasks/rollout/capabilities.py, tasks/train/capabilities.py) and ask with isinstance:\n" + "\n".join(hits)
+    )
 
 
 def test_the_probe_scan_catches_getattr_and_hasattr():
-    source = ("class W:\n"
-              "    def a(self):\n"
-              '        if hasattr(self.engine, "reset_abort"):\n'  # 3
-              "            self.engine.reset_abort()\n"
-              '        move = getattr(self.backend, "offload", None)\n'  # 5
-              '        loaded = getattr(self, "_loaded", None)\n'  # 6: a self-state hack
-              "        return isinstance(self.engine, Abortable)\n"
-              "def helper(x):\n"
-              '    return getattr(x, "y", None)\n')  # outside the scanned class
+    source = (
+        "class W:\n"
+        "    def a(self):\n"
+        '        if hasattr(self.engine, "reset_abort"):\n'  # 3
+        "            self.engine.reset_abort()\n"
+        '        move = getattr(self.backend, "offload", None)\n'  # 5
+        '        loaded = getattr(self, "_loaded", None)\n'  # 6: a self-state hack
+        "        return isinstance(self.engine, Abortable)\n"
+        "def helper(x):\n"
+        '    return getattr(x, "y", None)\n'
+    )  # outside the scanned class
     hits, found = name_probes(source, {"W"})
     assert found == {"W"} and [h.split(": ", 1)[0] for h in hits] == ["W:3", "W:5", "W:6"]
 
@@ -175,7 +203,8 @@ def test_the_probe_scan_catches_getattr_and_hasattr():
 def _members(protocol: type) -> set[str]:
     """A protocol's members: its annotated attributes and the methods of its body."""
     return set(protocol.__dict__.get("__annotations__", {})) | {
-        name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")}
+        name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")
+    }
 
 
 def test_engines_and_backends_declare_their_capabilities(tmp_path):
@@ -201,9 +230,21 @@ def test_engines_and_backends_declare_their_capabilities(tmp_path):
     torch_backend = build_backend("builtin:addition", OptimConfig(), temperature=1.0)
     expected = [
         (hf, rollout_caps, {rc.Abortable, rc.StickyAbort, ResidentTensors}),
-        (sglang, rollout_caps, {rc.Liveness, rc.Abortable, rc.ReportsInflight, rc.Offloadable, rc.ServesWeightsByName,
-                                rc.ReportsModelInfo, rc.BucketedWeightSync, rc.WeightUpdateSession,
-                                rc.WeightGroupMember}),
+        (
+            sglang,
+            rollout_caps,
+            {
+                rc.Liveness,
+                rc.Abortable,
+                rc.ReportsInflight,
+                rc.Offloadable,
+                rc.ServesWeightsByName,
+                rc.ReportsModelInfo,
+                rc.BucketedWeightSync,
+                rc.WeightUpdateSession,
+                rc.WeightGroupMember,
+            },
+        ),
         (torch_backend, train_caps, {tc.Offloadable, tc.KnowsVocabSize, ResidentTensors}),
     ]
     for obj, caps, wanted in expected:
@@ -224,8 +265,11 @@ def _remote_calls_by_class(source: str) -> dict[str, set[str]]:
             continue
         names = out.setdefault(cls.name, set())
         for node in ast.walk(cls):
-            if (isinstance(node, ast.Attribute) and node.attr in ("remote", "options")
-                    and isinstance(node.value, ast.Attribute)):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("remote", "options")
+                and isinstance(node.value, ast.Attribute)
+            ):
                 names.add(node.value.attr)
     return out
 
@@ -236,8 +280,12 @@ def test_every_client_method_calls_an_operation_the_worker_has():
     from rollflow.tasks.train.critic_worker import CriticWorker
     from rollflow.tasks.train.worker import TrainWorker
 
-    workers = {"TrainerClient": TrainWorker, "EngineClient": RolloutWorker, "ServerClient": SGLangServerWorker,
-               "CriticClient": CriticWorker}
+    workers = {
+        "TrainerClient": TrainWorker,
+        "EngineClient": RolloutWorker,
+        "ServerClient": SGLangServerWorker,
+        "CriticClient": CriticWorker,
+    }
     called = _remote_calls_by_class((REPO / "infra" / "clients.py").read_text())
     for client, worker in workers.items():
         assert called.get(client), f"{client} calls no actor method"
@@ -284,30 +332,47 @@ def test_trainer_fans_collectives_out_to_every_rank_and_the_rest_to_rank_0(no_ra
     trainer = TrainerClient([_Actor(0, log, describe=describe), _Actor(1, log, describe=describe)])
     ref = ArtifactRef("/r", "t", "train", 0)
     assert trainer.train_on_artifact(ref, dump_uri="d") == ("train_on_artifact", 0)  # rank 0's result
-    assert [(r, m, kw["dump_uri"]) for r, m, _, _, kw in log] == [(0, "train_on_artifact", "d"),
-                                                                  (1, "train_on_artifact", "d")]
+    assert [(r, m, kw["dump_uri"]) for r, m, _, _, kw in log] == [
+        (0, "train_on_artifact", "d"),
+        (1, "train_on_artifact", "d"),
+    ]
     assert all(args == (ref,) for *_, args, _ in log)  # the dataclass itself goes to the workers (Ray pickles it)
     log.clear()
     trainer.load_artifact(ref)
     trainer.replay_step(ref, start_state_uri=None, out_state_uri="o")
-    assert [(r, m) for r, m, *_ in log] == [(0, "load_artifact"), (1, "load_artifact"),
-                                           (0, "replay_step"), (1, "replay_step")]
+    assert [(r, m) for r, m, *_ in log] == [
+        (0, "load_artifact"),
+        (1, "load_artifact"),
+        (0, "replay_step"),
+        (1, "replay_step"),
+    ]
     log.clear()
     trainer.save_checkpoint(3, extra={"data": {}})
     trainer.named_weights()
     trainer.weight_checksums("bfloat16")
     # checkpoints reach every rank (a sharded trainer writes from all; the others return at once); weights: rank 0
-    assert [(r, m) for r, m, *_ in log] == [(0, "save_checkpoint"), (1, "save_checkpoint"), (0, "describe"),
-                                           (0, "named_weights"), (0, "weight_checksums")]
+    assert [(r, m) for r, m, *_ in log] == [
+        (0, "save_checkpoint"),
+        (1, "save_checkpoint"),
+        (0, "describe"),
+        (0, "named_weights"),
+        (0, "weight_checksums"),
+    ]
     # a sharded trainer (megatron tp / pp > 1): reading the weights is a collective, every rank is called
     log.clear()
     sharded = dataclasses.replace(describe, sharded=True)
-    trainer = TrainerClient([_Actor(0, log, describe=sharded, export_weights={"w": 1}),
-                             _Actor(1, log, describe=sharded, export_weights={})])
+    trainer = TrainerClient(
+        [_Actor(0, log, describe=sharded, export_weights={"w": 1}), _Actor(1, log, describe=sharded, export_weights={})]
+    )
     assert trainer.named_weights().ref == {"w": 1}  # rank 0's gathered dict goes on to the engine
     assert trainer.weight_checksums(rank=1) == ("weight_checksums", 1)
-    assert [(r, m) for r, m, *_ in log] == [(0, "describe"), (0, "export_weights"), (1, "export_weights"),
-                                           (0, "weight_checksums"), (1, "weight_checksums")]
+    assert [(r, m) for r, m, *_ in log] == [
+        (0, "describe"),
+        (0, "export_weights"),
+        (1, "export_weights"),
+        (0, "weight_checksums"),
+        (1, "weight_checksums"),
+    ]
     # the broadcast path's steps reach every rank too (a sharded trainer's ranks make each bucket together)
     log.clear()
     bucket = BroadcastBucket(metas=[{"name": "w", "dtype": "float32", "shape": (2,)}], last=True)
@@ -316,10 +381,14 @@ def test_trainer_fans_collectives_out_to_every_rank_and_the_rest_to_rank_0(no_ra
     assert trainer.next_weight_bucket() == (bucket.metas, True)
     assert trainer.weight_prefixes(4) == ("weight_prefixes", 0)
     assert [(r, m, args) for r, m, _, args, _ in log] == [
-        (0, "describe", ()), (0, "weight_buckets_begin", (1024, "bfloat16")),
+        (0, "describe", ()),
+        (0, "weight_buckets_begin", (1024, "bfloat16")),
         (1, "weight_buckets_begin", (1024, "bfloat16")),
-        (0, "next_weight_bucket", ()), (1, "next_weight_bucket", ()), (0, "weight_prefixes", (4, None)),
-        (1, "weight_prefixes", (4, None))]
+        (0, "next_weight_bucket", ()),
+        (1, "next_weight_bucket", ()),
+        (0, "weight_prefixes", (4, None)),
+        (1, "weight_prefixes", (4, None)),
+    ]
 
 
 def test_engine_control_calls_run_in_the_control_group_and_results_are_typed(no_ray):
@@ -327,9 +396,18 @@ def test_engine_control_calls_run_in_the_control_group_and_results_are_typed(no_
     from rollflow.infra.workers import CONTROL
 
     log: list = []
-    engine = EngineClient(_Actor(0, log, abort=2, inflight=("a",), ping=True,
-                                 describe=EngineDescription("hf", "m", 3),
-                                 engine_checks=EngineChecks(mismatched=["x"], notes=[]), update_weights=4))
+    engine = EngineClient(
+        _Actor(
+            0,
+            log,
+            abort=2,
+            inflight=("a",),
+            ping=True,
+            describe=EngineDescription("hf", "m", 3),
+            engine_checks=EngineChecks(mismatched=["x"], notes=[]),
+            update_weights=4,
+        )
+    )
     assert engine.abort() == 2 and engine.inflight() == ["a"] and engine.alive()
     assert [(m, g) for _, m, g, _, _ in log] == [("abort", CONTROL), ("inflight", CONTROL), ("ping", CONTROL)]
     assert engine.describe() == EngineDescription("hf", "m", 3)
@@ -345,8 +423,16 @@ def test_worker_group_computes_the_placement_plan_once(tmp_path, monkeypatch):
     import rollflow.flows.group as group_module
     from rollflow.flows.group import WorkerGroup
 
-    cfg = small_config(tmp_path, resources={"num_gpus": 4, "trainer_gpus": 1, "num_engines": 1,
-                                            "gpus_per_engine": 2, "gpu_resource": "fake_gpu"})
+    cfg = small_config(
+        tmp_path,
+        resources={
+            "num_gpus": 4,
+            "trainer_gpus": 1,
+            "num_engines": 1,
+            "gpus_per_engine": 2,
+            "gpu_resource": "fake_gpu",
+        },
+    )
     calls: list[int] = []
     real = group_module.plan_placement
     monkeypatch.setattr(group_module, "plan_placement", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,8 @@ from rollflow.artifacts import EngineInfo, RolloutStore, Sample
 @pytest.fixture
 def cli(monkeypatch, tmp_path):
     """The `rollflow` app; starting Prefect or Ray fails the test (the checks must come first)."""
-    import rollflow.flows.cli.root as cli_mod
     import rollflow.flows.cli.align as align_mod
+    import rollflow.flows.cli.root as cli_mod
     import rollflow.flows.group  # noqa: F401  imported before the patch, so it never binds the stub for good
     import rollflow.infra.workers as workers
 
@@ -49,8 +48,15 @@ def one_error_line(res) -> str:
 
 
 def files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()} if root.exists() else {}
+    return (
+        {
+            str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file()
+        }
+        if root.exists()
+        else {}
+    )
 
 
 def test_store_root_not_writable(cli, tmp_path):
@@ -69,11 +75,19 @@ def test_model_dir_without_tokenizer(cli, tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 10}))
     (model / "model.safetensors").write_bytes(b"")
-    line = one_error_line(run(cli, "train", "--set", f"store.root={tmp_path / 'runs'}",
-                              "--set", f"model.path={model}"))
+    line = one_error_line(run(cli, "train", "--set", f"store.root={tmp_path / 'runs'}", "--set", f"model.path={model}"))
     assert "missing its tokenizer" in line
-    line = one_error_line(run(cli, "align", "--local", "--set", f"store.root={tmp_path / 'runs'}",
-                              "--set", f"model.path={tmp_path / 'nope'}"))
+    line = one_error_line(
+        run(
+            cli,
+            "align",
+            "--local",
+            "--set",
+            f"store.root={tmp_path / 'runs'}",
+            "--set",
+            f"model.path={tmp_path / 'nope'}",
+        )
+    )
     assert "is not a directory" in line
     assert not (tmp_path / "runs").exists()
 
@@ -83,22 +97,49 @@ def test_dataset_row_without_key_found_before_start(cli, tmp_path):
     rows = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(8)]
     rows[5] = {"question": "5+1=", "label": "6"}
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sets = ["--set", f"store.root={tmp_path / 'runs'}", "--set", "data.task=dataset", "--set", f"data.path={data}",
-            "--set", "data.prompts_per_rollout=2", "--set", "rollout.n_samples_per_prompt=2",
-            "--set", "train.num_steps_per_rollout=1"]
+    sets = [
+        "--set",
+        f"store.root={tmp_path / 'runs'}",
+        "--set",
+        "data.task=dataset",
+        "--set",
+        f"data.path={data}",
+        "--set",
+        "data.prompts_per_rollout=2",
+        "--set",
+        "rollout.n_samples_per_prompt=2",
+        "--set",
+        "train.num_steps_per_rollout=1",
+    ]
     line = one_error_line(run(cli, "rollout", *sets))
     assert "data record 5 (line 6)" in line and "has no 'prompt' (data.input_key)" in line
-    line = one_error_line(run(cli, "train", *sets[:-2], "--set", "train.num_steps_per_rollout=1",
-                              "--set", "data.label_key=answer"))
+    line = one_error_line(
+        run(cli, "train", *sets[:-2], "--set", "train.num_steps_per_rollout=1", "--set", "data.label_key=answer")
+    )
     assert "has no 'answer' (data.label_key)" in line and "data.label_key=null" in line
     # parquet: a configured key that is not a column
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["1+1="], "label": ["2"]}), tmp_path / "p.parquet")
-    line = one_error_line(run(cli, "train", "--set", f"store.root={tmp_path / 'runs'}", "--set", "data.task=dataset",
-                              "--set", f"data.path={tmp_path / 'p.parquet'}", "--set", "data.prompts_per_rollout=1",
-                              "--set", "rollout.n_samples_per_prompt=2", "--set", "train.num_steps_per_rollout=1"))
+    line = one_error_line(
+        run(
+            cli,
+            "train",
+            "--set",
+            f"store.root={tmp_path / 'runs'}",
+            "--set",
+            "data.task=dataset",
+            "--set",
+            f"data.path={tmp_path / 'p.parquet'}",
+            "--set",
+            "data.prompts_per_rollout=1",
+            "--set",
+            "rollout.n_samples_per_prompt=2",
+            "--set",
+            "train.num_steps_per_rollout=1",
+        )
+    )
     assert "has no 'prompt'" in line and "['label', 'text']" in line
     assert not (tmp_path / "runs").exists()
 
@@ -121,13 +162,37 @@ def test_dataset_scan_streams_quickly(tmp_path):
 def test_ids_and_source_run_checked_first(cli, tmp_path):
     root = tmp_path / "runs"
     store = RolloutStore(str(root))
-    sample = Sample(group_index=0, index=0, prompt="p", tokens=[1, 2, 3], response="r", response_length=1,
-                    loss_mask=[1], rollout_log_probs=[-0.1], reward=1.0)
-    store.write("src", "train", 0, [sample], n_samples_per_prompt=1,
-                engine=EngineInfo(backend="hf", model="m", weight_version=0), config_hash="c")
+    sample = Sample(
+        group_index=0,
+        index=0,
+        prompt="p",
+        tokens=[1, 2, 3],
+        response="r",
+        response_length=1,
+        loss_mask=[1],
+        rollout_log_probs=[-0.1],
+        reward=1.0,
+    )
+    store.write(
+        "src",
+        "train",
+        0,
+        [sample],
+        n_samples_per_prompt=1,
+        engine=EngineInfo(backend="hf", model="m", weight_version=0),
+        config_hash="c",
+    )
     before = files(root)
-    base = ["--set", f"store.root={root}", "--set", "data.prompts_per_rollout=1",
-            "--set", "rollout.n_samples_per_prompt=2", "--set", "train.num_steps_per_rollout=1"]
+    base = [
+        "--set",
+        f"store.root={root}",
+        "--set",
+        "data.prompts_per_rollout=1",
+        "--set",
+        "rollout.n_samples_per_prompt=2",
+        "--set",
+        "train.num_steps_per_rollout=1",
+    ]
     line = one_error_line(run(cli, "rollout", *base, "--ids", "3-1"))
     assert "--ids '3-1': range '3-1' runs backwards" in line and "1-3" in line
     line = one_error_line(run(cli, "replay", *base, "--source-run", "srcc"))

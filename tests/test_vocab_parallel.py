@@ -11,8 +11,10 @@ def test_one_rank_equals_log_softmax_values_and_grads():
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(4, 9, 64, generator=g, dtype=torch.float64) * 4).requires_grad_(True)
     target = torch.randint(0, 50, (4, 9), generator=g)
-    w_lp, w_ent = torch.randn(4, 9, generator=g, dtype=torch.float64), torch.randn(4, 9, generator=g,
-                                                                                  dtype=torch.float64)
+    w_lp, w_ent = (
+        torch.randn(4, 9, generator=g, dtype=torch.float64),
+        torch.randn(4, 9, generator=g, dtype=torch.float64),
+    )
     lp, ent = vocab_parallel_log_probs(logits, target, vocab_start=0, vocab_size=50, temperature=0.8)
     (lp * w_lp + ent * w_ent).sum().backward()
 

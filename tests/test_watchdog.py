@@ -40,8 +40,14 @@ class Plodder:
 
 
 def _watch(tmp_path, run: str, stall_s: float) -> StallWatch:
-    return StallWatch(run=run, task="generate", iteration=3, stall_s=stall_s,
-                      stacks_uri=stacks_uri(str(tmp_path), run, 3, "generate"), poll_s=0.2)
+    return StallWatch(
+        run=run,
+        task="generate",
+        iteration=3,
+        stall_s=stall_s,
+        stacks_uri=stacks_uri(str(tmp_path), run, 3, "generate"),
+        poll_s=0.2,
+    )
 
 
 def test_progress_counter_is_safe_across_threads():
@@ -81,7 +87,7 @@ def test_stopped_actor_stalls_with_stacks_and_is_killed(ray_local, tmp_path):
 
     run = "wd-stop"
     actor = start_actor(run, "engine", Plodder)
-    other = start_actor(run, "trainer", Plodder)  # an idle actor of the same run: its stacks are captured too
+    start_actor(run, "trainer", Plodder)  # an idle actor of the same run: its stacks are captured too
     pid = ray.get(actor.pid.remote())
     try:
         ref = actor.work.remote(10_000, 0.05)
@@ -192,8 +198,9 @@ def _session_procs(sid: int, marker: str) -> list[int]:
     return out
 
 
-def _train_until(tmp_path, prefect_api, run: str, marker: str, after: str, extra: list[str],
-                 settle_s: float = 0.0) -> tuple[str, list[int]]:
+def _train_until(
+    tmp_path, prefect_api, run: str, marker: str, after: str, extra: list[str], settle_s: float = 0.0
+) -> tuple[str, list[int]]:
     """`rollflow train` (3 iterations, watchdog.stall_s=20); SIGSTOP the `marker` actor `settle_s` after `after` exists
     under the run; returns the output and the stopped pids. The run must complete."""
     import subprocess
@@ -201,12 +208,26 @@ def _train_until(tmp_path, prefect_api, run: str, marker: str, after: str, extra
     from pathlib import Path
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
-    sets = [f"run={run}", "iterations=3", f"store.root={tmp_path}", "data.prompts_per_rollout=16",
-            "rollout.n_samples_per_prompt=4", "train.num_steps_per_rollout=1", "watchdog.stall_s=20",
-            "watchdog.probe_every=0", *extra]
+    sets = [
+        f"run={run}",
+        "iterations=3",
+        f"store.root={tmp_path}",
+        "data.prompts_per_rollout=16",
+        "rollout.n_samples_per_prompt=4",
+        "train.num_steps_per_rollout=1",
+        "watchdog.stall_s=20",
+        "watchdog.probe_every=0",
+        *extra,
+    ]
     cmd = [sys.executable, "-m", "rollflow.flows.cli", "train"] + [a for s in sets for a in ("--set", s)]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     stopped: list[int] = []
     try:
         deadline = time.monotonic() + 300
@@ -247,7 +268,7 @@ def test_e2e_engine_stopped_during_generate(tmp_path, prefect_api):
     assert str(stack_file) in line or "stalls/2-generate.txt" in line
     text = stack_file.read_text()
     assert f"=== {run}:engine (pid {pids[0]}" in text and "rollout" in text
-    metrics = [l for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    metrics = [line for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) == 3
 
 
@@ -268,9 +289,17 @@ def test_e2e_trainer_stopped_resumes_from_checkpoint(tmp_path, prefect_api):
     and the stop lands 5 s after rollout 1 is committed. The train task stalls, the run fails that flow run attempt,
     and rl_train's retry (retries=1) resumes from checkpoint 1 with a fresh trainer."""
     run = "wd-train"
-    output, _ = _train_until(tmp_path, prefect_api, run, "TrainWorker", "rollouts/train/000001/manifest.json",
-                             ["retries=1", "debug.slow_train_s=30"], settle_s=5)
+    # the fault's trainer class names the process: ray::SlowTrainWorker
+    output, _ = _train_until(
+        tmp_path,
+        prefect_api,
+        run,
+        "SlowTrainWorker",
+        "rollouts/train/000001/manifest.json",
+        ["retries=1", "debug.slow_train_s=30"],
+        settle_s=5,
+    )
     _one_stall_line(output, "train", f"{run}:trainer")
     assert (tmp_path / run / "stalls" / "2-train.txt").exists()
-    metrics = [l for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    metrics = [line for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) == 3

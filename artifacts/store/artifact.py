@@ -12,8 +12,14 @@ from .refs import SAMPLES_NAME, ArtifactRef, join_uri
 class RolloutArtifact:
     """A manifest plus its samples, held as columns; `samples` materialises `Sample` objects on first use."""
 
-    def __init__(self, manifest: Manifest, samples: list[Sample] | None = None, root: str | None = None, *,
-                 columns: SampleColumns | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        samples: list[Sample] | None = None,
+        root: str | None = None,
+        *,
+        columns: SampleColumns | None = None,
+    ) -> None:
         if (samples is None) == (columns is None):
             raise ValueError("RolloutArtifact takes either samples or columns")
         self.manifest = manifest
@@ -23,8 +29,10 @@ class RolloutArtifact:
         self._columns = columns
 
     def __repr__(self) -> str:
-        return (f"RolloutArtifact({self.manifest.split} rollout {self.manifest.rollout_id} of run "
-                f"{self.manifest.run!r}, {self.manifest.n_samples} samples, root={self.root!r})")
+        return (
+            f"RolloutArtifact({self.manifest.split} rollout {self.manifest.rollout_id} of run "
+            f"{self.manifest.run!r}, {self.manifest.n_samples} samples, root={self.root!r})"
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutArtifact):

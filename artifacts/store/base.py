@@ -84,8 +84,9 @@ class StoreBase:
         bucket = self._base.split("/", 1)[0]
         endpoint = endpoint_of(self._fs, self.root)
         try:
-            with storage_errors(self.root, "opening the artifact root", fs=self._fs,
-                                storage_options=self.storage_options):
+            with storage_errors(
+                self.root, "opening the artifact root", fs=self._fs, storage_options=self.storage_options
+            ):
                 self._fs.call_s3("head_bucket", Bucket=bucket)
         except StorageError:
             raise
@@ -93,7 +94,10 @@ class StoreBase:
             raise StorageBucketNotFound(
                 f"bucket {bucket!r} does not exist at {endpoint} (artifact root {self.root}); create it "
                 f"(e.g. `aws s3 mb s3://{bucket}`) or fix store.root / AWS_ENDPOINT_URL",
-                uri=self.root, endpoint=endpoint, bucket=bucket) from None
+                uri=self.root,
+                endpoint=endpoint,
+                bucket=bucket,
+            ) from None
 
     def _producer_info(self) -> ProducerInfo:
         # Resolved once per store: it runs `git` and the answer cannot change within a process.

@@ -84,7 +84,9 @@ class CommitProtocol(StoreBase):
                 config_hash=config_hash,
                 files=[
                     FileEntry(
-                        name=SAMPLES_NAME, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload),
+                        name=SAMPLES_NAME,
+                        sha256=hashlib.sha256(payload).hexdigest(),
+                        size=len(payload),
                         format=PAYLOAD_FORMAT,
                     )
                 ],
@@ -198,7 +200,10 @@ class CommitProtocol(StoreBase):
                     _log.warning(
                         "the object store at %s rejects conditional writes (If-None-Match) (%s); falling "
                         "back to check-then-put: two writers of the same rollout id racing within one "
-                        "request of each other could both commit", endpoint, type(exc).__name__)
+                        "request of each other could both commit",
+                        endpoint,
+                        type(exc).__name__,
+                    )
                     return None
                 raise
         raise ArtifactExists(uri, in_progress=in_progress)
@@ -223,8 +228,11 @@ class CommitProtocol(StoreBase):
             return  # no cheap identity on this filesystem (memory://): nothing to compare
         current = self._payload_tag(path)
         if current != ours:
-            _log.warning("payload %s was replaced by a concurrent writer of the same rollout id "
-                         "before this commit; writing the committed payload again", self._uri_of(path))
+            _log.warning(
+                "payload %s was replaced by a concurrent writer of the same rollout id "
+                "before this commit; writing the committed payload again",
+                self._uri_of(path),
+            )
             self._put(path, payload)
 
     def _lost_race(self, exc: ArtifactExists, path: str, payload: bytes, etag: str | None) -> ArtifactExists:
@@ -236,10 +244,14 @@ class CommitProtocol(StoreBase):
             clobbered = False
         if not clobbered:
             return exc
-        return ArtifactExists(exc.uri, note=(
-            "This writer lost a race with a concurrent writer of the same id and its payload replaced the "
-            "committed one afterwards: loading the artifact will fail its checksum (ArtifactCorrupt); "
-            "regenerate it. Give concurrent runs distinct run names."))
+        return ArtifactExists(
+            exc.uri,
+            note=(
+                "This writer lost a race with a concurrent writer of the same id and its payload replaced the "
+                "committed one afterwards: loading the artifact will fail its checksum (ArtifactCorrupt); "
+                "regenerate it. Give concurrent runs distinct run names."
+            ),
+        )
 
 
 def _columns_of(samples: Iterable[Sample]) -> SampleColumns:
@@ -262,7 +274,6 @@ def _columns_of(samples: Iterable[Sample]) -> SampleColumns:
             except (ValueError, TypeError) as exc:
                 raise ArtifactSchemaError(f"samples[{position}]: {exc}", field="samples") from None
         raise
-
 
 
 def _rejects_conditional_put(exc: BaseException, codes: set[str]) -> bool:

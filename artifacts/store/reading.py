@@ -96,7 +96,10 @@ class VerifiedReads(StoreBase):
             raise ArtifactSchemaError(
                 f"{SAMPLES_NAME} is in payload format {fmt!r}, which this rollflow cannot read (it reads "
                 f"{', '.join(sorted(READABLE_FORMATS))}); upgrade rollflow to read artifacts written by a newer "
-                "version", field="files", uri=uri)
+                "version",
+                field="files",
+                uri=uri,
+            )
         return manifest, uri, payloads[entry.name]
 
     @staticmethod

@@ -52,9 +52,7 @@ def normalize_root(root: str) -> str:
     Ray workers) whose working directory may differ.
     """
     if not isinstance(root, str) or not root.strip():
-        raise ValueError(
-            f"root={root!r}: expected a non-empty path or fsspec URL (file://, s3://, memory://)"
-        )
+        raise ValueError(f"root={root!r}: expected a non-empty path or fsspec URL (file://, s3://, memory://)")
     if "://" in root:
         protocol, rest = root.split("://", 1)
         return f"{protocol}://{rest.rstrip('/')}"
@@ -64,7 +62,6 @@ def normalize_root(root: str) -> str:
 def join_uri(root: str, *parts: str) -> str:
     base = root if root.endswith("/") else root + "/"
     return base + "/".join(parts)
-
 
 
 def protocol_of(root: str) -> str:
@@ -93,7 +90,6 @@ def validate_rel(rel: Any) -> str:
             "no empty, '.' or '..' components, no URL scheme)"
         )
     return rel
-
 
 
 # ----------------------------------------------------------------------------- refs and artifacts
@@ -144,8 +140,6 @@ class ArtifactRef:
             raise ValueError(f"uri={uri!r} is not a rollout artifact folder; expected {layout}")
         run, _, split, id_text = parts[-4:]
         if not (id_text.isascii() and id_text.isdigit()):
-            raise ValueError(
-                f"uri={uri!r}: last component {id_text!r} is not a rollout id; expected {layout}"
-            )
+            raise ValueError(f"uri={uri!r}: last component {id_text!r} is not a rollout id; expected {layout}")
         root = text[: len(text) - len("/".join(parts[-4:]))]
         return cls(root=root, run=run, split=split, rollout_id=int(id_text))

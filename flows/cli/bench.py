@@ -16,8 +16,11 @@ def register(app: typer.Typer) -> None:
     @app.command("bench", context_settings={"allow_extra_args": False})
     def bench(
         suite: Optional[List[str]] = typer.Option(
-            None, "--suite", "-s",
-            help="orchestration, artifact_io, rollout, train, sync, replay (or 1-6); repeatable; default all"),
+            None,
+            "--suite",
+            "-s",
+            help="orchestration, artifact_io, rollout, train, sync, replay (or 1-6); repeatable; default all",
+        ),
         quick: bool = typer.Option(False, "--quick", help="small sizes, fewer repeats"),
         out: Optional[str] = typer.Option(None, "--out", help="JSON path (default benchmarks/results/...)"),
         repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per figure"),
@@ -33,7 +36,8 @@ def register(app: typer.Typer) -> None:
         checkout = Path(__file__).resolve().parents[1]
         if not (checkout / "benchmarks" / "cli.py").exists():
             raise typer.BadParameter(
-                f"the benchmarks package is not in {checkout}; run from a rollflow checkout") from None
+                f"the benchmarks package is not in {checkout}; run from a rollflow checkout"
+            ) from None
         argv: list[str] = [sys.executable, "-m", "benchmarks"]
         for name in suite or []:
             argv += ["--suite", name]
@@ -45,6 +49,7 @@ def register(app: typer.Typer) -> None:
             argv += ["--repeats", str(repeats)]
         argv += ["--device", device]
         # Same working directory as the command (relative --out paths unchanged); the checkout on the path.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH"))
-                                                          if p))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
+        )
         raise typer.Exit(subprocess.run(argv, env=env).returncode)

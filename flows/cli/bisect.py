@@ -26,18 +26,29 @@ from rollflow.flows.cli.common import (
 from rollflow.tasks.debug.ima import parse_toggles, run_matrix
 
 
-def run_local(cfg, *, crash_when: Optional[str], timeout_s: float, coredump: bool, fault: Optional[str],
-              parallel: int, log=print) -> dict:
+def run_local(
+    cfg, *, crash_when: Optional[str], timeout_s: float, coredump: bool, fault: Optional[str], parallel: int, log=print
+) -> dict:
     """The same triage in this process, no Prefect server: the store root must be a local folder."""
     from rollflow.flows.bisect import REPORT_NAME, _store_location  # lazy: keeps torch/prefect out of CLI start-up
 
     fs, run_path, local = _store_location(cfg)
     if not local:
-        raise ValueError(f"--local writes core dumps next to the run: store.root={cfg.store.root!r} must be a local "
-                         "folder (or drop --local to run the flow, which uploads them)")
-    report = run_matrix(json.loads(cfg.model_dump_json()), backend=cfg.rollout.engine, run_dir=run_path,
-                        crash_when=crash_when, fault=fault, timeout_s=timeout_s, coredump=coredump,
-                        parallel=parallel, log=log)
+        raise ValueError(
+            f"--local writes core dumps next to the run: store.root={cfg.store.root!r} must be a local "
+            "folder (or drop --local to run the flow, which uploads them)"
+        )
+    report = run_matrix(
+        json.loads(cfg.model_dump_json()),
+        backend=cfg.rollout.engine,
+        run_dir=run_path,
+        crash_when=crash_when,
+        fault=fault,
+        timeout_s=timeout_s,
+        coredump=coredump,
+        parallel=parallel,
+        log=log,
+    )
     report.context.update({"run": cfg.run, "store": cfg.store.root, "config_hash": cfg.config_hash()})
     out_dir = Path(run_path) / "coredumps"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -49,18 +60,23 @@ def run_local(cfg, *, crash_when: Optional[str], timeout_s: float, coredump: boo
 
 def register(app: typer.Typer) -> None:
     @app.command("bisect")
-    def bisect(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
-               crash_when: Optional[str] = typer.Option(
-                   None, "--crash-when", help="debug switch: fault the decode step in cells matching e.g. "
-                                              "'cuda_graph=on,speculative=on'"),
-               timeout_s: float = typer.Option(300.0, "--timeout-s", help="per-cell limit; a hang is killed"),
-               fault: Optional[str] = typer.Option(
-                   None, "--fault", help="with --crash-when: abort | raise (CPU), triton_oob | device_assert (CUDA)"),
-               parallel: int = typer.Option(1, "--parallel", min=1, help="matrix cells run at once"),
-               no_coredump: bool = typer.Option(False, "--no-coredump", help="skip the core-dump rerun"),
-               local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server"),
-               as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of markdown"),
-               ) -> None:
+    def bisect(
+        config: Optional[str] = ConfigOpt,
+        sets: Optional[List[str]] = SetOpt,
+        crash_when: Optional[str] = typer.Option(
+            None,
+            "--crash-when",
+            help="debug switch: fault the decode step in cells matching e.g. 'cuda_graph=on,speculative=on'",
+        ),
+        timeout_s: float = typer.Option(300.0, "--timeout-s", help="per-cell limit; a hang is killed"),
+        fault: Optional[str] = typer.Option(
+            None, "--fault", help="with --crash-when: abort | raise (CPU), triton_oob | device_assert (CUDA)"
+        ),
+        parallel: int = typer.Option(1, "--parallel", min=1, help="matrix cells run at once"),
+        no_coredump: bool = typer.Option(False, "--no-coredump", help="skip the core-dump rerun"),
+        local: bool = typer.Option(False, "--local", help="run in this process: no Prefect server"),
+        as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of markdown"),
+    ) -> None:
         """Illegal-memory-access triage: CUDA graph x speculative x DeepEP matrix, each cell in its own process;
         a launch-blocking rerun and a CUDA core-dump rerun of a crashing cell; one table and a verdict."""
         cfg = build_config(config, sets)
@@ -71,8 +87,9 @@ def register(app: typer.Typer) -> None:
             fail(f"--crash-when {crash_when!r}: {exc}")
         for text in cfg.notices:
             notice(text)
-        kwargs = dict(crash_when=crash_when, timeout_s=timeout_s, coredump=not no_coredump, fault=fault,
-                      parallel=parallel)
+        kwargs = dict(
+            crash_when=crash_when, timeout_s=timeout_s, coredump=not no_coredump, fault=fault, parallel=parallel
+        )
         with user_errors("bisect"):
             out, markdown = _bisect(cfg, local, kwargs)
         if as_json:
@@ -94,11 +111,11 @@ def _bisect(cfg, local: bool, kwargs: dict) -> tuple[dict, Optional[str]]:
         return out, out.pop("markdown")
     quiet_prefect_console()
     api = ensure_prefect_api()
-    err_console.print(f"IMA bisect of run [bold]{cfg.run}[/] ({cfg.rollout.engine} engine); Prefect UI at "
-                      f"{api.removesuffix('/api')}")
+    err_console.print(
+        f"IMA bisect of run [bold]{cfg.run}[/] ({cfg.rollout.engine} engine); Prefect UI at {api.removesuffix('/api')}"
+    )
     from rollflow.flows.bisect import ima_bisect  # lazy: keeps torch/prefect out of CLI start-up
 
     out = ima_bisect(cfg, **kwargs)
-    markdown = Path(out["json_path"]).with_name("ima_report.md").read_text() \
-        if "://" not in out["json_path"] else None
+    markdown = Path(out["json_path"]).with_name("ima_report.md").read_text() if "://" not in out["json_path"] else None
     return out, markdown

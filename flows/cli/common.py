@@ -34,11 +34,27 @@ LOG_DIR_ENV = "ROLLFLOW_LOG_DIR"
 
 # Exceptions that are the user's to fix (matched by class name anywhere in the MRO, so that Ray's
 # wrappers, which subclass the original type, and classes of lazily imported modules both count).
-USER_ERROR_NAMES = frozenset({
-    "ConfigError", "PreflightError", "ArtifactError", "CheckpointError", "DataResumeMismatch", "DataExhausted",
-    "RunExistsError", "RunBusy", "ModelDirError", "ValueError", "FileNotFoundError", "PermissionError", "NotADirectoryError",
-    "IsADirectoryError", "KeyError", "NotImplementedError", "typer.BadParameter",
-})
+USER_ERROR_NAMES = frozenset(
+    {
+        "ConfigError",
+        "PreflightError",
+        "ArtifactError",
+        "CheckpointError",
+        "DataResumeMismatch",
+        "DataExhausted",
+        "RunExistsError",
+        "RunBusy",
+        "ModelDirError",
+        "ValueError",
+        "FileNotFoundError",
+        "PermissionError",
+        "NotADirectoryError",
+        "IsADirectoryError",
+        "KeyError",
+        "NotImplementedError",
+        "typer.BadParameter",
+    }
+)
 
 
 def plain_console(stderr: bool = False) -> Console:
@@ -149,21 +165,27 @@ def _is_user_error(exc: BaseException) -> bool:
 
 
 def _actor_died(exc: BaseException) -> bool:
-    return any(base.__name__ in ("RayActorError", "ActorDiedError", "WorkerDiedError", "ActorDied")
-               for base in type(exc).__mro__)
+    return any(
+        base.__name__ in ("RayActorError", "ActorDiedError", "WorkerDiedError", "ActorDied")
+        for base in type(exc).__mro__
+    )
 
 
 def error_line(exc: BaseException) -> tuple[str, int]:
     """(one-line message, exit code) for an exception that ended a command."""
     chain = list(_chain(exc))
     if any(type(e).__name__ in ("CancelledRun", "RunCancelled") for e in chain):
-        return ("the run was cancelled (from the Prefect UI or API) and its workers were stopped; committed "
-                "rollouts and checkpoints are kept: run the same command again to resume"), 1
+        return (
+            "the run was cancelled (from the Prefect UI or API) and its workers were stopped; committed "
+            "rollouts and checkpoints are kept: run the same command again to resume"
+        ), 1
     died = next((e for e in chain if _actor_died(e)), None)
     if died is not None:
         first = next((line for line in str(died).splitlines() if line.strip()), type(died).__name__)
-        return (f"a worker actor died during the run ({first.strip()[:300]}); committed rollouts and checkpoints "
-                "are kept: run the same command again to resume"), 1
+        return (
+            f"a worker actor died during the run ({first.strip()[:300]}); committed rollouts and checkpoints "
+            "are kept: run the same command again to resume"
+        ), 1
     user = next((e for e in chain if _is_user_error(e)), None)
     if user is not None:
         text = user.args[0] if isinstance(user, KeyError) and user.args else str(user)
@@ -184,8 +206,11 @@ def user_errors(command: str) -> Iterator[None]:
         message, code = error_line(exc)
         path = write_trace_log(command, exc)
         if traceback_requested():
-            err_console.print(public("".join(traceback.format_exception(type(exc), exc, exc.__traceback__))),
-                              markup=False, highlight=False)
+            err_console.print(
+                public("".join(traceback.format_exception(type(exc), exc, exc.__traceback__))),
+                markup=False,
+                highlight=False,
+            )
         where = f"full trace: {path}" if path else "rerun with --traceback for the full trace"
         if not traceback_requested():
             where += " (or rerun with --traceback)"

@@ -29,18 +29,30 @@ from rollflow.flows.cli.common import (
 from rollflow.flows.prefect_ops.naming import run_tags
 from rollflow.tasks.rollout.sglang.flags import CLI_PREFIX, rewrite_cli_args
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="RL post-training as Prefect flows, with slime's debug toolkit built in.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="RL post-training as Prefect flows, with slime's debug toolkit built in.",
+)
 
-SubmitOpt = typer.Option(False, "--submit", help="create the run through its deployment (served by `rollflow worker` "
-                                                "or a work pool) instead of running it here; prints its UI URL")
+SubmitOpt = typer.Option(
+    False,
+    "--submit",
+    help="create the run through its deployment (served by `rollflow worker` "
+    "or a work pool) instead of running it here; prints its UI URL",
+)
 WatchOpt = typer.Option(False, "--watch", help="with --submit: follow the run until it ends (exit 1 unless Completed)")
 
 
 @app.callback()
-def _options(traceback: bool = typer.Option(
-        False, "--traceback", help="print the full traceback of an error (it always goes to a log file; the error "
-                                   "line names it); accepted anywhere on the command line")) -> None:
+def _options(
+    traceback: bool = typer.Option(
+        False,
+        "--traceback",
+        help="print the full traceback of an error (it always goes to a log file; the error "
+        "line names it); accepted anywhere on the command line",
+    ),
+) -> None:
     if traceback:
         os.environ["ROLLFLOW_TRACEBACK"] = "1"
 
@@ -59,8 +71,10 @@ def run_training(cfg) -> dict:
     from rollflow.flows.progress import iteration_progress  # lazy: keeps torch/prefect out of CLI start-up
     from rollflow.flows.train import rl_train
 
-    console.print(f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under "
-                  f"{public(cfg.store.root)}/{cfg.run}; Prefect UI at {api.removesuffix('/api')}")
+    console.print(
+        f"run [bold]{cfg.run}[/]: {cfg.iterations} iterations, artifacts under "
+        f"{public(cfg.store.root)}/{cfg.run}; Prefect UI at {api.removesuffix('/api')}"
+    )
     from prefect import tags
 
     flow = rl_train.with_options(retries=cfg.retries, retry_delay_seconds=5, timeout_seconds=cfg.timeout_s)
@@ -74,15 +88,20 @@ def print_summary(cfg, summary: dict) -> None:
 
     console.print_json(json.dumps(summary))
     if summary.get("first_reward") is not None:
-        console.print(f"mean reward: first iteration {summary['first_reward']:.3f} -> "
-                      f"last iteration {summary['last_reward']:.3f}")
+        console.print(
+            f"mean reward: first iteration {summary['first_reward']:.3f} -> last iteration {summary['last_reward']:.3f}"
+        )
     for name in ("metrics.jsonl", "reward_curve.png"):
         console.print(f"{name}: {run_file(cfg, name)[1]}")
 
 
 @app.command()
-def demo(iterations: int = typer.Option(12, min=1), run: Optional[str] = typer.Option(None, help="run name"),
-         root: str = typer.Option("runs", help="artifact root"), sets: Optional[List[str]] = SetOpt) -> None:
+def demo(
+    iterations: int = typer.Option(12, min=1),
+    run: Optional[str] = typer.Option(None, help="run name"),
+    root: str = typer.Option("runs", help="artifact root"),
+    sets: Optional[List[str]] = SetOpt,
+) -> None:
     """GRPO on the built-in addition task with the tiny warm-started model (CPU, a few minutes)."""
     threads = max(1, min(4, os.cpu_count() or 1))
     base = {
@@ -100,11 +119,19 @@ def demo(iterations: int = typer.Option(12, min=1), run: Optional[str] = typer.O
 
 
 @app.command()
-def train(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
-          resume_from: Optional[int] = typer.Option(
-              None, "--resume-from", min=0, help="resume after this committed checkpoint instead of the latest "
-                                                 "(e.g. when the latest one's payload is corrupt)"),
-          submit: bool = SubmitOpt, watch: bool = WatchOpt) -> None:
+def train(
+    config: Optional[str] = ConfigOpt,
+    sets: Optional[List[str]] = SetOpt,
+    resume_from: Optional[int] = typer.Option(
+        None,
+        "--resume-from",
+        min=0,
+        help="resume after this committed checkpoint instead of the latest "
+        "(e.g. when the latest one's payload is corrupt)",
+    ),
+    submit: bool = SubmitOpt,
+    watch: bool = WatchOpt,
+) -> None:
     """Run (or resume) an RL training run: `rl_train` with the given RunConfig."""
     extra = [f"resume_from={resume_from}"] if resume_from is not None else []
     cfg = build_config(config, [*(sets or []), *extra])
@@ -128,8 +155,10 @@ def run_flow(cfg, flow_fn, command: str, preflight_kwargs: dict | None = None, *
 
     for text in cfg.notices:
         notice(text)
-    console.print(f"run [bold]{cfg.run}[/], artifacts under {public(cfg.store.root)}/{cfg.run}; "
-                  f"Prefect UI at {api.removesuffix('/api')}")
+    console.print(
+        f"run [bold]{cfg.run}[/], artifacts under {public(cfg.store.root)}/{cfg.run}; "
+        f"Prefect UI at {api.removesuffix('/api')}"
+    )
     from prefect import tags
 
     with iteration_progress(console), tags(*run_tags(cfg.run, command)):
@@ -165,12 +194,17 @@ def ids_option(spec: Optional[str]) -> Optional[list[int]]:
 
 
 @app.command()
-def rollout(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
-            ids: Optional[str] = typer.Option(None, help="rollout ids: 3, 0,2,5 or 0-4 (default 0..iterations-1)"),
-            checkpoint: Optional[int] = typer.Option(None, help="engine weights from this run's checkpoint N"),
-            save_debug_rollout_data: Optional[str] = typer.Option(
-                None, help="also export slime .pt files: template with {rollout_id}"),
-            submit: bool = SubmitOpt, watch: bool = WatchOpt) -> None:
+def rollout(
+    config: Optional[str] = ConfigOpt,
+    sets: Optional[List[str]] = SetOpt,
+    ids: Optional[str] = typer.Option(None, help="rollout ids: 3, 0,2,5 or 0-4 (default 0..iterations-1)"),
+    checkpoint: Optional[int] = typer.Option(None, help="engine weights from this run's checkpoint N"),
+    save_debug_rollout_data: Optional[str] = typer.Option(
+        None, help="also export slime .pt files: template with {rollout_id}"
+    ),
+    submit: bool = SubmitOpt,
+    watch: bool = WatchOpt,
+) -> None:
     """Rollout only (slime --debug-rollout-only): engines generate and persist artifacts; no trainer."""
     extra = ["debug.rollout_only=true"]
     if save_debug_rollout_data:
@@ -180,8 +214,15 @@ def rollout(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOp
     if submit:
         with user_errors("rollout"):
             preflight(cfg, "rollout")
-            submit_run(cfg, "rollout_only", "rollout", watch, rollout_ids=rollout_ids, checkpoint=checkpoint,
-                       save_debug_rollout_data=cfg.debug.save_debug_rollout_data)
+            submit_run(
+                cfg,
+                "rollout_only",
+                "rollout",
+                watch,
+                rollout_ids=rollout_ids,
+                checkpoint=checkpoint,
+                save_debug_rollout_data=cfg.debug.save_debug_rollout_data,
+            )
         return
     with user_errors("rollout"):
         result = run_flow(cfg, _flow("rollout_only"), "rollout", rollout_ids=rollout_ids, checkpoint=checkpoint)
@@ -189,27 +230,40 @@ def rollout(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOp
 
 
 @app.command()
-def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
-           ids: Optional[str] = typer.Option(None, help="pinned rollout ids: 3, 0,2,5 or 0-4 (default: all)"),
-           source_run: Optional[str] = typer.Option(None, help="run whose artifacts to replay (default: --set run)"),
-           load_debug_rollout_data: Optional[str] = typer.Option(
-               None, "--load-debug-rollout-data", help="replay slime .pt dumps: template with {rollout_id}"),
-           subsample: Optional[float] = typer.Option(None, help="keep this fraction of prompt groups"),
-           dump_details: Optional[str] = typer.Option(None, help="write per-token train dumps under this folder"),
-           no_cache: bool = typer.Option(False, "--no-cache", help="train even if an identical replay is cached"),
-           import_run: Optional[str] = typer.Option(
-               None, "--import-run", help="import the slime dumps into this (new) run instead of --set run: for a "
-                                          "changed dump whose rollout id that run already imported"),
-           stage: Optional[str] = typer.Option(
-               None, "--stage", help="reward|advantage|loss|all: recompute that stage of --source-run on its pinned "
-                                     "rollouts and compare with its recorded values (exit 1 on a mismatch)"),
-           submit: bool = SubmitOpt, watch: bool = WatchOpt) -> None:
+def replay(
+    config: Optional[str] = ConfigOpt,
+    sets: Optional[List[str]] = SetOpt,
+    ids: Optional[str] = typer.Option(None, help="pinned rollout ids: 3, 0,2,5 or 0-4 (default: all)"),
+    source_run: Optional[str] = typer.Option(None, help="run whose artifacts to replay (default: --set run)"),
+    load_debug_rollout_data: Optional[str] = typer.Option(
+        None, "--load-debug-rollout-data", help="replay slime .pt dumps: template with {rollout_id}"
+    ),
+    subsample: Optional[float] = typer.Option(None, help="keep this fraction of prompt groups"),
+    dump_details: Optional[str] = typer.Option(None, help="write per-token train dumps under this folder"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="train even if an identical replay is cached"),
+    import_run: Optional[str] = typer.Option(
+        None,
+        "--import-run",
+        help="import the slime dumps into this (new) run instead of --set run: for a "
+        "changed dump whose rollout id that run already imported",
+    ),
+    stage: Optional[str] = typer.Option(
+        None,
+        "--stage",
+        help="reward|advantage|loss|all: recompute that stage of --source-run on its pinned "
+        "rollouts and compare with its recorded values (exit 1 on a mismatch)",
+    ),
+    submit: bool = SubmitOpt,
+    watch: bool = WatchOpt,
+) -> None:
     """Replay training (slime --debug-train-only): train on pinned rollouts; no engine is started.
     With --stage: stage replay with expected values instead (docs/checks.md)."""
     if stage is not None:
         if submit or load_debug_rollout_data or import_run or subsample is not None or dump_details:
-            fail("--stage compares a committed run with its recorded values: drop --submit, "
-                 "--load-debug-rollout-data, --import-run, --subsample and --dump-details")
+            fail(
+                "--stage compares a committed run with its recorded values: drop --submit, "
+                "--load-debug-rollout-data, --import-run, --subsample and --dump-details"
+            )
         cfg = build_config(config, sets)
         with user_errors("replay"):
             from rollflow.flows.cli import stage as stage_cli  # lazy: keeps torch/prefect out of CLI start-up
@@ -217,8 +271,11 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
             stage_cli.run(cfg, stage, ids_option(ids), source_run)
         return
     extra = ["debug.train_only=true"]
-    for key, value in (("load_debug_rollout_data", load_debug_rollout_data),
-                       ("load_debug_rollout_data_subsample", subsample), ("dump_details", dump_details)):
+    for key, value in (
+        ("load_debug_rollout_data", load_debug_rollout_data),
+        ("load_debug_rollout_data_subsample", subsample),
+        ("dump_details", dump_details),
+    ):
         if value is not None:
             extra.append(f"debug.{key}={value}")
     cfg = build_config(config, [*(sets or []), *extra])
@@ -226,23 +283,40 @@ def replay(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt
     if import_run is not None and not load_debug_rollout_data and not cfg.debug.load_debug_rollout_data:
         fail("--import-run names the run that slime dumps are imported into: it needs --load-debug-rollout-data")
     if source_run is not None and (load_debug_rollout_data or cfg.debug.load_debug_rollout_data):
-        fail("--source-run replays a run's committed rollouts and --load-debug-rollout-data replays slime dumps: "
-             "drop one of them")
+        fail(
+            "--source-run replays a run's committed rollouts and --load-debug-rollout-data replays slime dumps: "
+            "drop one of them"
+        )
     kwargs = {"import_run": import_run} if import_run is not None else {}
     if submit:
         if import_run is not None:
             fail("--import-run is a local replay option; drop --submit or --import-run")
         with user_errors("replay"):
             preflight(cfg, "replay", rollout_ids=rollout_ids, source_run=source_run)
-            submit_run(cfg, "replay_train", "replay", watch, rollout_ids=rollout_ids, source_run=source_run,
-                       load_debug_rollout_data=cfg.debug.load_debug_rollout_data,
-                       subsample=cfg.debug.load_debug_rollout_data_subsample, dump_details=cfg.debug.dump_details,
-                       use_cache=not no_cache)
+            submit_run(
+                cfg,
+                "replay_train",
+                "replay",
+                watch,
+                rollout_ids=rollout_ids,
+                source_run=source_run,
+                load_debug_rollout_data=cfg.debug.load_debug_rollout_data,
+                subsample=cfg.debug.load_debug_rollout_data_subsample,
+                dump_details=cfg.debug.dump_details,
+                use_cache=not no_cache,
+            )
         return
     with user_errors("replay"):
-        result = run_flow(cfg, _flow("replay_train"), "replay",
-                          preflight_kwargs={"rollout_ids": rollout_ids, "source_run": source_run},
-                          rollout_ids=rollout_ids, source_run=source_run, use_cache=not no_cache, **kwargs)
+        result = run_flow(
+            cfg,
+            _flow("replay_train"),
+            "replay",
+            preflight_kwargs={"rollout_ids": rollout_ids, "source_run": source_run},
+            rollout_ids=rollout_ids,
+            source_run=source_run,
+            use_cache=not no_cache,
+            **kwargs,
+        )
     console.print_json(json.dumps(result))
 
 
@@ -260,8 +334,11 @@ def show_config(config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = S
 
 
 @app.command()
-def warmstart(out: str = typer.Option("tasks/model/builtin/addition-sft", help="output model directory"),
-              target_accuracy: float = typer.Option(0.30), seed: int = typer.Option(0)) -> None:
+def warmstart(
+    out: str = typer.Option("tasks/model/builtin/addition-sft", help="output model directory"),
+    target_accuracy: float = typer.Option(0.30),
+    seed: int = typer.Option(0),
+) -> None:
     """Rebuild the built-in tiny model: SFT on addition until held-out greedy accuracy >= target."""
     from rollflow.tasks.recipes.sft import warm_start  # lazy: keeps torch/prefect out of CLI start-up
 

@@ -28,9 +28,11 @@ def register(app: typer.Typer) -> None:
     app.add_typer(server_app, name="server")
 
     @app.command()
-    def worker(nightly_cron: str = typer.Option("0 2 * * *",
-                                                help="cron (UTC) of the nightly alignment check; '' for none"),
-               config: Optional[str] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+    def worker(
+        nightly_cron: str = typer.Option("0 2 * * *", help="cron (UTC) of the nightly alignment check; '' for none"),
+        config: Optional[str] = ConfigOpt,
+        sets: Optional[List[str]] = SetOpt,
+    ) -> None:
         """Serve every flow as a deployment (`<flow>/worker`) plus the nightly alignment check, from this process.
 
         Runs created in the UI, by `--submit` or by the schedule execute here; keep it alive as a service
@@ -52,9 +54,14 @@ def register(app: typer.Typer) -> None:
             serve(*deployments, print_starting_message=False)
 
     @app.command()
-    def automations(alert_on: Optional[List[str]] = typer.Option(
-            None, "--alert-on", help="deployment to alert on (Failed/Crashed/Late runs), repeatable; default "
-                                     "alignment_check/nightly-alignment-pool (infra/prefect.yaml's nightly)")) -> None:
+    def automations(
+        alert_on: Optional[List[str]] = typer.Option(
+            None,
+            "--alert-on",
+            help="deployment to alert on (Failed/Crashed/Late runs), repeatable; default "
+            "alignment_check/nightly-alignment-pool (infra/prefect.yaml's nightly)",
+        ),
+    ) -> None:
         """Create (idempotently) the crash-detection automation and the alerts of deployments registered with
         `prefect deploy` (`rollflow worker` and `rollflow serve` do this themselves)."""
         with user_errors("automations"):
@@ -68,8 +75,10 @@ def register(app: typer.Typer) -> None:
                     try:
                         dep = client.read_deployment_by_name(name)
                     except ObjectNotFound:
-                        fail(f"deployment {name!r} is not registered: run `prefect deploy --prefect-file "
-                             "infra/prefect.yaml --all` first, or name another with --alert-on FLOW/DEPLOYMENT")
+                        fail(
+                            f"deployment {name!r} is not registered: run `prefect deploy --prefect-file "
+                            "infra/prefect.yaml --all` first, or name another with --alert-on FLOW/DEPLOYMENT"
+                        )
                 console.print(f"alert on {name}: automation {ensure_deployment_alert(dep.id, name)}")
 
     @server_app.command("start")

@@ -17,8 +17,9 @@ TABLE_ROWS = 40
 
 def mismatch_table(report: StageReplayReport, limit: int = TABLE_ROWS) -> Table:
     shown = report.mismatches[:limit]
-    table = Table(title=f"stage replay mismatches of run {report.source_run!r} "
-                        f"(first {len(shown)} of {len(report.mismatches)})")
+    table = Table(
+        title=f"stage replay mismatches of run {report.source_run!r} (first {len(shown)} of {len(report.mismatches)})"
+    )
     for name in ("stage", "rollout", "field", "where", "recorded", "replayed", "|diff|"):
         table.add_column(name)
     fmt = lambda v: "-" if v is None else f"{v:.8g}"  # noqa: E731

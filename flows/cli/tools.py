@@ -94,8 +94,9 @@ def show(
     status: Optional[str] = typer.Option(None, "--status", help="completed | truncated | aborted | failed"),
     reward_min: Optional[float] = typer.Option(None, "--reward-min", help="keep samples with reward >= X"),
     reward_max: Optional[float] = typer.Option(None, "--reward-max", help="keep samples with reward <= X"),
-    min_turns: Optional[int] = typer.Option(None, "--min-turns", min=0,
-                                            help="keep conversations with at least N turns (multi-turn rollouts)"),
+    min_turns: Optional[int] = typer.Option(
+        None, "--min-turns", min=0, help="keep conversations with at least N turns (multi-turn rollouts)"
+    ),
     limit: int = typer.Option(20, "--limit", min=0, help="samples per page"),
     offset: int = typer.Option(0, "--offset", min=0, help="first sample of the page (after filtering)"),
     max_chars: int = typer.Option(48, "--max-chars", min=4, help="cut cell text at this many characters"),
@@ -110,25 +111,33 @@ def show(
     key = _reward_key(item.split, reward_key, eval_reward_key)
     metrics = rollout_metrics(samples, key)
     try:
-        shown = filter_samples(samples, status=status, reward_min=reward_min, reward_max=reward_max, reward_key=key,
-                               min_turns=min_turns)
+        shown = filter_samples(
+            samples, status=status, reward_min=reward_min, reward_max=reward_max, reward_key=key, min_turns=min_turns
+        )
     except ValueError as exc:
         _fail(str(exc))
     if as_json:
-        _echo_json({
-            "uri": uri,
-            "ids": ids_by_split(found),
-            "split": item.split,
-            "rollout_id": item.rollout_id,
-            "source": item.loader.uri,
-            "metrics": metrics,
-            "filters": {"status": status, "reward_min": reward_min, "reward_max": reward_max, "min_turns": min_turns},
-            "n_matching": len(shown),
-            "offset": offset,
-            "limit": limit,
-            "samples": page_records(shown, limit, offset),
-            "train_dump": train_dump_summary(item.loader),
-        })
+        _echo_json(
+            {
+                "uri": uri,
+                "ids": ids_by_split(found),
+                "split": item.split,
+                "rollout_id": item.rollout_id,
+                "source": item.loader.uri,
+                "metrics": metrics,
+                "filters": {
+                    "status": status,
+                    "reward_min": reward_min,
+                    "reward_max": reward_max,
+                    "min_turns": min_turns,
+                },
+                "n_matching": len(shown),
+                "offset": offset,
+                "limit": limit,
+                "samples": page_records(shown, limit, offset),
+                "train_dump": train_dump_summary(item.loader),
+            }
+        )
         return
     console = _console()
     console.print(f"rollouts at {uri}: {describe_ids(found)}")
@@ -137,8 +146,11 @@ def show(
     dump = train_dump_summary(item.loader)
     if dump is not None:
         console.print(render_metrics(dump, title="train dump (--dump-details, per-token means)"))
-    filters = [f"{k}={v}" for k, v in (("status", status), ("reward>=", reward_min), ("reward<=", reward_max),
-                                       ("min_turns", min_turns)) if v is not None]
+    filters = [
+        f"{k}={v}"
+        for k, v in (("status", status), ("reward>=", reward_min), ("reward<=", reward_max), ("min_turns", min_turns))
+        if v is not None
+    ]
     first, last = min(offset + 1, len(shown)), min(offset + limit, len(shown))
     title = f"samples {first}-{last} of {len(shown)}" + (f" matching {', '.join(filters)}" if filters else "")
     console.print(render_table(shown, limit, offset, max_chars=max_chars, title=title))
@@ -180,8 +192,7 @@ def replay_reward_cmd(
     except ValueError as exc:
         _fail(f"--reward {reward!r}: {exc}" + ("" if reward_key else " (pass --reward-key)"))
     if as_json:
-        _echo_json({"split": item.split, "rollout_id": item.rollout_id, "source": item.loader.uri,
-                    **report.to_dict()})
+        _echo_json({"split": item.split, "rollout_id": item.rollout_id, "source": item.loader.uri, **report.to_dict()})
     else:
         from rich.table import Table
         from rich.text import Text
@@ -195,13 +206,22 @@ def replay_reward_cmd(
             for pos in report.changed[:limit]:
                 s = samples[pos]
                 old = "-" if report.old[pos] is None else f"{report.old[pos]:.4g}"
-                cells = (str(pos), str(s.group_index), str(s.index), shorten(s.response, 40),
-                         shorten(s.label or "", 20), old, f"{report.new[pos]:.4g}")
+                cells = (
+                    str(pos),
+                    str(s.group_index),
+                    str(s.index),
+                    shorten(s.response, 40),
+                    shorten(s.label or "", 20),
+                    old,
+                    f"{report.new[pos]:.4g}",
+                )
                 table.add_row(*(Text(c) for c in cells))
             console.print(table)
         fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
-        console.print(f"changed: {report.n_changed} of {report.n_samples} samples; mean reward old "
-                      f"{fmt(report.mean_old)} -> new {fmt(report.mean_new)}; max |diff| {fmt(report.max_abs_diff)}")
+        console.print(
+            f"changed: {report.n_changed} of {report.n_samples} samples; mean reward old "
+            f"{fmt(report.mean_old)} -> new {fmt(report.mean_new)}; max |diff| {fmt(report.max_abs_diff)}"
+        )
     if fail_on_change and report.changed:
         raise typer.Exit(1)
 
@@ -218,8 +238,9 @@ def send_cmd(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="send only the first N samples"),
     greedy: bool = typer.Option(False, "--greedy", help="temperature 0 (reproduces a greedy artifact exactly)"),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="when not --greedy"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
-                                                 help="default: the longest stored response"),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, help="default: the longest stored response"
+    ),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float64"),
     device: str = typer.Option("cpu", "--device"),
@@ -245,8 +266,9 @@ def send_cmd(
         bad = "; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors())
         _fail(f"{bad} (engines: hf; dtypes: float32, bfloat16, float64)")
     longest = max(s.response_length for s in samples)
-    params = SamplingParams(temperature=0.0 if greedy else temperature, max_new_tokens=max_new_tokens or max(1, longest),
-                            seed=seed)
+    params = SamplingParams(
+        temperature=0.0 if greedy else temperature, max_new_tokens=max_new_tokens or max(1, longest), seed=seed
+    )
     from rollflow.tasks.rollout.worker import build_engine  # lazy: keeps torch out of CLI start-up
 
     try:
@@ -259,27 +281,43 @@ def send_cmd(
     report = send_samples(samples, engine, params, logprob_tol=logprob_tol)
     seconds = time.perf_counter() - start
     if as_json:
-        _echo_json({"split": item.split, "rollout_id": item.rollout_id, "source": item.loader.uri,
-                    "seconds": seconds, **report.to_dict()})
+        _echo_json(
+            {
+                "split": item.split,
+                "rollout_id": item.rollout_id,
+                "source": item.loader.uri,
+                "seconds": seconds,
+                **report.to_dict(),
+            }
+        )
         return
     console = _console()
     fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
-    console.print(f"sent {report.n_samples} prompts of {item.split} rollout {item.rollout_id} to {engine_name} "
-                  f"({model}, {'greedy' if greedy else f'temperature {temperature}'}) in {seconds:.2f}s")
-    console.print(f"identical responses: {report.n_identical}/{report.n_samples} "
-                  f"({100 * (report.identical_fraction or 0):.1f}%)")
-    console.print(f"log-prob |stored - new| over {report.n_tokens_compared} common-prefix tokens: mean "
-                  f"{fmt(report.logprob_abs_diff_mean)}, max {fmt(report.logprob_abs_diff_max)}")
+    console.print(
+        f"sent {report.n_samples} prompts of {item.split} rollout {item.rollout_id} to {engine_name} "
+        f"({model}, {'greedy' if greedy else f'temperature {temperature}'}) in {seconds:.2f}s"
+    )
+    console.print(
+        f"identical responses: {report.n_identical}/{report.n_samples} ({100 * (report.identical_fraction or 0):.1f}%)"
+    )
+    console.print(
+        f"log-prob |stored - new| over {report.n_tokens_compared} common-prefix tokens: mean "
+        f"{fmt(report.logprob_abs_diff_mean)}, max {fmt(report.logprob_abs_diff_max)}"
+    )
     if report.first_mismatch:
         m = report.first_mismatch
-        console.print(f"first differing sample: row {m['position']} (group {m['group_index']}, index {m['index']}), "
-                      f"from response token {m['first_diff_token']}: stored {m['stored_response_ids']} vs new "
-                      f"{m['new_response_ids']}")
+        console.print(
+            f"first differing sample: row {m['position']} (group {m['group_index']}, index {m['index']}), "
+            f"from response token {m['first_diff_token']}: stored {m['stored_response_ids']} vs new "
+            f"{m['new_response_ids']}"
+        )
     if report.logprob_exceeding:
         w = report.worst_logprob
-        console.print(f"{len(report.logprob_exceeding)} samples with log-prob |diff| > {logprob_tol:g}, rows "
-                      f"{report.logprob_exceeding[:20]}; worst: row {w['position']} token {w['token']}: stored "
-                      f"{w['stored']:.6g} vs new {w['new']:.6g}")
+        console.print(
+            f"{len(report.logprob_exceeding)} samples with log-prob |diff| > {logprob_tol:g}, rows "
+            f"{report.logprob_exceeding[:20]}; worst: row {w['position']} token {w['token']}: stored "
+            f"{w['stored']:.6g} vs new {w['new']:.6g}"
+        )
 
 
 # ----------------------------------------------------------------------------- slime import / export
@@ -303,8 +341,10 @@ def export_slime_cmd(
     else:
         chosen = [_select(found, split, rollout_id)]
     if len(chosen) > 1 and not has_rollout_id(target):
-        _fail(f"TEMPLATE {target!r} has no {{rollout_id}} placeholder but {len(chosen)} rollouts are exported: "
-              "add one, e.g. 'dumps/data_{rollout_id}.pt'")
+        _fail(
+            f"TEMPLATE {target!r} has no {{rollout_id}} placeholder but {len(chosen)} rollouts are exported: "
+            "add one, e.g. 'dumps/data_{rollout_id}.pt'"
+        )
     console = _console()
     for item in chosen:
         samples = _load_samples(item)
@@ -322,11 +362,13 @@ def import_slime_cmd(
     split: Optional[str] = typer.Option(None, "--split", help=SPLIT_HELP),
     rollout_id: Optional[int] = typer.Option(None, "--id", help=ID_HELP, min=0),
     all_ids: bool = typer.Option(False, "--all", help="import every discovered file"),
-    n_samples_per_prompt: Optional[int] = typer.Option(None, "--n-samples-per-prompt", min=1,
-                                                       help="default: the most common group size"),
+    n_samples_per_prompt: Optional[int] = typer.Option(
+        None, "--n-samples-per-prompt", min=1, help="default: the most common group size"
+    ),
     model: str = typer.Option("unknown", "--model", help="model name recorded in the manifests"),
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1,
-                                             help="refuse token ids >= this (the vocab size of the model to train)"),
+    vocab_size: Optional[int] = typer.Option(
+        None, "--vocab-size", min=1, help="refuse token ids >= this (the vocab size of the model to train)"
+    ),
 ) -> None:
     """Import slime debug-rollout dumps (.pt) as rollflow artifacts under ROOT/RUN.
 
@@ -345,9 +387,17 @@ def import_slime_cmd(
     for item in chosen:
         try:
             ref, imported = import_slime_into_store(
-                store, run, item.split, item.rollout_id, item.loader.uri, backend="slime", model=model,
-                n_samples_per_prompt=n_samples_per_prompt, vocab_size=vocab_size,
-                new_run_hint="import it into a new run (--run NEW_NAME)")
+                store,
+                run,
+                item.split,
+                item.rollout_id,
+                item.loader.uri,
+                backend="slime",
+                model=model,
+                n_samples_per_prompt=n_samples_per_prompt,
+                vocab_size=vocab_size,
+                new_run_hint="import it into a new run (--run NEW_NAME)",
+            )
         except (ArtifactError, ValueError) as exc:
             _fail(f"{item.loader.uri}: {exc}")
         state = "" if imported else " (already imported, same content: nothing written)"

@@ -61,8 +61,11 @@ def stop_actors_hook(flow: Any, flow_run: Any, state: Any) -> None:
     try:
         import ray
 
-        cfg = value if isinstance(value, RunConfig) else RunConfig.model_validate(
-            value.model_dump() if isinstance(value, BaseModel) else value)
+        cfg = (
+            value
+            if isinstance(value, RunConfig)
+            else RunConfig.model_validate(value.model_dump() if isinstance(value, BaseModel) else value)
+        )
         if not ray.is_initialized() and not cfg.ray.address:
             return  # no local Ray in this process: the run started no actors here
         connect_ray(cfg)
@@ -72,8 +75,9 @@ def stop_actors_hook(flow: Any, flow_run: Any, state: Any) -> None:
 
 
 @contextlib.contextmanager
-def actors_running(stop: Callable[[], None], cleanup: Optional[Callable[[], None]] = None
-                   ) -> Iterator["CancellationWatcher"]:
+def actors_running(
+    stop: Callable[[], None], cleanup: Optional[Callable[[], None]] = None
+) -> Iterator["CancellationWatcher"]:
     """The `with` block of a flow that runs actors: a UI cancel calls `stop` (and interrupts the block), which
     then ends without an error, leaving `watcher.cancelled` set for the flow to return `cancelled_state()`;
     any other error propagates. However the block ends, `cleanup` (default: `stop`) stops the actors."""
@@ -100,8 +104,14 @@ def _async_raise(thread_id: int, exc_type: type[BaseException]) -> None:
 
 
 class CancellationWatcher:
-    def __init__(self, flow_run_id: UUID | str | None, on_cancel: Callable[[], None], *, poll_s: float = POLL_S,
-                 interrupt: bool = True):
+    def __init__(
+        self,
+        flow_run_id: UUID | str | None,
+        on_cancel: Callable[[], None],
+        *,
+        poll_s: float = POLL_S,
+        interrupt: bool = True,
+    ):
         self.flow_run_id = flow_run_id
         self.on_cancel = on_cancel
         self.poll_s = poll_s
@@ -221,8 +231,11 @@ class CancellationWatcher:
             return
         try:
             with get_client(sync_client=True) as client:
-                children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(str(self.flow_run_id))])))
+                children = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(str(self.flow_run_id))])
+                    )
+                )
                 since = (self.detected_at or time.time()) - self.poll_s - 1.0
                 for run in children:
                     state = run.state
@@ -230,8 +243,11 @@ class CancellationWatcher:
                         continue
                     unfinished = state.type in (StateType.RUNNING, StateType.CANCELLING, StateType.PENDING)
                     # interrupted by the cancel (not a failure of their own before it)
-                    interrupted = (state.type in (StateType.CRASHED, StateType.FAILED)
-                                   and state.timestamp is not None and state.timestamp.timestamp() >= since)
+                    interrupted = (
+                        state.type in (StateType.CRASHED, StateType.FAILED)
+                        and state.timestamp is not None
+                        and state.timestamp.timestamp() >= since
+                    )
                     if unfinished or interrupted:
                         client.set_flow_run_state(run.id, Cancelled(message=message), force=True)
         except Exception:  # noqa: BLE001 - the parent's state is what matters

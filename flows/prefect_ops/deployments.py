@@ -30,8 +30,13 @@ NIGHTLY_POOL = "nightly-alignment-pool"
 
 def entry_flows() -> dict[str, Flow]:
     """The deployable flows by name (entrypoints `rollflow.flows.<module>:<name>` in infra/prefect.yaml)."""
-    return {"rl_train": train.rl_train, "rollout_only": debug.rollout_only, "replay_train": debug.replay_train,
-            "alignment_check": alignment.alignment_check, "ima_bisect": bisect.ima_bisect}
+    return {
+        "rl_train": train.rl_train,
+        "rollout_only": debug.rollout_only,
+        "replay_train": debug.replay_train,
+        "alignment_check": alignment.alignment_check,
+        "ima_bisect": bisect.ima_bisect,
+    }
 
 
 def default_parameters(flow_name: str, run: str | None = None) -> dict[str, Any]:
@@ -44,15 +49,21 @@ def deployment_name(flow_name: str, route: str = SERVED) -> str:
     return f"{flow_name}/{route}"
 
 
-def served_deployments(nightly_cron: str | None = "0 2 * * *", nightly_cfg: RunConfig | None = None,
-                       memory_budget_mb: float | None = None) -> list:
+def served_deployments(
+    nightly_cron: str | None = "0 2 * * *", nightly_cfg: RunConfig | None = None, memory_budget_mb: float | None = None
+) -> list:
     """RunnerDeployments of all five flows (`<flow>/worker`), plus the scheduled nightly alignment check."""
     out = []
     for name, entry in entry_flows().items():
-        out.append(entry.to_deployment(
-            name=SERVED, entrypoint_type=EntrypointType.MODULE_PATH, parameters=default_parameters(name),
-            tags=["rollflow", name],
-            description=f"{entry.description or name} (served by `rollflow worker`)"))
+        out.append(
+            entry.to_deployment(
+                name=SERVED,
+                entrypoint_type=EntrypointType.MODULE_PATH,
+                parameters=default_parameters(name),
+                tags=["rollflow", name],
+                description=f"{entry.description or name} (served by `rollflow worker`)",
+            )
+        )
     if nightly_cron:
         out.append(alignment.nightly_deployment(nightly_cron, nightly_cfg, memory_budget_mb=memory_budget_mb))
     return out

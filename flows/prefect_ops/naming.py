@@ -10,7 +10,7 @@ def run_of(parameters: dict[str, Any]) -> str:
     for key in ("cfg", "params"):
         value = parameters.get(key)
         if value is not None:
-            return str(value["run"] if isinstance(value, dict) else getattr(value, "run"))
+            return str(value["run"] if isinstance(value, dict) else value.run)
     return "rollflow"
 
 

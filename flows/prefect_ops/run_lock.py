@@ -71,7 +71,8 @@ def _try_acquire(client, name: str) -> Optional[UUID]:
 
     try:
         response = client.increment_concurrency_slots_with_lease(
-            names=[name], slots=1, mode="concurrency", lease_duration=LEASE_S)
+            names=[name], slots=1, mode="concurrency", lease_duration=LEASE_S
+        )
     except PrefectHTTPStatusError as exc:
         if exc.response.status_code == 423:
             return None
@@ -148,14 +149,17 @@ def exclusive_run(run: str, wait_s: float = 5.0) -> Iterator[None]:
                 who = f" (flow run {holder.flow_run_id}, pid {holder.pid} on {holder.host})" if holder else ""
                 raise RunBusy(
                     f"run {run!r} is active in another flow run{who}: wait for it to end, cancel it in the UI, "
-                    f"or choose another run name (--set run=NAME); Prefect concurrency limit {name!r}")
+                    f"or choose another run name (--set run=NAME); Prefect concurrency limit {name!r}"
+                )
             time.sleep(1.0)
-        holder = Holder(lease_id=str(lease_id), host=socket.gethostname(), pid=os.getpid(),
-                        flow_run_id=_current_flow_run_id())
+        holder = Holder(
+            lease_id=str(lease_id), host=socket.gethostname(), pid=os.getpid(), flow_run_id=_current_flow_run_id()
+        )
         Variable.set(_holder_variable(run), asdict(holder), overwrite=True)
         stop = threading.Event()
-        renewer = threading.Thread(target=_renew_until, args=(stop, lease_id), daemon=True,
-                                   name=f"rollflow-lease-{run}")
+        renewer = threading.Thread(
+            target=_renew_until, args=(stop, lease_id), daemon=True, name=f"rollflow-lease-{run}"
+        )
         renewer.start()
         try:
             yield

@@ -22,8 +22,15 @@ def ui_url(api_url: str, flow_run_id: UUID) -> str:
     return f"{api_url.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
 
 
-def submit(flow_name: str, parameters: dict[str, Any], api_url: str, *, route: str = SERVED,
-           run_name: Optional[str] = None, tags: Optional[list[str]] = None) -> SubmittedRun:
+def submit(
+    flow_name: str,
+    parameters: dict[str, Any],
+    api_url: str,
+    *,
+    route: str = SERVED,
+    run_name: Optional[str] = None,
+    tags: Optional[list[str]] = None,
+) -> SubmittedRun:
     """Schedule a run of `flow_name`'s deployment now; a worker (`rollflow worker` or a work pool) runs it.
 
     Raises LookupError with the command that registers the deployment when it does not exist."""
@@ -35,16 +42,17 @@ def submit(flow_name: str, parameters: dict[str, Any], api_url: str, *, route: s
         try:
             dep = client.read_deployment_by_name(name)
         except ObjectNotFound:
-            raise LookupError(f"deployment {name!r} is not registered with {api_url}: start `rollflow worker` "
-                              "(serves every flow) or `prefect deploy --prefect-file infra/prefect.yaml --all`"
-                              ) from None
-        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, name=run_name,
-                                                     tags=tags)
+            raise LookupError(
+                f"deployment {name!r} is not registered with {api_url}: start `rollflow worker` "
+                "(serves every flow) or `prefect deploy --prefect-file infra/prefect.yaml --all`"
+            ) from None
+        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, name=run_name, tags=tags)
     return SubmittedRun(id=run.id, name=run.name, deployment=name, url=ui_url(api_url, run.id))
 
 
-def watch(flow_run_id: UUID, on_change: Callable[[str], None], poll_s: float = 2.0,
-          timeout_s: Optional[float] = None) -> str:
+def watch(
+    flow_run_id: UUID, on_change: Callable[[str], None], poll_s: float = 2.0, timeout_s: Optional[float] = None
+) -> str:
     """Follow a flow run until it is final; `on_change` gets each new state name. Returns the final one."""
     from prefect.client.orchestration import get_client
 

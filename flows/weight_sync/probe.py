@@ -4,7 +4,12 @@ the run's dtypes. Weight checksums say the engine holds the right tensors; this 
 
 from __future__ import annotations
 
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
 from rollflow.flows.config import RunConfig
+from rollflow.flows.group import WorkerGroup
+from rollflow.flows.stall_watch import watched
 from rollflow.infra.clients import EngineClient, TrainerClient
 from rollflow.tasks.sync.probe import ProbeBounds, ProbeReport, ProbeSpec, compare_probe
 
@@ -32,5 +37,21 @@ def run_probe(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weig
     samples = engine.probe(spec)
     trainer_lp = trainer.score_probe(samples)
     dtype, bound = probe_bound(cfg)
-    return compare_probe([s.rollout_log_probs for s in samples], trainer_lp, dtype=dtype, bound=bound,
-                         weight_version=weight_version)
+    return compare_probe(
+        [s.rollout_log_probs for s in samples], trainer_lp, dtype=dtype, bound=bound, weight_version=weight_version
+    )
+
+
+@task(name="sync-probe", cache_policy=NO_CACHE)
+@watched("sync-probe")
+def probe_task(cfg: RunConfig, weight_version: int) -> float:
+    """The probe as its own task (green or red in the UI); returns `sync/probe_logprob_diff`."""
+    group = WorkerGroup.for_run(cfg)
+    probe = run_probe(cfg, group.trainer(), group.engine(), weight_version)
+    if not probe.ok:
+        raise ProbeFailed(probe.summary())
+    return probe.mean_abs_diff
+
+
+class ProbeFailed(RuntimeError):
+    """The engine serves other weights than the checksums say it holds (the message is the probe's one line)."""

@@ -31,8 +31,9 @@ class IpcPlacementError(RuntimeError):
     """An engine TP rank sits on a GPU where no trainer rank runs (colocated tensor sync cannot reach it)."""
 
 
-def payload_sources(n_engine_ranks: int, trainer_gpus: list[str | None],
-                    engine_gpus: list[str] | None = None) -> list[int]:
+def payload_sources(
+    n_engine_ranks: int, trainer_gpus: list[str | None], engine_gpus: list[str] | None = None
+) -> list[int]:
     """For each engine TP rank (servers in order, their TP ranks in order), the trainer rank whose
     payload it takes: the rank on the same GPU when both sides' GPUs are known; else rank r for
     engine rank r (as many trainer ranks as engine ranks); else rank 0 for all (one trainer rank:
@@ -46,14 +47,17 @@ def payload_sources(n_engine_ranks: int, trainer_gpus: list[str | None],
             raise IpcPlacementError(
                 f"{', '.join(missing)}: no trainer rank runs there (trainer GPUs {trainer_gpus}); weight_sync=tensor "
                 "needs a trainer rank on every engine GPU (placement=colocate with trainer_gpus = num_engines x "
-                "gpus_per_engine), else use weight_sync=distributed or disk")
+                "gpus_per_engine), else use weight_sync=distributed or disk"
+            )
         return [by_gpu[g] for g in engine_gpus]
     if len(trainer_gpus) == n_engine_ranks:
         return list(range(n_engine_ranks))
     if len(trainer_gpus) == 1:
         return [0] * n_engine_ranks
-    raise IpcPlacementError(f"{len(trainer_gpus)} trainer ranks for {n_engine_ranks} engine TP ranks: weight_sync="
-                            "tensor pairs them one to one (or one trainer rank for all)")
+    raise IpcPlacementError(
+        f"{len(trainer_gpus)} trainer ranks for {n_engine_ranks} engine TP ranks: weight_sync="
+        "tensor pairs them one to one (or one trainer rank for all)"
+    )
 
 
 def engine_gpus(cfg: RunConfig) -> list[str] | None:

@@ -33,22 +33,37 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.tasks.debug.checks import FAIL, PASS, AlignmentReport, AlignmentThresholds, CheckResult
-from rollflow.tasks.debug.faults import (AlignmentFaults, apply_sync_fault, perturb_module, perturb_tensors,
-                                         scramble_module)
+from rollflow.tasks.debug.coherence import NAME as COHERENCE
+from rollflow.tasks.debug.coherence import answer_format, coherence_check, response_stats
+from rollflow.tasks.debug.faults import (
+    AlignmentFaults,
+    apply_sync_fault,
+    perturb_module,
+    perturb_tensors,
+    scramble_module,
+)
 from rollflow.tasks.debug.memory import peak_memory
-from rollflow.tasks.debug.coherence import NAME as COHERENCE, answer_format, coherence_check, response_stats
+from rollflow.tasks.debug.sync_check import NAME as SYNC
+from rollflow.tasks.debug.sync_check import sync_check
+from rollflow.tasks.debug.train_checks import (
+    FIRST_STEP,
+    MISMATCH,
+    MISMATCH_KL,
+    REF_EQUAL,
+    backend_of,
+    first_step_check,
+    first_step_figures,
+    mismatch_check,
+    mismatch_kl_check,
+    ref_equal_check,
+    train_step_figures,
+)
 from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import prompts_for
 from rollflow.tasks.rollout.worker import RolloutWorker
-from rollflow.tasks.debug.sync_check import NAME as SYNC, sync_check
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
 from rollflow.tasks.train.worker import TrainWorker
-from rollflow.tasks.debug.train_checks import (
-    FIRST_STEP, MISMATCH, MISMATCH_KL, REF_EQUAL, backend_of, first_step_check, first_step_figures, mismatch_check,
-    mismatch_kl_check,
-    ref_equal_check, train_step_figures,
-)
 
 STEP2 = "step2_load_and_memory"
 CHECK_NAMES = (COHERENCE, REF_EQUAL, MISMATCH, MISMATCH_KL, FIRST_STEP, SYNC, STEP2)
@@ -96,6 +111,7 @@ def as_runner(obj: Any) -> WorkerRunner:
 
 # ---- functions that run inside the workers (module level: Ray pickles them by reference) ----------
 
+
 def _torch_model(obj: Any, attr: str, fault: str):
     model = getattr(obj, attr, None)
     if model is None:
@@ -106,16 +122,24 @@ def _torch_model(obj: Any, attr: str, fault: str):
 def engine_describe(worker: Any) -> dict[str, Any]:
     cfg = getattr(worker, "rollout_cfg", None)
     info = dataclasses.asdict(worker.describe()) if hasattr(worker, "describe") else {}
-    return {"backend": info.get("backend", "?"), "model": info.get("model", "?"),
-            "weight_version": int(worker.engine.weight_version),
-            "dtype": getattr(cfg, "dtype", "?"), "device": getattr(cfg, "device", "?")}
+    return {
+        "backend": info.get("backend", "?"),
+        "model": info.get("model", "?"),
+        "weight_version": int(worker.engine.weight_version),
+        "dtype": getattr(cfg, "dtype", "?"),
+        "device": getattr(cfg, "device", "?"),
+    }
 
 
 def trainer_describe(worker: Any) -> dict[str, Any]:
     backend = backend_of(worker)
     optim = getattr(backend, "optim_cfg", None)
-    return {"backend": getattr(backend, "name", type(backend).__name__), "dtype": getattr(optim, "dtype", "?"),
-            "device": getattr(optim, "device", "?"), "temperature": float(getattr(backend, "temperature", 1.0))}
+    return {
+        "backend": getattr(backend, "name", type(backend).__name__),
+        "dtype": getattr(optim, "dtype", "?"),
+        "device": getattr(optim, "device", "?"),
+        "temperature": float(getattr(backend, "temperature", 1.0)),
+    }
 
 
 def engine_scramble(worker: Any, mode: str, seed: int) -> None:
@@ -141,8 +165,9 @@ def trainer_perturb_ref(worker: Any, std: float, seed: int) -> None:
     perturb_module(_torch_model(backend, "ref_model", "perturb_ref_std"), std, seed)
 
 
-def engine_rollout(worker: Any, rollout_id: int, temperature: float | None = None
-                   ) -> tuple[list[Sample], dict[str, Any]]:
+def engine_rollout(
+    worker: Any, rollout_id: int, temperature: float | None = None
+) -> tuple[list[Sample], dict[str, Any]]:
     """One training rollout of the worker's prompt source, plus the text figures of check 1."""
     params = worker.rollout_cfg.sampling(rollout_id)
     if temperature is not None:  # fault injection: the engine's temperature differs from the trainer's
@@ -163,10 +188,24 @@ def precision_algo(algo: Any) -> Any:
     return algo.model_copy(update={"advantage_estimator": "grpo", "gamma": 1.0, "lambd": 1.0})
 
 
-def trainer_first_step(worker: Any, samples: list[Sample], algo: Any, group_size: int, perturb_policy_std: float,
-                       seed: int, worst_samples: int) -> dict[str, Any]:
-    return first_step_figures(backend_of(worker), samples, algo, group_size=group_size,
-                              perturb_policy_std=perturb_policy_std, seed=seed, worst_samples=worst_samples)
+def trainer_first_step(
+    worker: Any,
+    samples: list[Sample],
+    algo: Any,
+    group_size: int,
+    perturb_policy_std: float,
+    seed: int,
+    worst_samples: int,
+) -> dict[str, Any]:
+    return first_step_figures(
+        backend_of(worker),
+        samples,
+        algo,
+        group_size=group_size,
+        perturb_policy_std=perturb_policy_std,
+        seed=seed,
+        worst_samples=worst_samples,
+    )
 
 
 def trainer_step(worker: Any, samples: list[Sample], algo: Any, group_size: int) -> dict[str, float]:
@@ -187,8 +226,9 @@ def trainer_checksums(worker: Any, cast_to: str | None = None) -> dict[str, str]
     return checksums(named)
 
 
-def engine_receive(worker: Any, named: dict, weight_version: int, fault: str | None = None,
-                   tensor: str | None = None) -> str | None:
+def engine_receive(
+    worker: Any, named: dict, weight_version: int, fault: str | None = None, tensor: str | None = None
+) -> str | None:
     """Load the trainer's weights into the engine; `fault` corrupts them in transit first."""
     done = None
     if fault:
@@ -203,8 +243,9 @@ def engine_checksums(worker: Any) -> dict[str, str]:
 
 def engine_float_dtype(worker: Any) -> str | None:
     """The one floating dtype of the engine's weights (None when mixed or none)."""
-    dtypes = {str(v.dtype).removeprefix("torch.") for v in worker.engine.named_weights().values()
-              if v.is_floating_point()}
+    dtypes = {
+        str(v.dtype).removeprefix("torch.") for v in worker.engine.named_weights().values() if v.is_floating_point()
+    }
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
@@ -213,6 +254,7 @@ def worker_peak_memory(worker: Any) -> dict[str, Any]:
 
 
 # ---- the checks -------------------------------------------------------------------------------------
+
 
 def _attempt(phase: Phase, name: str, fn: Callable[[], T]) -> tuple[T | None, str | None]:
     try:
@@ -231,14 +273,29 @@ def _finite(*values: Any) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
-def step2_check(*, expected_version: int, engine_version: int | None, sample_versions: list[int],
-                metrics: dict[str, float] | None, peaks: dict[str, dict[str, Any]], thr: AlignmentThresholds,
-                error: str | None = None) -> CheckResult:
-    figures: dict[str, Any] = {"expected_weight_version": expected_version, "engine_weight_version": engine_version,
-                               "sample_weight_versions": sample_versions}
+def step2_check(
+    *,
+    expected_version: int,
+    engine_version: int | None,
+    sample_versions: list[int],
+    metrics: dict[str, float] | None,
+    peaks: dict[str, dict[str, Any]],
+    thr: AlignmentThresholds,
+    error: str | None = None,
+) -> CheckResult:
+    figures: dict[str, Any] = {
+        "expected_weight_version": expected_version,
+        "engine_weight_version": engine_version,
+        "sample_weight_versions": sample_versions,
+    }
     m = metrics or {}
-    for key in ("rollout/raw_reward", "train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff",
-                "rollout/kl"):
+    for key in (
+        "rollout/raw_reward",
+        "train/loss",
+        "train/grad_norm",
+        "train/train_rollout_logprob_abs_diff",
+        "rollout/kl",
+    ):
         if key in m:
             figures["step2_" + key.split("/", 1)[1]] = m[key]
     peak = 0.0
@@ -260,12 +317,15 @@ def step2_check(*, expected_version: int, engine_version: int | None, sample_ver
         causes += LOAD_CAUSES
     else:
         if engine_version != expected_version or set(sample_versions) != {expected_version}:
-            problems.append(f"iteration 2 did not run on the updated weights: engine at weight_version "
-                            f"{engine_version}, samples at {sample_versions}, expected {expected_version}")
+            problems.append(
+                f"iteration 2 did not run on the updated weights: engine at weight_version "
+                f"{engine_version}, samples at {sample_versions}, expected {expected_version}"
+            )
             causes += LOAD_CAUSES
         if not _finite(m.get("train/loss"), m.get("train/grad_norm")):
-            problems.append(f"iteration 2 metrics not finite: loss {m.get('train/loss')}, grad_norm "
-                            f"{m.get('train/grad_norm')}")
+            problems.append(
+                f"iteration 2 metrics not finite: loss {m.get('train/loss')}, grad_norm {m.get('train/grad_norm')}"
+            )
             causes += LOAD_CAUSES
     if thr.memory_budget_mb is not None and peaks and peak > thr.memory_budget_mb:
         problems.append(f"peak memory {peak:.0f} MB above the budget of {thr.memory_budget_mb:g} MB")
@@ -276,13 +336,22 @@ def step2_check(*, expected_version: int, engine_version: int | None, sample_ver
     if problems:
         return CheckResult(STEP2, FAIL, figures, "; ".join(problems), list(dict.fromkeys(causes)))
     budget = f" (budget {thr.memory_budget_mb:g} MB)" if thr.memory_budget_mb is not None else " (no budget set)"
-    return CheckResult(STEP2, PASS, figures,
-                       f"iteration 2 ran on weight_version {expected_version}; peak memory {peak:.0f} MB{budget}")
+    return CheckResult(
+        STEP2, PASS, figures, f"iteration 2 ran on weight_version {expected_version}; peak memory {peak:.0f} MB{budget}"
+    )
 
 
-def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: AlignmentThresholds | None = None,
-                  memory_budget_mb: float | None = None, faults: AlignmentFaults | None = None,
-                  name_map: NameMap | None = None, call_phase: Phase | None = None) -> AlignmentReport:
+def run_alignment(
+    rollout_worker: Any,
+    trainer: Any,
+    cfg: Any,
+    *,
+    thresholds: AlignmentThresholds | None = None,
+    memory_budget_mb: float | None = None,
+    faults: AlignmentFaults | None = None,
+    name_map: NameMap | None = None,
+    call_phase: Phase | None = None,
+) -> AlignmentReport:
     """Run the six alignment checks on fresh workers (engine and trainer at the same starting weights).
 
     `rollout_worker`: a `RolloutWorker` (or a `WorkerRunner` around one); `trainer`: a `TrainWorker` or
@@ -318,8 +387,10 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
         "faults": faults.describe(),
     }
     if algo is not cfg.algo:
-        context["advantage_estimator"] = f"grpo (the run's {cfg.algo.advantage_estimator} needs its critic actor; " \
-                                         "the precision checks do not depend on the advantages)"
+        context["advantage_estimator"] = (
+            f"grpo (the run's {cfg.algo.advantage_estimator} needs its critic actor; "
+            "the precision checks do not depend on the advantages)"
+        )
 
     # Faults that exist before anything runs (the model, the reference).
     if faults.gibberish_weights:
@@ -343,30 +414,57 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
     first, err = _attempt(phase, "rollout-1", rollout_1)
     if err is not None:
         why = f"the first rollout raised {err}"
-        return finish([CheckResult(COHERENCE, FAIL, {}, why, ["the engine could not generate or the reward "
-                                                              "function failed: see the error"]),
-                       *[_not_run(n, why) for n in CHECK_NAMES[1:]]])
+        return finish(
+            [
+                CheckResult(
+                    COHERENCE,
+                    FAIL,
+                    {},
+                    why,
+                    ["the engine could not generate or the reward function failed: see the error"],
+                ),
+                *[_not_run(n, why) for n in CHECK_NAMES[1:]],
+            ]
+        )
     samples, stats = first
     reward_mean = sum(s.scalar_reward() for s in samples) / len(samples)
-    figs, err = _attempt(phase, "train-step-1", lambda: train.run(
-        trainer_first_step, samples, algo, group, faults.perturb_policy_std, faults.seed, thr.worst_samples))
+    figs, err = _attempt(
+        phase,
+        "train-step-1",
+        lambda: train.run(
+            trainer_first_step, samples, algo, group, faults.perturb_policy_std, faults.seed, thr.worst_samples
+        ),
+    )
 
     checks = [coherence_check(stats, figs["ref"]["ref_nll"] if figs else None, thr, reward_mean=reward_mean)]
     if figs is None:
         checks += [CheckResult(n, FAIL, {}, f"the first train step raised {err}", []) for n in CHECK_NAMES[1:5]]
     else:
-        checks += [ref_equal_check(figs, thr),
-                   mismatch_check(figs, thr, engine=context["engine"], trainer=context["trainer"],
-                                  expect_bitwise=context["rollout_logprobs"] == "teacher_forced"),
-                   mismatch_kl_check(figs, thr),
-                   first_step_check(figs, thr)]
+        checks += [
+            ref_equal_check(figs, thr),
+            mismatch_check(
+                figs,
+                thr,
+                engine=context["engine"],
+                trainer=context["trainer"],
+                expect_bitwise=context["rollout_logprobs"] == "teacher_forced",
+            ),
+            mismatch_kl_check(figs, thr),
+            first_step_check(figs, thr),
+        ]
 
     # ---- sync: trainer -> engine, then every tensor compared ---------------------------------------
     version = eng["weight_version"] + 1
-    transit, err = _attempt(phase, "sync", lambda: engine.run(
-        engine_receive, train.defer(trainer_named_weights), version, faults.sync, faults.sync_tensor))
+    transit, err = _attempt(
+        phase,
+        "sync",
+        lambda: engine.run(
+            engine_receive, train.defer(trainer_named_weights), version, faults.sync, faults.sync_tensor
+        ),
+    )
     parity, compared_in = None, None
     if err is None:
+
         def parity_phase():
             dtype = engine.run(engine_float_dtype)
             cast = dtype if dtype is not None and dtype != trn["dtype"] else None
@@ -385,12 +483,23 @@ def run_alignment(rollout_worker: Any, trainer: Any, cfg: Any, *, thresholds: Al
         return engine.run(engine_describe)["weight_version"], sorted({s.weight_version for s in samples2}), metrics
 
     second, err = _attempt(phase, "iteration-2", step2)
-    peaks, _ = _attempt(phase, "peak-memory", lambda: {"engine": engine.run(worker_peak_memory),
-                                                       "trainer": train.run(worker_peak_memory)})
+    peaks, _ = _attempt(
+        phase,
+        "peak-memory",
+        lambda: {"engine": engine.run(worker_peak_memory), "trainer": train.run(worker_peak_memory)},
+    )
     engine_version, sample_versions, metrics = second if second is not None else (None, [], None)
-    checks.append(step2_check(expected_version=version, engine_version=engine_version,
-                              sample_versions=sample_versions, metrics=metrics, peaks=peaks or {}, thr=thr,
-                              error=err))
+    checks.append(
+        step2_check(
+            expected_version=version,
+            engine_version=engine_version,
+            sample_versions=sample_versions,
+            metrics=metrics,
+            peaks=peaks or {},
+            thr=thr,
+            error=err,
+        )
+    )
     return finish(checks)
 
 
@@ -399,8 +508,14 @@ def alignment_workers(cfg: Any) -> tuple[Any, Any]:
     optim = cfg.train.model_copy(update={"num_steps_per_rollout": 1})
     scoring = cfg.scoring_layout() if hasattr(cfg, "scoring_layout") else None  # rollout.logprobs='teacher_forced'
     rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data, scoring=scoring)
-    trainer = TrainWorker(cfg.model.path, optim, cfg.algo, store_root=cfg.store.root, run=cfg.run,
-                          temperature=cfg.rollout.temperature or 1.0)
+    trainer = TrainWorker(
+        cfg.model.path,
+        optim,
+        cfg.algo,
+        store_root=cfg.store.root,
+        run=cfg.run,
+        temperature=cfg.rollout.temperature or 1.0,
+    )
     return rollout, trainer
 
 
@@ -411,6 +526,18 @@ def run_alignment_local(cfg: Any, **kwargs: Any) -> AlignmentReport:
     return run_alignment(rollout, trainer, cfg, **kwargs)
 
 
-__all__ = ["CHECK_NAMES", "STEP2", "AlignmentFaults", "AlignmentReport", "AlignmentThresholds", "CheckResult",
-           "InProcess", "WorkerRunner", "alignment_workers", "as_runner", "run_alignment", "run_alignment_local",
-           "step2_check"]
+__all__ = [
+    "CHECK_NAMES",
+    "STEP2",
+    "AlignmentFaults",
+    "AlignmentReport",
+    "AlignmentThresholds",
+    "CheckResult",
+    "InProcess",
+    "WorkerRunner",
+    "alignment_workers",
+    "as_runner",
+    "run_alignment",
+    "run_alignment_local",
+    "step2_check",
+]

@@ -47,13 +47,23 @@ class CheckResult:
         return self.status == FAIL
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "message": self.message,
-                "figures": json_safe(self.figures), "causes": list(self.causes)}
+        return {
+            "name": self.name,
+            "status": self.status,
+            "message": self.message,
+            "figures": json_safe(self.figures),
+            "causes": list(self.causes),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CheckResult":
-        return cls(name=data["name"], status=data["status"], figures=dict(data.get("figures") or {}),
-                   message=data.get("message", ""), causes=list(data.get("causes") or []))
+        return cls(
+            name=data["name"],
+            status=data["status"],
+            figures=dict(data.get("figures") or {}),
+            message=data.get("message", ""),
+            causes=list(data.get("causes") or []),
+        )
 
 
 class _Strict(BaseModel):
@@ -72,15 +82,21 @@ class AlignmentThresholds(_Strict):
     max_repetition_fraction: float = Field(0.3, ge=0, le=1, description="mean share of repeated token bigrams")
     max_ref_nll: float = Field(1.5, gt=0, description="reference model's mean NLL per response token")
     min_format_fraction: Optional[float] = Field(
-        0.5, ge=0, le=1, description="responses matching the task's answer format (None = not judged)")
+        0.5, ge=0, le=1, description="responses matching the task's answer format (None = not judged)"
+    )
     min_retokenize_agreement: Optional[float] = Field(
-        0.97, ge=0, le=1, description="HF tokenizers: share of response tokens the tokenizer reproduces when it "
-                                      "re-encodes the decoded text (None = not judged)")
+        0.97,
+        ge=0,
+        le=1,
+        description="HF tokenizers: share of response tokens the tokenizer reproduces when it "
+        "re-encodes the decoded text (None = not judged)",
+    )
     # 2. step 1: log_probs == ref_log_probs
     require_exact_ref_equality: bool = Field(True, description="log_probs must equal ref_log_probs bit for bit")
     ref_abs_tolerance: float = Field(0.0, ge=0, description="allowed max |log_prob - ref| when not exact")
     expected_max_neg_log_prob: float = Field(
-        1.5, gt=0, description="warn when the mean -log_prob of step 1 is above this level")
+        1.5, gt=0, description="warn when the mean -log_prob of step 1 is above this level"
+    )
     # 3. train vs rollout log-probs
     mismatch_mean_warn: float = Field(1e-4, ge=0, description="warn above this mean |train - rollout| log-prob")
     mismatch_mean_fail: float = Field(1e-2, ge=0, description="fail above this mean |train - rollout| log-prob")
@@ -94,7 +110,8 @@ class AlignmentThresholds(_Strict):
     max_grad_norm: float = Field(10.0, gt=0, description="grad norm (before clipping) allowed at the first step")
     # 6. step 2
     memory_budget_mb: Optional[float] = Field(
-        None, gt=0, description="largest worker peak (host RSS or CUDA) allowed, MB; None = report only")
+        None, gt=0, description="largest worker peak (host RSS or CUDA) allowed, MB; None = report only"
+    )
 
 
 @dataclasses.dataclass
@@ -131,8 +148,12 @@ class AlignmentReport:
         return head
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "counts": self.counts(), "context": json_safe(self.context),
-                "checks": [c.to_dict() for c in self.checks]}
+        return {
+            "status": self.status,
+            "counts": self.counts(),
+            "context": json_safe(self.context),
+            "checks": [c.to_dict() for c in self.checks],
+        }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, allow_nan=False)
@@ -146,27 +167,38 @@ class AlignmentReport:
         rows = []
         for i, c in enumerate(self.checks, 1):
             scalars = [(k, v) for k, v in c.figures.items() if _is_scalar(v) or v is None][:4]
-            rows.append({"#": i, "check": c.name, "status": c.status,
-                         "figures": ", ".join(f"{k}={fmt(v)}" for k, v in scalars), "message": c.message})
+            rows.append(
+                {
+                    "#": i,
+                    "check": c.name,
+                    "status": c.status,
+                    "figures": ", ".join(f"{k}={fmt(v)}" for k, v in scalars),
+                    "message": c.message,
+                }
+            )
         return rows
 
     def to_markdown(self) -> str:
         ctx = self.context
         n = self.counts()
         title = f"# Precision alignment: run `{ctx.get('run', '?')}`"
-        lines = [title, "",
-                 f"**Result: {self.status.upper()}** — {len(self.checks)} checks: {n[PASS]} pass, {n[WARN]} warn, "
-                 f"{n[FAIL]} fail"]
-        facts = [(k, ctx[k]) for k in ("created_at", "model", "engine", "trainer", "samples", "duration_s")
-                 if k in ctx]
+        lines = [
+            title,
+            "",
+            f"**Result: {self.status.upper()}** — {len(self.checks)} checks: {n[PASS]} pass, {n[WARN]} warn, "
+            f"{n[FAIL]} fail",
+        ]
+        facts = [(k, ctx[k]) for k in ("created_at", "model", "engine", "trainer", "samples", "duration_s") if k in ctx]
         if facts:
             lines += ["", " · ".join(f"{k}: {fmt(v)}" for k, v in facts)]
         if ctx.get("faults"):
             lines += ["", "**Injected faults:** " + "; ".join(ctx["faults"])]
         lines += ["", "| # | check | status | figures | message |", "|---|---|---|---|---|"]
         for row in self.table_rows():
-            lines.append(f"| {row['#']} | {row['check']} | {_badge(row['status'])} | {_cell(row['figures'])} | "
-                         f"{_cell(row['message'])} |")
+            lines.append(
+                f"| {row['#']} | {row['check']} | {_badge(row['status'])} | {_cell(row['figures'])} | "
+                f"{_cell(row['message'])} |"
+            )
         for i, c in enumerate(self.checks, 1):
             lines += ["", f"## {i}. {c.name}: {c.status.upper()}", "", c.message, ""]
             for key, value in c.figures.items():

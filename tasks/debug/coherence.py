@@ -87,8 +87,9 @@ def retokenize_agreement(tokenizer: Any, samples: list[Sample]) -> float | None:
             ids = ids[:-1]
         if not ids:
             continue
-        again = tokenizer(tokenizer.decode(ids, clean_up_tokenization_spaces=False),
-                          add_special_tokens=False)["input_ids"]
+        again = tokenizer(tokenizer.decode(ids, clean_up_tokenization_spaces=False), add_special_tokens=False)[
+            "input_ids"
+        ]
         kept += sum((Counter(ids) & Counter(again)).values())
         total += len(ids)
     return kept / total if total else None
@@ -120,8 +121,9 @@ def response_stats(tokenizer: Any, samples: list[Sample], pattern: str | None) -
     return stats
 
 
-def coherence_check(stats: dict[str, Any], ref_nll: float | None, thr: AlignmentThresholds,
-                    *, reward_mean: float | None = None) -> CheckResult:
+def coherence_check(
+    stats: dict[str, Any], ref_nll: float | None, thr: AlignmentThresholds, *, reward_mean: float | None = None
+) -> CheckResult:
     figures: dict[str, Any] = {
         "printable_ratio": stats["printable_ratio"],
         "repetition_fraction": stats["repetition_fraction"],
@@ -147,19 +149,27 @@ def coherence_check(stats: dict[str, Any], ref_nll: float | None, thr: Alignment
         problems.append("reference NLL unavailable (the trainer's step-1 scoring failed)")
     elif not ref_nll <= thr.max_ref_nll:  # NaN fails too
         problems.append(f"ref_nll {ref_nll:.3f} > {thr.max_ref_nll}")
-    if thr.min_format_fraction is not None and "format_fraction" in stats \
-            and stats["format_fraction"] < thr.min_format_fraction:
-        problems.append(f"format_fraction {stats['format_fraction']:.3f} < {thr.min_format_fraction} "
-                        f"(answers matching {stats.get('answer_format')})")
+    if (
+        thr.min_format_fraction is not None
+        and "format_fraction" in stats
+        and stats["format_fraction"] < thr.min_format_fraction
+    ):
+        problems.append(
+            f"format_fraction {stats['format_fraction']:.3f} < {thr.min_format_fraction} "
+            f"(answers matching {stats.get('answer_format')})"
+        )
     agreement = stats.get("retokenize_agreement")
-    if thr.min_retokenize_agreement is not None and agreement is not None \
-            and agreement < thr.min_retokenize_agreement:
-        problems.append(f"retokenize_agreement {agreement:.3f} < {thr.min_retokenize_agreement} (response tokens "
-                        "are not what the tokenizer produces for their own text: arbitrary id sequences)")
+    if thr.min_retokenize_agreement is not None and agreement is not None and agreement < thr.min_retokenize_agreement:
+        problems.append(
+            f"retokenize_agreement {agreement:.3f} < {thr.min_retokenize_agreement} (response tokens "
+            "are not what the tokenizer produces for their own text: arbitrary id sequences)"
+        )
     if problems:
         return CheckResult(NAME, FAIL, figures, "rollouts look like gibberish: " + "; ".join(problems), list(CAUSES))
-    msg = (f"rollouts are language: printable {stats['printable_ratio']:.3f}, repetition "
-           f"{stats['repetition_fraction']:.3f}, reference NLL {ref_nll:.3f}/token")
+    msg = (
+        f"rollouts are language: printable {stats['printable_ratio']:.3f}, repetition "
+        f"{stats['repetition_fraction']:.3f}, reference NLL {ref_nll:.3f}/token"
+    )
     if "format_fraction" in stats:
         msg += f", {stats['format_fraction']:.1%} in answer format"
     if "retokenize_agreement" in stats:

@@ -153,8 +153,11 @@ def _split_parent(uri: str) -> tuple[str, str]:
 def _discover_slime(template: str, storage_options: dict[str, Any] | None) -> list[Discovered]:
     ids = discover_template_ids(template, storage_options)
     found = [
-        Discovered(split, rid, RolloutLoader("slime", expand_template(template, rid, split), split, rid,
-                                             storage_options=storage_options))
+        Discovered(
+            split,
+            rid,
+            RolloutLoader("slime", expand_template(template, rid, split), split, rid, storage_options=storage_options),
+        )
         for split in SPLITS
         for rid in ids[split]
     ]
@@ -174,8 +177,9 @@ def _discover_pt_file(uri: str, storage_options: dict[str, Any] | None) -> list[
         rollout_id = int(digits[-1])
     else:
         rollout_id = import_slime_pt(uri, storage_options)[0]
-    return [Discovered(split, rollout_id, RolloutLoader("slime", uri, split, rollout_id,
-                                                        storage_options=storage_options))]
+    return [
+        Discovered(split, rollout_id, RolloutLoader("slime", uri, split, rollout_id, storage_options=storage_options))
+    ]
 
 
 def discover(uri_or_template: str, storage_options: dict[str, Any] | None = None) -> list[Discovered]:
@@ -223,15 +227,17 @@ def discover(uri_or_template: str, storage_options: dict[str, Any] | None = None
         if only_split and split != only_split:
             continue
         for rid in store.list_ids(run, split):
-            loader = RolloutLoader("artifact", store.artifact_uri(run, split, rid), split, rid, store.root, run,
-                                   storage_options)
+            loader = RolloutLoader(
+                "artifact", store.artifact_uri(run, split, rid), split, rid, store.root, run, storage_options
+            )
             found.append(Discovered(split, rid, loader))
     if found:
         return found
     # Nothing there: the usual mistakes are a store root instead of a run, or a typo in the run.
     nested = RolloutStore(text, storage_options).list_runs()
     if nested:
-        hint = f"{uri_or_template!r} looks like a store root; runs there: {', '.join(nested)} (pass e.g. {join_uri(text, nested[0])!r})"
+        example = join_uri(text, nested[0])
+        hint = f"{uri_or_template!r} looks like a store root; runs there: {', '.join(nested)} (pass e.g. {example!r})"
     else:
         runs = store.list_runs()
         hint = f"runs under {store.root!r}: {', '.join(runs) if runs else 'none'}"
@@ -270,9 +276,7 @@ def select_rollout(found: Sequence[Discovered], split: str | None = None, rollou
             if item.split == wanted and item.rollout_id == rollout_id:
                 return item
     where = f"{split} " if split else ""
-    raise SelectionError(
-        f"--id {rollout_id}: no {where}rollout with that id; existing ids: {describe_ids(candidates)}"
-    )
+    raise SelectionError(f"--id {rollout_id}: no {where}rollout with that id; existing ids: {describe_ids(candidates)}")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -371,8 +375,14 @@ def _columns(samples: Sequence[Sample], reward_key: str | None = None) -> _Colum
     return _columns_from_samples(list(samples), reward_key)
 
 
-def repetitive_mask(tokens: np.ndarray, owner: np.ndarray, n_samples: int, *, ngram: int = REPETITION_NGRAM,
-                    min_count: int = REPETITION_MIN_COUNT) -> np.ndarray:
+def repetitive_mask(
+    tokens: np.ndarray,
+    owner: np.ndarray,
+    n_samples: int,
+    *,
+    ngram: int = REPETITION_NGRAM,
+    min_count: int = REPETITION_MIN_COUNT,
+) -> np.ndarray:
     """Per sample: does some token `ngram`-gram occur >= `min_count` times (overlaps count) in its response?
 
     `tokens` are the responses concatenated, `owner[i]` the sample of token i (non-decreasing).
@@ -385,7 +395,7 @@ def repetitive_mask(tokens: np.ndarray, owner: np.ndarray, n_samples: int, *, ng
     base = int(tokens.max(initial=0)) + 1
     # Exact keys while base**ngram fits in 64 bits (any vocabulary below ~2.6M for 3-grams); beyond
     # that the multiply wraps, i.e. a hash whose collisions are negligible for this purpose.
-    mult = np.uint64(base if base ** ngram < 2**64 else 1_000_003)
+    mult = np.uint64(base if base**ngram < 2**64 else 1_000_003)
     key = np.zeros(m, dtype=np.uint64)
     for k in range(ngram):
         key = key * mult + tokens[k : k + m].astype(np.uint64)
@@ -485,9 +495,14 @@ def _turn_stats(samples: Sequence[Sample]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- filters
 
 
-def filter_positions(samples: Sequence[Sample], status: str | None = None, reward_min: float | None = None,
-                     reward_max: float | None = None, reward_key: str | None = None,
-                     min_turns: int | None = None) -> np.ndarray:
+def filter_positions(
+    samples: Sequence[Sample],
+    status: str | None = None,
+    reward_min: float | None = None,
+    reward_max: float | None = None,
+    reward_key: str | None = None,
+    min_turns: int | None = None,
+) -> np.ndarray:
     """Positions of the samples passing every filter. A reward filter drops unscored samples. `min_turns`:
     conversations (rollout functions, docs/agents.md) with at least that many turns."""
     cols_needed = status is not None or reward_min is not None or reward_max is not None
@@ -496,7 +511,11 @@ def filter_positions(samples: Sequence[Sample], status: str | None = None, rewar
     if isinstance(samples, SampleTable):
         view = samples.view
         statuses = np.array(view.column("status").to_pylist(), dtype=object)
-        rewards = _columns_from_table(samples, reward_key).rewards if (reward_min is not None or reward_max is not None) else None
+        rewards = (
+            _columns_from_table(samples, reward_key).rewards
+            if (reward_min is not None or reward_max is not None)
+            else None
+        )
     else:
         statuses = np.array([Status.parse(s.status).value for s in samples], dtype=object)
         rewards = np.array([_scalar_reward(s.reward, reward_key or s.reward_key) for s in samples], dtype=np.float64)
@@ -528,9 +547,14 @@ def _turn_counts(samples: Sequence[Sample]) -> np.ndarray:
     return np.array([len((s.metadata or {}).get("turns") or []) for s in samples], dtype=np.int64)
 
 
-def filter_samples(samples: Sequence[Sample], status: str | None = None, reward_min: float | None = None,
-                   reward_max: float | None = None, reward_key: str | None = None,
-                   min_turns: int | None = None) -> Sequence[Sample]:
+def filter_samples(
+    samples: Sequence[Sample],
+    status: str | None = None,
+    reward_min: float | None = None,
+    reward_max: float | None = None,
+    reward_key: str | None = None,
+    min_turns: int | None = None,
+) -> Sequence[Sample]:
     """The samples with the given status and a reward in [reward_min, reward_max] (bounds optional).
 
     A SampleTable in gives a (lazy) SampleTable out; a list gives a list.
@@ -599,8 +623,15 @@ def page_records(samples: Sequence[Sample], limit: int = 20, offset: int = 0) ->
     return [{"row": row, **sample.to_dict()} for row, sample in _page(samples, limit, offset)]
 
 
-def render_table(samples: Sequence[Sample], limit: int = 20, offset: int = 0, *, max_chars: int = 48,
-                 json_mode: bool = False, title: str | None = None):
+def render_table(
+    samples: Sequence[Sample],
+    limit: int = 20,
+    offset: int = 0,
+    *,
+    max_chars: int = 48,
+    json_mode: bool = False,
+    title: str | None = None,
+):
     """One page of samples: a rich Table (prompt / response / reward / status / metadata), cell text
     cut at `max_chars`; with `json_mode` a JSON string of `page_records` instead."""
     if json_mode:
@@ -685,7 +716,6 @@ def train_dump_summary(loader: RolloutLoader) -> dict[str, Any] | None:
     if loader.kind != "artifact" or loader.split != "train" or not loader.root or not loader.run:
         return None
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     store = RolloutStore(loader.root, loader.storage_options)
     rel = f"{loader.run}/train_dumps/{loader.rollout_id:06d}.parquet"

@@ -28,22 +28,33 @@ class AlignmentFaults(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     gibberish_weights: Optional[GibberishMode] = Field(
-        None, description="engine and trainer (policy + reference) start from shuffled or random weights (check 1)")
+        None, description="engine and trainer (policy + reference) start from shuffled or random weights (check 1)"
+    )
     perturb_ref_std: float = Field(
-        0.0, ge=0, description="gaussian noise added to the reference model's weights (check 2)")
+        0.0, ge=0, description="gaussian noise added to the reference model's weights (check 2)"
+    )
     engine_temperature: Optional[float] = Field(
-        None, gt=0, description="the engine samples and scores log-probs at this temperature, the trainer at the "
-                                "configured one (check 3)")
+        None,
+        gt=0,
+        description="the engine samples and scores log-probs at this temperature, the trainer at the "
+        "configured one (check 3)",
+    )
     perturb_policy_std: float = Field(
-        0.0, ge=0, description="noise added to the policy after the old log-probs, before the first step (check 4)")
+        0.0, ge=0, description="noise added to the policy after the old log-probs, before the first step (check 4)"
+    )
     sync: Optional[SyncFault] = Field(None, description="corrupt one tensor or swap two layers in transit (check 5)")
     sync_tensor: Optional[str] = Field(None, description="tensor that `sync` corrupts (default: one of the last layer)")
     nondeterministic_logits_std: float = Field(
-        0.0, ge=0, description="reproducibility gate: the second run's trainer adds noise from an unseeded generator "
-                               "to its logits (tasks/debug/repro_faults.py)")
+        0.0,
+        ge=0,
+        description="reproducibility gate: the second run's trainer adds noise from an unseeded generator "
+        "to its logits (tasks/debug/repro_faults.py)",
+    )
     greedy_sampling: bool = Field(
-        False, description="reproducibility gate: both runs' engines sample greedily (top_k=1) at the configured "
-                           "temperature > 0 (the group-diversity guard's fault)")
+        False,
+        description="reproducibility gate: both runs' engines sample greedily (top_k=1) at the configured "
+        "temperature > 0 (the group-diversity guard's fault)",
+    )
     seed: int = 0
 
     @property
@@ -127,8 +138,9 @@ def default_sync_tensor(names: list[str]) -> str:
     return sorted(n for i, n in layered if i == last)[0]
 
 
-def apply_sync_fault(named: dict[str, torch.Tensor], fault: SyncFault, tensor: str | None = None
-                     ) -> tuple[dict[str, torch.Tensor], str]:
+def apply_sync_fault(
+    named: dict[str, torch.Tensor], fault: SyncFault, tensor: str | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
     """A copy of `named` with one tensor corrupted or the tensors of two layers swapped; plus what was done."""
     out = dict(named)
     if fault == "corrupt_tensor":
@@ -149,7 +161,7 @@ def apply_sync_fault(named: dict[str, torch.Tensor], fault: SyncFault, tensor: s
             m = _LAYER.search(name)
             if m and int(m.group(3)) in (a, b):
                 other = b if int(m.group(3)) == a else a
-                twin = name[: m.start(3)] + str(other) + name[m.end(3):]
+                twin = name[: m.start(3)] + str(other) + name[m.end(3) :]
                 out[name] = named[twin]
         return out, f"swapped layers {a} and {b}"
     raise ValueError(f"sync fault {fault!r}: expected 'corrupt_tensor' or 'swap_layers'")

@@ -15,20 +15,27 @@ FAILING = (CRASH, TIMEOUT)  # what the verdict isolates; ERROR (no CUDA error, n
 EXIT_UNSUPPORTED = 78
 
 
-
 # First error line: the first log line that matches one of these (case-insensitive).
 ERROR_PATTERNS: tuple[tuple[str, re.Pattern], ...] = (
     ("illegal memory access", re.compile(r"illegal memory access|illegal address|cudaErrorIllegalAddress", re.I)),
     ("device-side assert", re.compile(r"device-side assert", re.I)),
     ("misaligned address", re.compile(r"misaligned address", re.I)),
-    ("CUDA error", re.compile(r"CUDA error|CUDA Exception|Triton Error \[CUDA\]|CUBLAS_STATUS_EXECUTION_FAILED|"
-                              r"CUDNN_STATUS_EXECUTION_FAILED|NCCL error|unhandled cuda error", re.I)),
+    (
+        "CUDA error",
+        re.compile(
+            r"CUDA error|CUDA Exception|Triton Error \[CUDA\]|CUBLAS_STATUS_EXECUTION_FAILED|"
+            r"CUDNN_STATUS_EXECUTION_FAILED|NCCL error|unhandled cuda error",
+            re.I,
+        ),
+    ),
 )
 _PY_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)')  # traceback, or faulthandler (no comma)
 # How the faulting kernel is named: cuda-gdb on a core dump, then the reproducer's Triton launch trace.
-_GDB_KERNEL = (re.compile(r"\bin ([A-Za-z_][\w:~]*)(?:<[^(]*?>)?<<<"),
-               re.compile(r"triggered at PC 0x[0-9a-fA-F]+\s+(?:<)?([A-Za-z_][\w:~]*)"))
+_GDB_KERNEL = (
+    re.compile(r"\bin ([A-Za-z_][\w:~]*)(?:<[^(]*?>)?<<<"),
+    re.compile(r"triggered at PC 0x[0-9a-fA-F]+\s+(?:<)?([A-Za-z_][\w:~]*)"),
+)
 _TRACE_KERNEL = re.compile(r"rollflow-ima: last Triton kernel launched(?: before the error)?: (\S+)")
 _INJECTED = re.compile(r"rollflow-ima: injected fault")
 LIBRARY_FRAME = re.compile(r'File "[^"]*(?:site-packages|dist-packages|<frozen )')
@@ -107,7 +114,6 @@ def signal_name(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
-
 def classify(returncode: int | None, timed_out: bool, lines: Sequence[str]) -> tuple[str, str | None, str | None]:
     """(outcome, first error line, error kind) of a finished reproducer."""
     line, kind = first_error_line(lines)
@@ -116,8 +122,10 @@ def classify(returncode: int | None, timed_out: bool, lines: Sequence[str]) -> t
     if returncode == 0:
         return PASS, None, None
     if returncode == EXIT_UNSUPPORTED:
-        reason = next((ln.split("unsupported:", 1)[1].strip() for ln in reversed(lines) if "unsupported:" in ln),
-                      "the reproducer cannot run this cell")
+        reason = next(
+            (ln.split("unsupported:", 1)[1].strip() for ln in reversed(lines) if "unsupported:" in ln),
+            "the reproducer cannot run this cell",
+        )
         return NA, reason, None
     if kind is not None or (returncode is not None and returncode < 0):
         if line is None:

@@ -48,14 +48,21 @@ class CellResult:
 
     def row(self) -> dict:
         """One row of the table artifact."""
-        return {"pass": self.pass_name, **self.toggles, "outcome": self.outcome,
-                "exit": self.signal or self.returncode, "first_error": self.first_error or self.note or "",
-                "kernel": self.kernel or "", "seconds": round(self.seconds, 1)}
+        return {
+            "pass": self.pass_name,
+            **self.toggles,
+            "outcome": self.outcome,
+            "exit": self.signal or self.returncode,
+            "first_error": self.first_error or self.note or "",
+            "kernel": self.kernel or "",
+            "seconds": round(self.seconds, 1),
+        }
 
 
 def na_result(plan: CellPlan, pass_name: str = MATRIX) -> CellResult:
-    return CellResult(toggles=plan.cell.toggles(), pass_name=pass_name, outcome=NA, note=plan.reason,
-                      plan=plan.describe())
+    return CellResult(
+        toggles=plan.cell.toggles(), pass_name=pass_name, outcome=NA, note=plan.reason, plan=plan.describe()
+    )
 
 
 # --------------------------------------------------------------------------------------------- verdict
@@ -79,8 +86,9 @@ def _phrase(condition: dict[str, str]) -> str:
     return " and ".join(f"{k} {condition[k]}" for k in TOGGLES if k in condition)
 
 
-def _minimal_condition(targets: list[dict[str, str]], others: list[dict[str, str]],
-                       ran: list[dict[str, str]]) -> dict[str, str] | None:
+def _minimal_condition(
+    targets: list[dict[str, str]], others: list[dict[str, str]], ran: list[dict[str, str]]
+) -> dict[str, str] | None:
     """Smallest set of toggle settings shared by every target cell and by no other cell (None: no such set).
 
     Settings constant over all cells that ran (e.g. deepep=off on a backend without DeepEP) are left out:
@@ -128,11 +136,19 @@ def verdict(cells: Iterable[tuple[dict[str, str], str]]) -> Verdict:
         return Verdict("isolated", f"{verb} only with {_phrase(cond)}" + suffix, condition=cond, **base)
     cond = _minimal_condition(passing, failing, ran)
     if cond:
-        return Verdict("isolated_pass", f"{verb} unless {_phrase(cond)} (passes only with {_phrase(cond)}; "
-                                        "switching any of them crashes)" + suffix, condition=cond, **base)
+        return Verdict(
+            "isolated_pass",
+            f"{verb} unless {_phrase(cond)} (passes only with {_phrase(cond)}; switching any of them crashes)" + suffix,
+            condition=cond,
+            **base,
+        )
     listed = "; ".join(format_toggles(t) for t in failing)
-    return Verdict("mixed", f"{verb} in {len(failing)} of {len(ran)} cells with no single toggle pattern ({listed}): "
-                            "rerun to check for flakiness" + suffix, **base)
+    return Verdict(
+        "mixed",
+        f"{verb} in {len(failing)} of {len(ran)} cells with no single toggle pattern ({listed}): "
+        "rerun to check for flakiness" + suffix,
+        **base,
+    )
 
 
 def pick_rerun_cell(results: Sequence[CellResult]) -> CellResult | None:
@@ -184,10 +200,19 @@ class BisectReport:
         return [r.row() for r in [*self.cells, *self.reruns]]
 
     def to_dict(self) -> dict:
-        return {"backend": self.backend, "crash_when": self.crash_when, "fault": self.fault,
-                "verdict": self.verdict.to_dict(), "kernel": self.kernel, "coredumps": self.coredumps,
-                "cells": [r.to_dict() for r in self.cells], "reruns": [r.to_dict() for r in self.reruns],
-                "coredump_inspections": self.coredump_inspections, "support": self.support, "context": self.context}
+        return {
+            "backend": self.backend,
+            "crash_when": self.crash_when,
+            "fault": self.fault,
+            "verdict": self.verdict.to_dict(),
+            "kernel": self.kernel,
+            "coredumps": self.coredumps,
+            "cells": [r.to_dict() for r in self.cells],
+            "reruns": [r.to_dict() for r in self.reruns],
+            "coredump_inspections": self.coredump_inspections,
+            "support": self.support,
+            "context": self.context,
+        }
 
     def to_markdown(self, *, title: str = "IMA bisect") -> str:
         out = [f"# {title} (engine `{self.backend}`)", "", f"**Verdict: {self.verdict.text}**", ""]
@@ -196,49 +221,68 @@ class BisectReport:
             out.append("")
         lb = self.launch_blocking
         if lb is not None:
-            out.append(f"- launch-blocking rerun (`CUDA_LAUNCH_BLOCKING=1`, {lb.cell.label}): **{lb.outcome}**; "
-                       f"first error: `{lb.first_error or '-'}`")
-            out.append(f"  - faulting kernel: **{lb.kernel or 'not named by the log'}**"
-                       + (f"; called from `{lb.user_frame}`" if lb.user_frame else "")
-                       + (f"; raised at `{lb.frame}`" if lb.frame and lb.frame != lb.user_frame else ""))
+            out.append(
+                f"- launch-blocking rerun (`CUDA_LAUNCH_BLOCKING=1`, {lb.cell.label}): **{lb.outcome}**; "
+                f"first error: `{lb.first_error or '-'}`"
+            )
+            out.append(
+                f"  - faulting kernel: **{lb.kernel or 'not named by the log'}**"
+                + (f"; called from `{lb.user_frame}`" if lb.user_frame else "")
+                + (f"; raised at `{lb.frame}`" if lb.frame and lb.frame != lb.user_frame else "")
+            )
         cd = self.coredump_run
         if cd is not None:
             dumps = ", ".join(f"`{p}`" for p in cd.coredumps) or "none written"
             out.append(f"- core-dump rerun ({cd.cell.label}): **{cd.outcome}**; core dumps: {dumps}")
         for info in self.coredump_inspections:
             if info.get("available"):
-                out.append(f"  - cuda-gdb: {info.get('exception') or 'no exception line'}; kernel "
-                           f"**{info.get('kernel') or '?'}**")
+                out.append(
+                    f"  - cuda-gdb: {info.get('exception') or 'no exception line'}; kernel "
+                    f"**{info.get('kernel') or '?'}**"
+                )
         if self.kernel and (lb is None or self.kernel != lb.kernel):
             out.append(f"- faulting kernel (core dump): **{self.kernel}**")
-        out += ["", "| pass | cuda_graph | speculative | deepep | outcome | exit | first error line | s |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "| pass | cuda_graph | speculative | deepep | outcome | exit | first error line | s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in [*self.cells, *self.reruns]:
             err = (r.first_error or r.note or "").replace("|", "\\|")
             if len(err) > 160:
                 err = err[:157] + "..."
             exit_code = r.signal or ("" if r.returncode is None else r.returncode)
-            out.append(f"| {r.pass_name} | {r.toggles['cuda_graph']} | {r.toggles['speculative']} | "
-                       f"{r.toggles['deepep']} | {r.outcome} | {exit_code} | {err} | {r.seconds:.1f} |")
+            out.append(
+                f"| {r.pass_name} | {r.toggles['cuda_graph']} | {r.toggles['speculative']} | "
+                f"{r.toggles['deepep']} | {r.outcome} | {exit_code} | {err} | {r.seconds:.1f} |"
+            )
         if self.support:
             out += ["", "Toggles on this engine:", ""]
             out += [f"- `{s['toggle']}` ({s['applicable']}): {s['meaning']}" for s in self.support]
-        out += ["", "## Reading a core dump", "",
-                "```bash",
-                'cuda-gdb -ex "target cudacore <file>"   # or: -batch -ex "info cuda kernels" -ex bt',
-                "```", "",
-                "cuda-gdb prints `CUDA Exception: Warp Illegal Address` (or the exception that fired), the kernel "
-                "and PC (`The exception was triggered at PC ...`), and focuses the faulting thread: `info cuda "
-                "kernels` lists the kernels on the device, `bt` the device stack, `disas $errorpc,+16` the faulting "
-                "instruction, `info registers` the address it used. The dumps were taken with "
-                f"`CUDA_COREDUMP_GENERATION_FLAGS={COREDUMP_GENERATION_FLAGS}` (device memory contents left "
-                "out; drop a skip flag to keep that memory)."]
+        out += [
+            "",
+            "## Reading a core dump",
+            "",
+            "```bash",
+            'cuda-gdb -ex "target cudacore <file>"   # or: -batch -ex "info cuda kernels" -ex bt',
+            "```",
+            "",
+            "cuda-gdb prints `CUDA Exception: Warp Illegal Address` (or the exception that fired), the kernel "
+            "and PC (`The exception was triggered at PC ...`), and focuses the faulting thread: `info cuda "
+            "kernels` lists the kernels on the device, `bt` the device stack, `disas $errorpc,+16` the faulting "
+            "instruction, `info registers` the address it used. The dumps were taken with "
+            f"`CUDA_COREDUMP_GENERATION_FLAGS={COREDUMP_GENERATION_FLAGS}` (device memory contents left "
+            "out; drop a skip flag to keep that memory).",
+        ]
         if self.coredumps:
             out += ["", "Core dumps:", ""] + [f"- `{p}`" for p in self.coredumps]
         return "\n".join(out) + "\n"
 
 
 def host_context() -> dict:
-    ctx: dict[str, Any] = {"host": socket.gethostname(), "python": sys.version.split()[0],
-                           "cuda_gdb": shutil.which("cuda-gdb")}
+    ctx: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "cuda_gdb": shutil.which("cuda-gdb"),
+    }
     return ctx

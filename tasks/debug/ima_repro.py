@@ -87,8 +87,9 @@ def install_launch_trace() -> bool:
 
 def report_last_kernel() -> None:
     if _TRACE["installed"] and _TRACE["last"] and _launch_blocking():
-        print(f"rollflow-ima: last Triton kernel launched before the error: {_TRACE['last']}", file=sys.stderr,
-              flush=True)
+        print(
+            f"rollflow-ima: last Triton kernel launched before the error: {_TRACE['last']}", file=sys.stderr, flush=True
+        )
 
 
 def fire(kind: str, scores, step: int) -> None:
@@ -99,8 +100,9 @@ def fire(kind: str, scores, step: int) -> None:
     if kind == "abort":
         os.abort()
     if kind == "raise":
-        raise RuntimeError("CUDA error: an illegal memory access was encountered "
-                           "(simulated by the rollflow-ima 'raise' fault)")
+        raise RuntimeError(
+            "CUDA error: an illegal memory access was encountered (simulated by the rollflow-ima 'raise' fault)"
+        )
     if not scores.is_cuda:
         raise ValueError(f"fault {kind!r} needs the engine on a CUDA device (rollout.device=cuda)")
     if kind == "triton_oob":
@@ -172,16 +174,24 @@ def run(args: argparse.Namespace) -> dict:
     if not plan.applicable:
         raise Unsupported(plan.reason)
     if args.backend != "hf":
-        raise Unsupported(f"engine {args.backend!r} is not in this build; its flags for this cell would be: "
-                          f"{' '.join(plan.engine_flags)}")
+        raise Unsupported(
+            f"engine {args.backend!r} is not in this build; its flags for this cell would be: "
+            f"{' '.join(plan.engine_flags)}"
+        )
 
     rollout = RolloutConfig.model_validate({**config.get("rollout", {}), **plan.rollout_overrides})
     data = DataConfig.model_validate(config.get("data", {}))
     model_spec = (config.get("model") or {}).get("path", "builtin:addition")
     armed = crash_when is not None and cell.matches(crash_when)
-    print(f"rollflow-ima: cell {cell.label}; {plan.describe()}; fault "
-          + (f"armed ({args.fault} at decode step {args.fault_step}, crash-when {format_toggles(crash_when)})"
-             if armed else "not armed"), flush=True)
+    print(
+        f"rollflow-ima: cell {cell.label}; {plan.describe()}; fault "
+        + (
+            f"armed ({args.fault} at decode step {args.fault_step}, crash-when {format_toggles(crash_when)})"
+            if armed
+            else "not armed"
+        ),
+        flush=True,
+    )
     scoring = None
     if rollout.logprobs == "teacher_forced":  # the run's config asks the engine to rescore like its trainer
         scoring = ScoringLayout.of(OptimConfig.model_validate(config.get("train", {})))
@@ -193,8 +203,11 @@ def run(args: argparse.Namespace) -> dict:
 
     on_cuda = worker.engine.device.type == "cuda"
     if on_cuda and _launch_blocking():
-        print(f"rollflow-ima: Triton launch trace {'on' if install_launch_trace() else 'unavailable'} "
-              "(CUDA_LAUNCH_BLOCKING=1)", flush=True)
+        print(
+            f"rollflow-ima: Triton launch trace {'on' if install_launch_trace() else 'unavailable'} "
+            "(CUDA_LAUNCH_BLOCKING=1)",
+            flush=True,
+        )
     started = time.perf_counter()
     n, lengths, statuses = 0, 0, {}
     try:
@@ -214,10 +227,18 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()  # an asynchronous fault surfaces here at the latest
     import transformers
 
-    return {"cell": cell.toggles(), "samples": n, "mean_response_length": lengths / max(n, 1),
-            "statuses": statuses, "seconds": round(time.perf_counter() - started, 3),
-            "device": str(worker.engine.device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name(0) if on_cuda else None, "generate_kwargs": plan.generate_kwargs}
+    return {
+        "cell": cell.toggles(),
+        "samples": n,
+        "mean_response_length": lengths / max(n, 1),
+        "statuses": statuses,
+        "seconds": round(time.perf_counter() - started, 3),
+        "device": str(worker.engine.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name(0) if on_cuda else None,
+        "generate_kwargs": plan.generate_kwargs,
+    }
 
 
 def unsupported_combination(exc: BaseException, *, fault_fired: bool) -> str | None:
@@ -248,7 +269,7 @@ def _parse_ids(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rollflow.tasks.debug.ima_repro", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="RunConfig JSON (inline or a file)")
-    ap.add_argument("--toggles", default=None, help='cell: JSON or cuda_graph=on,speculative=off,deepep=off')
+    ap.add_argument("--toggles", default=None, help="cell: JSON or cuda_graph=on,speculative=off,deepep=off")
     ap.add_argument("--backend", default="hf")
     ap.add_argument("--crash-when", default=None, help="arm the fault in cells matching this (e.g. cuda_graph=on)")
     ap.add_argument("--fault", default="auto", choices=FAULTS)

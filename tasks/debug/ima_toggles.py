@@ -45,8 +45,9 @@ def parse_toggles(spec: str | dict | None) -> dict[str, str]:
                     continue
                 key, sep, value = part.partition("=")
                 if not sep:
-                    raise ValueError(f"toggle spec {spec!r}: {part!r} is not toggle=on|off "
-                                     f"(toggles: {', '.join(TOGGLES)})")
+                    raise ValueError(
+                        f"toggle spec {spec!r}: {part!r} is not toggle=on|off (toggles: {', '.join(TOGGLES)})"
+                    )
                 items.append((key.strip(), value.strip()))
     out: dict[str, str] = {}
     for key, value in items:
@@ -92,8 +93,7 @@ class Cell:
 
 def toggle_matrix() -> list[Cell]:
     """All 8 cells; deepep varies slowest (n/a cells of a backend without DeepEP come last)."""
-    return [Cell(cuda_graph=cg, speculative=sp, deepep=ep)
-            for ep, cg, sp in itertools.product((False, True), repeat=3)]
+    return [Cell(cuda_graph=cg, speculative=sp, deepep=ep) for ep, cg, sp in itertools.product((False, True), repeat=3)]
 
 
 # ------------------------------------------------------------------------------ per-backend toggle maps
@@ -146,10 +146,12 @@ class SGLangToggles:
         return toggle in TOGGLES
 
     def meaning(self, toggle: str) -> str:
-        return {"cuda_graph": "off: --disable-cuda-graph",
-                "speculative": f"on: --speculative-algorithm {self.speculative_algorithm}; off: no speculative flags",
-                "deepep": f"on: --moe-a2a-backend deepep --deepep-mode {self.deepep_mode} (trainer "
-                          "--moe-enable-deepep); off: --moe-a2a-backend none"}[toggle]
+        return {
+            "cuda_graph": "off: --disable-cuda-graph",
+            "speculative": f"on: --speculative-algorithm {self.speculative_algorithm}; off: no speculative flags",
+            "deepep": f"on: --moe-a2a-backend deepep --deepep-mode {self.deepep_mode} (trainer "
+            "--moe-enable-deepep); off: --moe-a2a-backend none",
+        }[toggle]
 
     def plan(self, cell: Cell) -> CellPlan:
         flags: list[str] = []
@@ -183,23 +185,27 @@ class HFToggles:
         return toggle in ("cuda_graph", "speculative")
 
     def meaning(self, toggle: str) -> str:
-        return {"cuda_graph": 'on: cache_implementation="static" (decode step compiled + CUDA-graph replayed on '
-                              'CUDA); off: dynamic cache, eager decode',
-                "speculative": f"on: prompt-lookup assisted generation (prompt_lookup_num_tokens="
-                               f"{self.prompt_lookup_num_tokens}, batch size 1); off: plain sampling",
-                "deepep": "n/a: the hf engine has no MoE all-to-all"}[toggle]
+        return {
+            "cuda_graph": 'on: cache_implementation="static" (decode step compiled + CUDA-graph replayed on '
+            "CUDA); off: dynamic cache, eager decode",
+            "speculative": f"on: prompt-lookup assisted generation (prompt_lookup_num_tokens="
+            f"{self.prompt_lookup_num_tokens}, batch size 1); off: plain sampling",
+            "deepep": "n/a: the hf engine has no MoE all-to-all",
+        }[toggle]
 
     def plan(self, cell: Cell) -> CellPlan:
         if cell.deepep:
-            return CellPlan(cell, self.name, False,
-                            reason="deepep=on: the hf engine has no DeepEP / MoE all-to-all (toggle n/a)")
+            return CellPlan(
+                cell, self.name, False, reason="deepep=on: the hf engine has no DeepEP / MoE all-to-all (toggle n/a)"
+            )
         kwargs: dict[str, Any] = {}
         overrides: dict[str, Any] = {}
         notes: list[str] = []
         if cell.cuda_graph:
             kwargs["cache_implementation"] = "static"
-            notes.append("transformers compiles the static-cache decode step on CUDA only (on CPU: static cache, "
-                         "no graph)")
+            notes.append(
+                "transformers compiles the static-cache decode step on CUDA only (on CPU: static cache, no graph)"
+            )
         else:
             kwargs["cache_implementation"] = "dynamic"
             kwargs["disable_compile"] = True
@@ -211,8 +217,7 @@ class HFToggles:
                 # the static cache needs that headroom (else index_copy_ runs past its end). The repro sets
                 # max_cache_len from the prompt width.
                 kwargs["max_cache_len"] = "auto"
-        return CellPlan(cell, self.name, True, generate_kwargs=kwargs, rollout_overrides=overrides,
-                        notes=tuple(notes))
+        return CellPlan(cell, self.name, True, generate_kwargs=kwargs, rollout_overrides=overrides, notes=tuple(notes))
 
 
 def backend_toggles(backend: str, **options) -> SGLangToggles | HFToggles:
@@ -225,5 +230,7 @@ def backend_toggles(backend: str, **options) -> SGLangToggles | HFToggles:
 
 def toggle_support_table(backend: str) -> list[dict[str, str]]:
     mapping = backend_toggles(backend)
-    return [{"toggle": t, "applicable": "yes" if mapping.supports(t) else "n/a", "meaning": mapping.meaning(t)}
-            for t in TOGGLES]
+    return [
+        {"toggle": t, "applicable": "yes" if mapping.supports(t) else "n/a", "meaning": mapping.meaning(t)}
+        for t in TOGGLES
+    ]

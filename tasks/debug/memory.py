@@ -41,5 +41,9 @@ def cuda_peak_mb() -> float | None:
 def peak_memory() -> dict[str, Any]:
     hwm = _vm_hwm_mb()
     rss = hwm if hwm is not None else _ru_maxrss_mb()
-    return {"pid": os.getpid(), "rss_peak_mb": rss, "rss_source": "VmHWM" if hwm is not None else "ru_maxrss",
-            "cuda_peak_mb": cuda_peak_mb()}
+    return {
+        "pid": os.getpid(),
+        "rss_peak_mb": rss,
+        "rss_source": "VmHWM" if hwm is not None else "ru_maxrss",
+        "cuda_peak_mb": cuda_peak_mb(),
+    }

@@ -57,8 +57,9 @@ def _old_reward(sample: Sample, reward_key: str | None) -> float | None:
     return float(sample.reward)
 
 
-def replay_reward(samples: Sequence[Sample], fn: RewardFn | str, reward_key: str | None = None, *,
-                  atol: float = 0.0) -> ReplayRewardReport:
+def replay_reward(
+    samples: Sequence[Sample], fn: RewardFn | str, reward_key: str | None = None, *, atol: float = 0.0
+) -> ReplayRewardReport:
     """Score copies of `samples` with `fn` (a callable, sync or async, or a spec for
     `resolve_reward_fn`) and compare with the stored rewards.
 

@@ -81,8 +81,9 @@ def same_bits(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _first_in_rows(field: str, a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]], unit: str
-                   ) -> tuple[str, str, Any, Any] | None:
+def _first_in_rows(
+    field: str, a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]], unit: str
+) -> tuple[str, str, Any, Any] | None:
     if len(a) != len(b):
         return f"{field} (samples)", "count", len(a), len(b)
     for i, (row_a, row_b) in enumerate(zip(a, b)):
@@ -94,8 +95,9 @@ def _first_in_rows(field: str, a: Sequence[Sequence[Any]], b: Sequence[Sequence[
     return None
 
 
-def _first_in_values(field: str, a: Sequence[Any], b: Sequence[Any], label: str = "sample"
-                     ) -> tuple[str, str, Any, Any] | None:
+def _first_in_values(
+    field: str, a: Sequence[Any], b: Sequence[Any], label: str = "sample"
+) -> tuple[str, str, Any, Any] | None:
     if len(a) != len(b):
         return field, "count", len(a), len(b)
     for i, (x, y) in enumerate(zip(a, b)):
@@ -119,11 +121,15 @@ def first_difference_in_iteration(a: IterationTrace, b: IterationTrace) -> tuple
         lambda: _first_in_rows("token ids", a.tokens, b.tokens, "token"),
         lambda: _first_in_values("reward", a.rewards, b.rewards),
         lambda: _first_in_rows("rollout log-probs", a.rollout_log_probs, b.rollout_log_probs, "token"),
-        *[(lambda name=name: _first_in_values(f"train {name}", a.records.get(name, []), b.records.get(name, [])))
-          for name in sorted(set(a.records) | set(b.records))],
-        lambda: (("optimizer steps", "count", len(a.steps), len(b.steps)) if len(a.steps) != len(b.steps) else None),
-        *[(lambda i=i: _first_in_mapping(a.steps[i], b.steps[i], f"step {i + 1}"))
-          for i in range(min(len(a.steps), len(b.steps)))],
+        *[
+            (lambda name=name: _first_in_values(f"train {name}", a.records.get(name, []), b.records.get(name, [])))
+            for name in sorted(set(a.records) | set(b.records))
+        ],
+        lambda: ("optimizer steps", "count", len(a.steps), len(b.steps)) if len(a.steps) != len(b.steps) else None,
+        *[
+            (lambda i=i: _first_in_mapping(a.steps[i], b.steps[i], f"step {i + 1}"))
+            for i in range(min(len(a.steps), len(b.steps)))
+        ],
         lambda: _first_in_mapping(a.metrics, b.metrics, "metrics.jsonl"),
     ]
     for check in checks:
@@ -140,8 +146,9 @@ def _tensor_value(t: torch.Tensor, index: int) -> float | int:
 def first_weight_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> Difference | None:
     for name in sorted(set(a) | set(b)):
         if name not in a or name not in b:
-            return Difference(None, "tensor", name, "present" if name in a else "missing",
-                              "present" if name in b else "missing")
+            return Difference(
+                None, "tensor", name, "present" if name in a else "missing", "present" if name in b else "missing"
+            )
         x, y = a[name], b[name]
         if x.dtype != y.dtype or x.shape != y.shape:
             return Difference(None, "tensor", name, f"{x.dtype}{tuple(x.shape)}", f"{y.dtype}{tuple(y.shape)}")
@@ -149,8 +156,9 @@ def first_weight_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch
         xb, yb = _as_bits(x), _as_bits(y)
         if not torch.equal(xb, yb):
             index = int((xb.reshape(-1) != yb.reshape(-1)).nonzero()[0])
-            return Difference(None, "tensor", f"{name} element {index}", _tensor_value(x, index),
-                              _tensor_value(y, index))
+            return Difference(
+                None, "tensor", f"{name} element {index}", _tensor_value(x, index), _tensor_value(y, index)
+            )
     return None
 
 
@@ -178,11 +186,20 @@ def _count(trace: RunTrace) -> int:
 
 def repro_check(a: RunTrace, b: RunTrace) -> CheckResult:
     diff = first_difference(a, b)
-    figures = {"runs": [a.run, b.run], "iterations": len(a.iterations), "tensors": len(a.weights),
-               "values_compared": _count(a)}
+    figures = {
+        "runs": [a.run, b.run],
+        "iterations": len(a.iterations),
+        "tensors": len(a.weights),
+        "values_compared": _count(a),
+    }
     if diff is None:
-        return CheckResult(REPRO, PASS, figures, f"two runs of the same config are bitwise equal ({len(a.iterations)} "
-                                                 f"iterations: token ids, rewards, log-probs, losses, final weights)")
+        return CheckResult(
+            REPRO,
+            PASS,
+            figures,
+            f"two runs of the same config are bitwise equal ({len(a.iterations)} "
+            f"iterations: token ids, rewards, log-probs, losses, final weights)",
+        )
     figures["first_difference"] = dataclasses.asdict(diff)
     return CheckResult(REPRO, FAIL, figures, f"first differing value: {diff.describe()}", list(REPRO_CAUSES))
 
@@ -194,8 +211,9 @@ class IdenticalGroups:
     n_groups: int
 
 
-def diversity_check(iterations: Sequence[IterationTrace], group_size: int, temperature: float, *,
-                    max_fraction: float = 0.5) -> CheckResult:
+def diversity_check(
+    iterations: Sequence[IterationTrace], group_size: int, temperature: float, *, max_fraction: float = 0.5
+) -> CheckResult:
     """Fails when temperature > 0 yet more than `max_fraction` of an iteration's prompt groups are groups of
     identical samples. Some identical groups are a confident policy (the demo's warm-started model answers
     short sums alike); most of them is sampling that ignores the temperature or reuses one seed per group."""
@@ -212,13 +230,26 @@ def diversity_check(iterations: Sequence[IterationTrace], group_size: int, tempe
     if worst is None:
         return CheckResult(DIVERSITY, PASS, figures, "no iterations to check")
     fraction = len(worst.groups) / max(worst.n_groups, 1)
-    figures.update(iteration=worst.iteration, identical_groups=len(worst.groups), n_groups=worst.n_groups,
-                   fraction=fraction, first_groups=worst.groups[:10])
+    figures.update(
+        iteration=worst.iteration,
+        identical_groups=len(worst.groups),
+        n_groups=worst.n_groups,
+        fraction=fraction,
+        first_groups=worst.groups[:10],
+    )
     if fraction > max_fraction or (worst.n_groups and fraction == 1.0):
-        return CheckResult(DIVERSITY, FAIL, figures,
-                           f"iteration {worst.iteration}: {len(worst.groups)} of {worst.n_groups} prompt groups have "
-                           f"{group_size} identical samples at temperature {temperature:g} (first groups "
-                           f"{worst.groups[:5]}): their advantages are all 0", list(DIVERSITY_CAUSES))
-    return CheckResult(DIVERSITY, PASS, figures,
-                       f"at most {fraction:.1%} of prompt groups are all-identical (iteration {worst.iteration})")
-
+        return CheckResult(
+            DIVERSITY,
+            FAIL,
+            figures,
+            f"iteration {worst.iteration}: {len(worst.groups)} of {worst.n_groups} prompt groups have "
+            f"{group_size} identical samples at temperature {temperature:g} (first groups "
+            f"{worst.groups[:5]}): their advantages are all 0",
+            list(DIVERSITY_CAUSES),
+        )
+    return CheckResult(
+        DIVERSITY,
+        PASS,
+        figures,
+        f"at most {fraction:.1%} of prompt groups are all-identical (iteration {worst.iteration})",
+    )

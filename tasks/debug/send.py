@@ -68,15 +68,17 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def default_params(samples: Sequence[Sample], *, greedy: bool = True, temperature: float = 1.0,
-                   seed: int | None = 0) -> SamplingParams:
+def default_params(
+    samples: Sequence[Sample], *, greedy: bool = True, temperature: float = 1.0, seed: int | None = 0
+) -> SamplingParams:
     """Sampling params that can reproduce the samples: max_new_tokens = the longest stored response."""
     longest = max((s.response_length for s in samples), default=1)
     return SamplingParams(temperature=0.0 if greedy else temperature, max_new_tokens=max(1, longest), seed=seed)
 
 
-def send_samples(samples: Sequence[Sample], engine: RolloutEngine, params: SamplingParams, *,
-                 logprob_tol: float = 1e-4) -> SendReport:
+def send_samples(
+    samples: Sequence[Sample], engine: RolloutEngine, params: SamplingParams, *, logprob_tol: float = 1e-4
+) -> SendReport:
     """Regenerate every sample's response from its prompt token ids and compare with the stored one."""
     samples = list(samples)
     requests = [GenerationRequest(prompt_ids=list(s.tokens[: s.prompt_length]), n=1) for s in samples]
@@ -102,17 +104,42 @@ def send_samples(samples: Sequence[Sample], engine: RolloutEngine, params: Sampl
                 n_tokens += 1
                 if sample_max is None or diff > sample_max:
                     sample_max, sample_worst = diff, t
-        comparisons.append(SampleComparison(position, sample.group_index, sample.index, identical, prefix,
-                                            len(stored), len(new), sample_max, sample_worst, new,
-                                            list(out.log_probs), out.finish_reason))
+        comparisons.append(
+            SampleComparison(
+                position,
+                sample.group_index,
+                sample.index,
+                identical,
+                prefix,
+                len(stored),
+                len(new),
+                sample_max,
+                sample_worst,
+                new,
+                list(out.log_probs),
+                out.finish_reason,
+            )
+        )
         if sample_max is not None and (worst is None or sample_max > worst["abs_diff"]):
-            worst = {"position": position, "group_index": sample.group_index, "index": sample.index,
-                     "token": sample_worst, "stored": float(sample.rollout_log_probs[sample_worst]),
-                     "new": float(out.log_probs[sample_worst]), "abs_diff": sample_max}
+            worst = {
+                "position": position,
+                "group_index": sample.group_index,
+                "index": sample.index,
+                "token": sample_worst,
+                "stored": float(sample.rollout_log_probs[sample_worst]),
+                "new": float(out.log_probs[sample_worst]),
+                "abs_diff": sample_max,
+            }
         if not identical and first_mismatch is None:
-            first_mismatch = {"position": position, "group_index": sample.group_index, "index": sample.index,
-                              "first_diff_token": prefix, "stored_response_ids": stored, "new_response_ids": new,
-                              "stored_response": sample.response}
+            first_mismatch = {
+                "position": position,
+                "group_index": sample.group_index,
+                "index": sample.index,
+                "first_diff_token": prefix,
+                "stored_response_ids": stored,
+                "new_response_ids": new,
+                "stored_response": sample.response,
+            }
 
     n = len(samples)
     n_identical = sum(c.identical for c in comparisons)
@@ -124,8 +151,11 @@ def send_samples(samples: Sequence[Sample], engine: RolloutEngine, params: Sampl
         logprob_abs_diff_mean=total_diff / n_tokens if n_tokens else None,
         logprob_abs_diff_max=worst["abs_diff"] if worst else None,
         logprob_tol=logprob_tol,
-        logprob_exceeding=[c.position for c in comparisons
-                           if c.logprob_abs_diff_max is not None and c.logprob_abs_diff_max > logprob_tol],
+        logprob_exceeding=[
+            c.position
+            for c in comparisons
+            if c.logprob_abs_diff_max is not None and c.logprob_abs_diff_max > logprob_tol
+        ],
         first_mismatch=first_mismatch,
         worst_logprob=worst,
         params=dataclasses.asdict(params),

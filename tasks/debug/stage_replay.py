@@ -90,26 +90,47 @@ class StageResult:
         return not self.mismatches and self.compared > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "rollout_id": self.rollout_id, "compared": self.compared, "ok": self.ok,
-                "mismatches": [m.to_dict() for m in self.mismatches]}
+        return {
+            "stage": self.stage,
+            "rollout_id": self.rollout_id,
+            "compared": self.compared,
+            "ok": self.ok,
+            "mismatches": [m.to_dict() for m in self.mismatches],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StageResult":
         fields = ("stage", "rollout_id", "field", "where", "recorded", "replayed")
-        return cls(data["stage"], int(data["rollout_id"]), int(data["compared"]),
-                   [Mismatch(**{k: m[k] for k in fields}) for m in data.get("mismatches", [])])
+        return cls(
+            data["stage"],
+            int(data["rollout_id"]),
+            int(data["compared"]),
+            [Mismatch(**{k: m[k] for k in fields}) for m in data.get("mismatches", [])],
+        )
 
 
 def _num(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def compare_values(stage: Stage, rollout_id: int, field: str, recorded: Sequence[Any], replayed: Sequence[Any],
-                   tol: Tolerance, *, label: str = "sample") -> StageResult:
+def compare_values(
+    stage: Stage,
+    rollout_id: int,
+    field: str,
+    recorded: Sequence[Any],
+    replayed: Sequence[Any],
+    tol: Tolerance,
+    *,
+    label: str = "sample",
+) -> StageResult:
     """Position by position; a length difference is one mismatch (named by the lengths)."""
     if len(recorded) != len(replayed):
-        return StageResult(stage, rollout_id, 1, [Mismatch(stage, rollout_id, f"{field} (count)", "all",
-                                                           float(len(recorded)), float(len(replayed)))])
+        return StageResult(
+            stage,
+            rollout_id,
+            1,
+            [Mismatch(stage, rollout_id, f"{field} (count)", "all", float(len(recorded)), float(len(replayed)))],
+        )
     out = []
     compared = 0
     for index, (a, b) in enumerate(zip(recorded, replayed)):
@@ -138,8 +159,15 @@ def replayed_metric_keys(recorded: Mapping[str, Any], replayed: Mapping[str, Any
     return keys
 
 
-def compare_metrics(stage: Stage, rollout_id: int, recorded: Mapping[str, Any], replayed: Mapping[str, Any],
-                    tol: Tolerance, *, where: str = "iteration") -> StageResult:
+def compare_metrics(
+    stage: Stage,
+    rollout_id: int,
+    recorded: Mapping[str, Any],
+    replayed: Mapping[str, Any],
+    tol: Tolerance,
+    *,
+    where: str = "iteration",
+) -> StageResult:
     out, keys = [], replayed_metric_keys(recorded, replayed)
     for key in keys:
         a, b = float(recorded[key]), float(replayed[key])
@@ -148,14 +176,29 @@ def compare_metrics(stage: Stage, rollout_id: int, recorded: Mapping[str, Any], 
     return StageResult(stage, rollout_id, len(keys), out)
 
 
-def compare_steps(rollout_id: int, recorded: Sequence[Mapping[str, Any]], replayed: Sequence[Mapping[str, Any]],
-                  tol: Tolerance) -> StageResult:
+def compare_steps(
+    rollout_id: int, recorded: Sequence[Mapping[str, Any]], replayed: Sequence[Mapping[str, Any]], tol: Tolerance
+) -> StageResult:
     """Each optimizer step's statistics (train_steps.jsonl rows vs the replay's steps, in order)."""
     if len(recorded) != len(replayed):
-        return StageResult("loss", rollout_id, 1, [Mismatch("loss", rollout_id, "optimizer steps (count)", "all",
-                                                            float(len(recorded)), float(len(replayed)))])
-    return merge("loss", rollout_id, (compare_metrics("loss", rollout_id, a, b, tol, where=f"step {i + 1}")
-                                      for i, (a, b) in enumerate(zip(recorded, replayed))))
+        return StageResult(
+            "loss",
+            rollout_id,
+            1,
+            [
+                Mismatch(
+                    "loss", rollout_id, "optimizer steps (count)", "all", float(len(recorded)), float(len(replayed))
+                )
+            ],
+        )
+    return merge(
+        "loss",
+        rollout_id,
+        (
+            compare_metrics("loss", rollout_id, a, b, tol, where=f"step {i + 1}")
+            for i, (a, b) in enumerate(zip(recorded, replayed))
+        ),
+    )
 
 
 @dataclasses.dataclass
@@ -176,15 +219,21 @@ class StageReplayReport:
             n = sum(r.compared for r in self.results)
             return f"stage replay of run {self.source_run!r}: {n} values match ({len(self.results)} stage runs)"
         bad = sorted({(r.stage, r.rollout_id) for r in self.results if not r.ok})
-        empty = [f"{s} {i}" for s, i in bad if not any(r.compared for r in self.results if (r.stage, r.rollout_id)
-                                                                                            == (s, i))]
-        text = (f"stage replay of run {self.source_run!r}: {len(self.mismatches)} mismatches in "
-                + ", ".join(f"{s} (rollout {i})" for s, i in bad))
+        empty = [
+            f"{s} {i}" for s, i in bad if not any(r.compared for r in self.results if (r.stage, r.rollout_id) == (s, i))
+        ]
+        text = f"stage replay of run {self.source_run!r}: {len(self.mismatches)} mismatches in " + ", ".join(
+            f"{s} (rollout {i})" for s, i in bad
+        )
         return text + (f"; nothing recorded to compare for {', '.join(empty)}" if empty else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source_run": self.source_run, "ok": self.ok, "summary": self.summary(),
-                "results": [r.to_dict() for r in self.results]}
+        return {
+            "source_run": self.source_run,
+            "ok": self.ok,
+            "summary": self.summary(),
+            "results": [r.to_dict() for r in self.results],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StageReplayReport":

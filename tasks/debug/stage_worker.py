@@ -22,8 +22,9 @@ class ReplayedIteration:
     records: SampleRecords
 
 
-def retrain_iteration(worker: Any, ref: ArtifactRef, *, source_root: str, source_run: str,
-                      record_uri: str) -> ReplayedIteration:
+def retrain_iteration(
+    worker: Any, ref: ArtifactRef, *, source_root: str, source_run: str, record_uri: str
+) -> ReplayedIteration:
     """Train on rollout `ref.rollout_id` from the state the run trained it from: checkpoint `rollout_id` (written
     after iteration `rollout_id`), or the worker's initial state for rollout 0 (the run's trainer started from
     the same model, seed and optimizer). `record_uri`: scratch file for the replay's records."""
@@ -39,7 +40,8 @@ def retrain_iteration(worker: Any, ref: ArtifactRef, *, source_root: str, source
             raise CheckpointError(
                 f"stage replay of rollout {rollout_id} starts from checkpoint {rollout_id} of run {source_run!r}, "
                 f"which is not committed ({exc}); runs with checkpoint_every > 1 replay only the rollouts right "
-                "after a checkpoint") from exc
+                "after a checkpoint"
+            ) from exc
     worker.backend.load_checkpoint_bytes(state)
     metrics = worker.train_on_artifact(ref, record_uri=record_uri)
     fs, path = open_fs(record_uri, worker.storage_options)

@@ -17,6 +17,8 @@ class StaleServingWorker(RolloutWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.engine, HFEngine):
-            raise ValueError(f"debug.serve_stale is a fault of the hf engine; rollout.engine="
-                             f"{self.rollout_cfg.engine!r} has no model copy to freeze: set rollout.engine='hf'")
+            raise ValueError(
+                f"debug.serve_stale is a fault of the hf engine; rollout.engine="
+                f"{self.rollout_cfg.engine!r} has no model copy to freeze: set rollout.engine='hf'"
+            )
         freeze_serving_model(self.engine)

@@ -73,8 +73,16 @@ def one_optimizer_step(backend: Any) -> Iterator[None]:
         backend.optim_cfg = optim
 
 
-def first_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *, group_size: int,
-                       perturb_policy_std: float = 0.0, seed: int = 0, worst_samples: int = 5) -> dict[str, Any]:
+def first_step_figures(
+    backend: Any,
+    samples: list[Sample],
+    algo: AlgoConfig,
+    *,
+    group_size: int,
+    perturb_policy_std: float = 0.0,
+    seed: int = 0,
+    worst_samples: int = 5,
+) -> dict[str, Any]:
     """Score `samples` (policy + reference), compare with the engine's log-probs, take one step."""
     backend = backend_of(backend)
     batch, metrics = prepare_batch(backend, samples, algo, group_size=group_size, compute_ref=True)
@@ -109,9 +117,13 @@ def first_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *,
         "mean_rollout_log_prob": float(masked_mean(roll, mask)),
         "metrics": mismatch_figures,  # mismatch/* of tasks/train/mismatch.py (KL, chi-square, ESS, ppl)
         "worst_samples": [
-            {"index": samples[i].index, "prompt": samples[i].prompt if isinstance(samples[i].prompt, str) else "<chat>",
-             "response": samples[i].response, "max_abs_diff": float(per_row_max[i]),
-             "mean_abs_diff": float(per_row_mean[i])}
+            {
+                "index": samples[i].index,
+                "prompt": samples[i].prompt if isinstance(samples[i].prompt, str) else "<chat>",
+                "response": samples[i].response,
+                "max_abs_diff": float(per_row_max[i]),
+                "mean_abs_diff": float(per_row_mean[i]),
+            }
             for i in order
         ],
     }
@@ -139,27 +151,45 @@ def train_step_figures(backend: Any, samples: list[Sample], algo: AlgoConfig, *,
 
 def ref_equal_check(figs: dict[str, Any], thr: AlignmentThresholds) -> CheckResult:
     ref = figs["ref"]
-    figures = {"equal": ref["equal"], "kl_mean": ref["kl_mean"], "max_abs_diff": ref["max_abs_diff"],
-               "mean_log_prob": ref["mean_log_prob"], "mean_ref_log_prob": ref["mean_ref_log_prob"],
-               "n_unequal_tokens": ref["n_unequal_tokens"], "n_tokens": figs["n_tokens"],
-               "expected_max_neg_log_prob": thr.expected_max_neg_log_prob}
+    figures = {
+        "equal": ref["equal"],
+        "kl_mean": ref["kl_mean"],
+        "max_abs_diff": ref["max_abs_diff"],
+        "mean_log_prob": ref["mean_log_prob"],
+        "mean_ref_log_prob": ref["mean_ref_log_prob"],
+        "n_unequal_tokens": ref["n_unequal_tokens"],
+        "n_tokens": figs["n_tokens"],
+        "expected_max_neg_log_prob": thr.expected_max_neg_log_prob,
+    }
     exact_ok = ref["equal"] if thr.require_exact_ref_equality else ref["max_abs_diff"] <= thr.ref_abs_tolerance
     if not exact_ok:
         how = "exactly" if thr.require_exact_ref_equality else f"within {thr.ref_abs_tolerance:g}"
         return CheckResult(
-            REF_EQUAL, FAIL, figures,
+            REF_EQUAL,
+            FAIL,
+            figures,
             f"step 1 log_probs != ref_log_probs ({how}): {ref['n_unequal_tokens']} of {figs['n_tokens']} tokens "
             f"differ, max |diff| {ref['max_abs_diff']:.3g}, kl {ref['kl_mean']:.3g}; the policy and the reference "
-            "must be the same forward at step 1", list(REF_NOT_EQUAL_CAUSES))
+            "must be the same forward at step 1",
+            list(REF_NOT_EQUAL_CAUSES),
+        )
     level = -ref["mean_log_prob"]
     if not level <= thr.expected_max_neg_log_prob:
         return CheckResult(
-            REF_EQUAL, WARN, figures,
+            REF_EQUAL,
+            WARN,
+            figures,
             f"log_probs == ref_log_probs (kl 0), but the mean -log_prob {level:.3f} is above the expected "
-            f"{thr.expected_max_neg_log_prob}", list(REF_LEVEL_CAUSES))
-    return CheckResult(REF_EQUAL, PASS, figures,
-                       f"log_probs == ref_log_probs exactly over {figs['n_tokens']} tokens (kl 0), mean log_prob "
-                       f"{ref['mean_log_prob']:.4f}")
+            f"{thr.expected_max_neg_log_prob}",
+            list(REF_LEVEL_CAUSES),
+        )
+    return CheckResult(
+        REF_EQUAL,
+        PASS,
+        figures,
+        f"log_probs == ref_log_probs exactly over {figs['n_tokens']} tokens (kl 0), mean log_prob "
+        f"{ref['mean_log_prob']:.4f}",
+    )
 
 
 BITWISE_CAUSES = [
@@ -173,17 +203,23 @@ BITWISE_CAUSES = [
 ]
 
 
-def mismatch_check(figs: dict[str, Any], thr: AlignmentThresholds, *, engine: str = "", trainer: str = "",
-                   expect_bitwise: bool = False) -> CheckResult:
+def mismatch_check(
+    figs: dict[str, Any], thr: AlignmentThresholds, *, engine: str = "", trainer: str = "", expect_bitwise: bool = False
+) -> CheckResult:
     """Verdict 'bitwise' when every response token's log-prob is identical (max |diff| exactly 0.0), else
     'tolerance' (judged by the thresholds). `expect_bitwise` (rollout.logprobs='teacher_forced'): any
     difference fails."""
     mm = figs["mismatch"]
     bitwise = bool(mm.get("bitwise", mm["max_abs_diff"] == 0.0))
-    figures = {"verdict": "bitwise" if bitwise else "tolerance",
-               "mean_abs_diff": mm["mean_abs_diff"], "max_abs_diff": mm["max_abs_diff"],
-               "mean_train_log_prob": mm["mean_train_log_prob"], "mean_rollout_log_prob": mm["mean_rollout_log_prob"],
-               "n_tokens": figs["n_tokens"], "trainer_temperature": figs["temperature"]}
+    figures = {
+        "verdict": "bitwise" if bitwise else "tolerance",
+        "mean_abs_diff": mm["mean_abs_diff"],
+        "max_abs_diff": mm["max_abs_diff"],
+        "mean_train_log_prob": mm["mean_train_log_prob"],
+        "mean_rollout_log_prob": mm["mean_rollout_log_prob"],
+        "n_tokens": figs["n_tokens"],
+        "trainer_temperature": figs["temperature"],
+    }
     if engine:
         figures["engine"] = engine
     if trainer:
@@ -191,21 +227,35 @@ def mismatch_check(figs: dict[str, Any], thr: AlignmentThresholds, *, engine: st
     figures["worst_samples"] = mm["worst_samples"]
     mean, top = mm["mean_abs_diff"], mm["max_abs_diff"]
     if bitwise:
-        return CheckResult(MISMATCH, PASS, figures, f"bitwise: train and rollout log-probs are identical over "
-                                                     f"{figs['n_tokens']} response tokens (max |diff| 0.0)")
+        return CheckResult(
+            MISMATCH,
+            PASS,
+            figures,
+            f"bitwise: train and rollout log-probs are identical over "
+            f"{figs['n_tokens']} response tokens (max |diff| 0.0)",
+        )
     text = f"mean |train - rollout| log-prob {mean:.3g}, max {top:.3g} over {figs['n_tokens']} response tokens"
     if expect_bitwise:
-        return CheckResult(MISMATCH, FAIL, figures,
-                           f"rollout.logprobs='teacher_forced' promises bitwise equal log-probs, but "
-                           f"{mm.get('n_unequal_tokens', '?')} of {figs['n_tokens']} tokens differ: {text}",
-                           list(BITWISE_CAUSES))
+        return CheckResult(
+            MISMATCH,
+            FAIL,
+            figures,
+            f"rollout.logprobs='teacher_forced' promises bitwise equal log-probs, but "
+            f"{mm.get('n_unequal_tokens', '?')} of {figs['n_tokens']} tokens differ: {text}",
+            list(BITWISE_CAUSES),
+        )
     if not (mean <= thr.mismatch_mean_fail and top <= thr.mismatch_max_fail):
-        return CheckResult(MISMATCH, FAIL, figures,
-                           f"{text} (limits: mean {thr.mismatch_mean_fail:g}, max {thr.mismatch_max_fail:g})",
-                           list(MISMATCH_CAUSES))
+        return CheckResult(
+            MISMATCH,
+            FAIL,
+            figures,
+            f"{text} (limits: mean {thr.mismatch_mean_fail:g}, max {thr.mismatch_max_fail:g})",
+            list(MISMATCH_CAUSES),
+        )
     if mean > thr.mismatch_mean_warn:
-        return CheckResult(MISMATCH, WARN, figures, f"{text} (above the warn level {thr.mismatch_mean_warn:g})",
-                           list(MISMATCH_CAUSES))
+        return CheckResult(
+            MISMATCH, WARN, figures, f"{text} (above the warn level {thr.mismatch_mean_warn:g})", list(MISMATCH_CAUSES)
+        )
     return CheckResult(MISMATCH, PASS, figures, text)
 
 
@@ -217,14 +267,18 @@ def mismatch_kl_check(figs: dict[str, Any], thr: AlignmentThresholds) -> CheckRe
     if not metrics:
         return CheckResult(MISMATCH_KL, WARN, {}, "not judged: the rollout has no engine log-probs")
     kl = metrics["k3_kl"]
-    text = (f"KL(rollout || train) {kl:.3g} (k3; k1 {metrics['kl']:.3g}), log-ppl gap {metrics['log_ppl_diff']:.3g}, "
-            f"chi2 token {metrics['chi2_token']:.3g}, ESS {metrics['ess_token']:.3g}")
+    text = (
+        f"KL(rollout || train) {kl:.3g} (k3; k1 {metrics['kl']:.3g}), log-ppl gap {metrics['log_ppl_diff']:.3g}, "
+        f"chi2 token {metrics['chi2_token']:.3g}, ESS {metrics['ess_token']:.3g}"
+    )
     if not kl <= thr.mismatch_kl_fail:  # NaN fails too
-        return CheckResult(MISMATCH_KL, FAIL, metrics, f"{text} (limit {thr.mismatch_kl_fail:g})",
-                           list(MISMATCH_CAUSES))
+        return CheckResult(
+            MISMATCH_KL, FAIL, metrics, f"{text} (limit {thr.mismatch_kl_fail:g})", list(MISMATCH_CAUSES)
+        )
     if kl > thr.mismatch_kl_warn:
-        return CheckResult(MISMATCH_KL, WARN, metrics, f"{text} (above the warn level {thr.mismatch_kl_warn:g})",
-                           list(MISMATCH_CAUSES))
+        return CheckResult(
+            MISMATCH_KL, WARN, metrics, f"{text} (above the warn level {thr.mismatch_kl_warn:g})", list(MISMATCH_CAUSES)
+        )
     return CheckResult(MISMATCH_KL, PASS, metrics, text)
 
 
@@ -234,13 +288,20 @@ def _num(value: float | None) -> str:
 
 def first_step_check(figs: dict[str, Any], thr: AlignmentThresholds) -> CheckResult:
     st = figs["step"]
-    figures = {"ppo_kl": st["ppo_kl"], "pg_clipfrac": st["pg_clipfrac"], "grad_norm": st["grad_norm"],
-               "loss": st["loss"], "steps": st["steps"], "max_grad_norm": thr.max_grad_norm}
+    figures = {
+        "ppo_kl": st["ppo_kl"],
+        "pg_clipfrac": st["pg_clipfrac"],
+        "grad_norm": st["grad_norm"],
+        "loss": st["loss"],
+        "steps": st["steps"],
+        "max_grad_norm": thr.max_grad_norm,
+    }
     problems, causes = [], []
     kl, clip, gn = st["ppo_kl"], st["pg_clipfrac"], st["grad_norm"]
     if kl is None or not abs(kl) <= thr.max_ppo_kl:
-        problems.append(f"ppo_kl {_num(kl)} != 0" if thr.max_ppo_kl == 0
-                        else f"|ppo_kl| {_num(kl)} > {thr.max_ppo_kl:g}")
+        problems.append(
+            f"ppo_kl {_num(kl)} != 0" if thr.max_ppo_kl == 0 else f"|ppo_kl| {_num(kl)} > {thr.max_ppo_kl:g}"
+        )
     if clip is None or not clip <= thr.max_pg_clipfrac:
         problems.append(f"pg_clipfrac {_num(clip)} > {thr.max_pg_clipfrac:g}")
     if problems:
@@ -249,8 +310,9 @@ def first_step_check(figs: dict[str, Any], thr: AlignmentThresholds) -> CheckRes
         problems.append(f"grad_norm {_num(gn)} > {thr.max_grad_norm:g}")
         causes += GRAD_CAUSES
     if problems:
-        return CheckResult(FIRST_STEP, FAIL, figures,
-                           "first step on its own rollout is not on-policy: " + "; ".join(problems), causes)
-    return CheckResult(FIRST_STEP, PASS, figures,
-                       f"one rollout, one step: ppo_kl {kl:g}, pg_clipfrac {clip:g}, grad_norm {gn:.4g}")
-
+        return CheckResult(
+            FIRST_STEP, FAIL, figures, "first step on its own rollout is not on-policy: " + "; ".join(problems), causes
+        )
+    return CheckResult(
+        FIRST_STEP, PASS, figures, f"one rollout, one step: ppo_kl {kl:g}, pg_clipfrac {clip:g}, grad_norm {gn:.4g}"
+    )

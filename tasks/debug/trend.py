@@ -40,13 +40,16 @@ class TrendReport:
     def summary(self) -> str:
         if self.verdict == "short":
             return f"mismatch trend: {self.window} iterations needed, fewer recorded so far"
-        return (f"mismatch trend {self.verdict}: {MISMATCH_KEY} slope {self.slope:.3g}/iteration over iterations "
-                f"{self.first_iteration}-{self.last_iteration} ({self.first_value:.3g} -> {self.last_value:.3g}); "
-                f"warn above {self.warn_slope:g}, fail above {self.fail_slope:g}")
+        return (
+            f"mismatch trend {self.verdict}: {MISMATCH_KEY} slope {self.slope:.3g}/iteration over iterations "
+            f"{self.first_iteration}-{self.last_iteration} ({self.first_value:.3g} -> {self.last_value:.3g}); "
+            f"warn above {self.warn_slope:g}, fail above {self.fail_slope:g}"
+        )
 
 
-def mismatch_trend(points: Sequence[tuple[int, float]], *, window: int, warn_slope: float,
-                   fail_slope: float) -> TrendReport:
+def mismatch_trend(
+    points: Sequence[tuple[int, float]], *, window: int, warn_slope: float, fail_slope: float
+) -> TrendReport:
     """The trend of the last `window` (iteration, mismatch) points; iterations without the metric are left out
     by the caller. A non-finite mismatch in the window fails: the trainer and the engine no longer agree at all."""
     last = sorted(points)[-window:] if window > 0 else []

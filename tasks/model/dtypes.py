@@ -19,7 +19,7 @@ def cast_model(model, dtype: torch.dtype, device: str | torch.device | None = No
         model = model.to(device)
     saved = {id(b) for b in model.state_dict(keep_vars=True).values()}
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
+        for _name, param in module.named_parameters(recurse=False):
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
         for name, buf in module.named_buffers(recurse=False):

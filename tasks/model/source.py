@@ -42,11 +42,15 @@ def check_model_dir(path: str | Path, *, spec: str | None = None, tokenizer: boo
     path = Path(path)
     spec = spec or str(path)
     if not path.is_dir():
-        raise ModelDirError(f"model.path={spec!r} is not a directory; point it at a local HF model directory "
-                            "(config.json + *.safetensors + tokenizer) or use 'builtin:addition'")
+        raise ModelDirError(
+            f"model.path={spec!r} is not a directory; point it at a local HF model directory "
+            "(config.json + *.safetensors + tokenizer) or use 'builtin:addition'"
+        )
     if not (path / "config.json").exists():
-        raise ModelDirError(f"model.path={spec!r} is missing config.json; point it at a local HF model directory "
-                            "(config.json + *.safetensors + tokenizer) or use 'builtin:addition'")
+        raise ModelDirError(
+            f"model.path={spec!r} is missing config.json; point it at a local HF model directory "
+            "(config.json + *.safetensors + tokenizer) or use 'builtin:addition'"
+        )
     config = _read_json(path / "config.json", spec)
     model_type = str(config.get("model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -54,33 +58,44 @@ def check_model_dir(path: str | Path, *, spec: str | None = None, tokenizer: boo
         raise ValueError(
             f"model.path={spec!r}: architecture model_type={model_type or '?'!r} ({archs}) is not supported; "
             f"rollflow runs the Llama / Qwen2 / Qwen3 families (model_type "
-            f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)})")
+            f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)})"
+        )
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"model.path={spec!r}: config.json has a quantization_config (quant_method={method!r}); "
-                         "save a dequantized checkpoint (fp32 / bf16 safetensors) for training")
+        raise ValueError(
+            f"model.path={spec!r}: config.json has a quantization_config (quant_method={method!r}); "
+            "save a dequantized checkpoint (fp32 / bf16 safetensors) for training"
+        )
     index = path / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(_read_json(index, spec).get("weight_map", {}).values()))
         missing = [s for s in shards if not (path / s).exists()]
         if missing:
-            raise ModelDirError(f"model.path={spec!r} is missing weight shard(s) {missing[:3]} listed in "
-                                "model.safetensors.index.json (incomplete copy?)")
+            raise ModelDirError(
+                f"model.path={spec!r} is missing weight shard(s) {missing[:3]} listed in "
+                "model.safetensors.index.json (incomplete copy?)"
+            )
         weights = shards
     else:
         weights = sorted(p.name for p in path.glob("*.safetensors"))
     if not weights:
         pickled = sorted(p.name for p in path.glob("*.bin"))
-        hint = (f" (found {pickled[:2]}: pickled weights are not loaded; convert them to safetensors)"
-                if pickled else "")
+        hint = f" (found {pickled[:2]}: pickled weights are not loaded; convert them to safetensors)" if pickled else ""
         raise ModelDirError(f"model.path={spec!r} is missing model.safetensors (no *.safetensors weights){hint}")
     tok_file = next((name for name in TOKENIZER_FILES if (path / name).exists()), None)
     if tokenizer and tok_file is None:
-        raise ModelDirError(f"model.path={spec!r} is missing its tokenizer (tokenizer.json, tokenizer.model, "
-                            f"vocab.json or {CHAR_TOKENIZER_FILE}); save the tokenizer next to the weights "
-                            "(tokenizer.save_pretrained(dir))")
-    return {"model_type": model_type, "family": SUPPORTED_MODEL_TYPES[model_type], "weights": weights,
-            "tokenizer": tok_file, "chat_template": has_chat_template_file(path)}
+        raise ModelDirError(
+            f"model.path={spec!r} is missing its tokenizer (tokenizer.json, tokenizer.model, "
+            f"vocab.json or {CHAR_TOKENIZER_FILE}); save the tokenizer next to the weights "
+            "(tokenizer.save_pretrained(dir))"
+        )
+    return {
+        "model_type": model_type,
+        "family": SUPPORTED_MODEL_TYPES[model_type],
+        "weights": weights,
+        "tokenizer": tok_file,
+        "chat_template": has_chat_template_file(path),
+    }
 
 
 def has_chat_template_file(path: str | Path) -> bool:

@@ -31,8 +31,12 @@ class ScoringLayout:
     @classmethod
     def of(cls, train) -> "ScoringLayout":
         """From the trainer's settings (`train`: an OptimConfig, or anything with these four fields)."""
-        return cls(micro_batch_size=int(train.micro_batch_size), threads=int(train.threads), dtype=str(train.dtype),
-                   device=str(train.device))
+        return cls(
+            micro_batch_size=int(train.micro_batch_size),
+            threads=int(train.threads),
+            dtype=str(train.dtype),
+            device=str(train.device),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +60,21 @@ def right_padded(sequences: list[list[int]]) -> Padded:
     return Padded(tokens, attn, position_ids)
 
 
-def next_token_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      temperature: float) -> torch.Tensor:
+def next_token_logits(
+    model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """fp32 logits of every next token divided by the temperature, target aligned [B, L-1, V], on the
     model's device. Column j scores tokens[:, j + 1]."""
     device = next(model.parameters()).device
-    logits = model(
-        input_ids=tokens.to(device, torch.long),  # a TrainBatch may hold int32 ids
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-    ).logits[:, :-1].float()
+    logits = (
+        model(
+            input_ids=tokens.to(device, torch.long),  # a TrainBatch may hold int32 ids
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+        )
+        .logits[:, :-1]
+        .float()
+    )
     return logits / temperature
 
 
@@ -76,8 +85,15 @@ def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def teacher_forced_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                             *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def teacher_forced_log_probs(
+    model,
+    tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+) -> torch.Tensor:
     """Log-probs [B, L-1] (fp32, on CPU) of a right-padded batch, scored `micro_batch_size` rows at a time
     in eval mode (no dropout), as the trainer scores old and reference log-probs."""
     was_training = model.training

@@ -13,8 +13,7 @@ from rollflow.tasks.model.tokenizer import CharTokenizer
 ADDITION_ALPHABET = "0123456789+="
 
 
-def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, heads: int = 4,
-                      max_positions: int = 64):
+def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, heads: int = 4, max_positions: int = 64):
     from transformers import Qwen2Config
 
     return Qwen2Config(

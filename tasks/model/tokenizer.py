@@ -101,7 +101,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     if not has_chat_template(tokenizer):
         raise ValueError(
             "data.apply_chat_template=true, but the model's tokenizer has no chat template (no 'chat_template' in "
-            "tokenizer_config.json, no chat_template.jinja); set data.apply_chat_template=false or add the template")
+            "tokenizer_config.json, no chat_template.jinja); set data.apply_chat_template=false or add the template"
+        )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

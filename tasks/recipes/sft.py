@@ -44,9 +44,18 @@ def greedy_accuracy(model, tok: CharTokenizer, items: list[PromptItem]) -> float
     return sum(addition_reward(s.response, s.label or "") for s in samples) / len(samples)
 
 
-def warm_start(out_dir: str | Path, *, target_accuracy: float = 0.30, seed: int = 0, batch_size: int = 128,
-               lr: float = 1e-3, max_steps: int = 20000, eval_every: int = 100, digits: int = 3,
-               log=print) -> SFTResult:
+def warm_start(
+    out_dir: str | Path,
+    *,
+    target_accuracy: float = 0.30,
+    seed: int = 0,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    max_steps: int = 20000,
+    eval_every: int = 100,
+    digits: int = 3,
+    log=print,
+) -> SFTResult:
     torch.manual_seed(seed)
     model, tok = build_tiny_model(seed=seed)
     model.train()

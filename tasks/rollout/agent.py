@@ -75,14 +75,24 @@ def resolve_rollout_fn(spec: str) -> RolloutFn:
 
 
 def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (async __call__)
 
 
 def failed_sample(item: PromptItem, prompt_ids: list[int], error: str, status: Status = Status.FAILED) -> Sample:
     """The sample of a slot whose function raised or timed out: the prompt, no response (no loss)."""
-    return Sample(group_index=0, index=0, prompt=item.prompt, tokens=list(prompt_ids), response="",
-                  response_length=0, loss_mask=[], rollout_log_probs=[], label=item.label, status=status,
-                  metadata={**item.metadata, "error": error})
+    return Sample(
+        group_index=0,
+        index=0,
+        prompt=item.prompt,
+        tokens=list(prompt_ids),
+        response="",
+        response_length=0,
+        loss_mask=[],
+        rollout_log_probs=[],
+        label=item.label,
+        status=status,
+        metadata={**item.metadata, "error": error},
+    )
 
 
 def _prompt_or_bos(ctx: RolloutContext) -> list[int]:
@@ -106,13 +116,20 @@ def cap_tokens(sample: Sample, max_total_tokens: Optional[int]) -> Sample:
     sample.status = Status.TRUNCATED
     turns = sample.metadata.get(TURNS_KEY)
     if turns:  # turn records end where the tokens now end
-        sample.metadata[TURNS_KEY] = [{**t, "end": min(t["end"], max_total_tokens)} for t in turns
-                                      if t["start"] < max_total_tokens]
+        sample.metadata[TURNS_KEY] = [
+            {**t, "end": min(t["end"], max_total_tokens)} for t in turns if t["start"] < max_total_tokens
+        ]
     return sample
 
 
-async def _call(fn: RolloutFn, client: TokenClient, item: PromptItem, params: SamplingParams, ctx: RolloutContext,
-                pool: concurrent.futures.Executor) -> RolloutResult:
+async def _call(
+    fn: RolloutFn,
+    client: TokenClient,
+    item: PromptItem,
+    params: SamplingParams,
+    ctx: RolloutContext,
+    pool: concurrent.futures.Executor,
+) -> RolloutResult:
     if _is_async(fn):
         return await fn(client, item, params, ctx)
     loop = asyncio.get_running_loop()
@@ -121,8 +138,15 @@ async def _call(fn: RolloutFn, client: TokenClient, item: PromptItem, params: Sa
     return await result if inspect.isawaitable(result) else result
 
 
-def run_rollout_function(fn: RolloutFn, engine: RolloutEngine, tokenizer: Any, items: list[PromptItem],
-                         params: SamplingParams, n_samples_per_prompt: int, limits: AgentLimits) -> list[Sample]:
+def run_rollout_function(
+    fn: RolloutFn,
+    engine: RolloutEngine,
+    tokenizer: Any,
+    items: list[PromptItem],
+    params: SamplingParams,
+    n_samples_per_prompt: int,
+    limits: AgentLimits,
+) -> list[Sample]:
     """Every (prompt, sample) slot through `fn`, concurrently; samples ordered by group, then slot."""
     client = TokenClient(engine, tokenizer)
     name = getattr(fn, "__name__", repr(fn))
@@ -133,11 +157,15 @@ def run_rollout_function(fn: RolloutFn, engine: RolloutEngine, tokenizer: Any, i
         try:
             result = await asyncio.wait_for(_call(fn, client, item, params, ctx, pool), limits.sample_timeout_s)
         except asyncio.TimeoutError:
-            return [failed_sample(item, _prompt_or_bos(ctx),
-                                  f"rollout function {name} timed out after {limits.sample_timeout_s}s")]
+            return [
+                failed_sample(
+                    item, _prompt_or_bos(ctx), f"rollout function {name} timed out after {limits.sample_timeout_s}s"
+                )
+            ]
         except Exception as exc:  # noqa: BLE001 - one failing conversation never ends the rollout
-            return [failed_sample(item, _prompt_or_bos(ctx),
-                                  f"rollout function {name} raised {type(exc).__name__}: {exc}")]
+            return [
+                failed_sample(item, _prompt_or_bos(ctx), f"rollout function {name} raised {type(exc).__name__}: {exc}")
+            ]
         samples = [result] if isinstance(result, Sample) else list(result)
         for s in samples:
             if not isinstance(s, Sample):
@@ -156,8 +184,11 @@ def run_rollout_function(fn: RolloutFn, engine: RolloutEngine, tokenizer: Any, i
         client.attach(asyncio.get_running_loop())
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rollflow-rollout-fn")
         try:
-            return list(await asyncio.gather(*(one(g, k, item, pool) for g, item in enumerate(items)
-                                               for k in range(n_samples_per_prompt))))
+            return list(
+                await asyncio.gather(
+                    *(one(g, k, item, pool) for g, item in enumerate(items) for k in range(n_samples_per_prompt))
+                )
+            )
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a timed-out sync function is left to finish alone
 
@@ -177,8 +208,10 @@ def run_rollout_function(fn: RolloutFn, engine: RolloutEngine, tokenizer: Any, i
     wrong = {g: c for g, c in sizes.items() if c != n_samples_per_prompt}
     if wrong:
         g, c = next(iter(wrong.items()))
-        raise ValueError(f"rollout function {name} gave prompt {g} {c} samples; every prompt's group needs "
-                         f"rollout.n_samples_per_prompt={n_samples_per_prompt} (return one Sample per call)")
+        raise ValueError(
+            f"rollout function {name} gave prompt {g} {c} samples; every prompt's group needs "
+            f"rollout.n_samples_per_prompt={n_samples_per_prompt} (return one Sample per call)"
+        )
     return samples
 
 
@@ -193,6 +226,7 @@ def _run(coro: Any) -> Any:
 
 
 # ---- tools ------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
@@ -222,9 +256,16 @@ async def call_tool(fn: Callable[[str], Any], arguments: str, timeout_s: Optiona
         return ToolResult(ok=False, output="", error=f"{type(exc).__name__}: {exc}")
 
 
-async def tool_loop(client: TokenClient, item: PromptItem, params: SamplingParams, ctx: RolloutContext, *,
-                    tools: dict[str, Callable[[str], Any]], parse_call: Callable[[str], Optional[ToolCall]],
-                    observation: Callable[[ToolResult], str] = lambda r: r.output) -> Sample:
+async def tool_loop(
+    client: TokenClient,
+    item: PromptItem,
+    params: SamplingParams,
+    ctx: RolloutContext,
+    *,
+    tools: dict[str, Callable[[str], Any]],
+    parse_call: Callable[[str], Optional[ToolCall]],
+    observation: Callable[[ToolResult], str] = lambda r: r.output,
+) -> Sample:
     """The common agent loop: model turn; if it is a tool call (`parse_call` of its text), run the tool and
     splice `observation(result)` in as a tool turn; until a turn is no call, the turns run out
     (truncated) or the token budget does. Unknown tool names are failed tool turns."""
@@ -239,10 +280,14 @@ async def tool_loop(client: TokenClient, item: PromptItem, params: SamplingParam
         if call is None:
             return conv.to_sample(item)
         tool = tools.get(call.name)
-        result = await call_tool(tool, call.arguments, ctx.limits.tool_timeout_s) if tool is not None \
+        result = (
+            await call_tool(tool, call.arguments, ctx.limits.tool_timeout_s)
+            if tool is not None
             else ToolResult(ok=False, output="", error=f"unknown tool {call.name!r}")
-        conv.add_text("tool", observation(result), name=call.name, arguments=call.arguments, ok=result.ok,
-                      error=result.error)
+        )
+        conv.add_text(
+            "tool", observation(result), name=call.name, arguments=call.arguments, ok=result.ok, error=result.error
+        )
     conv.truncated = True  # the last turn asked for a tool: no final answer within the limits
     return conv.to_sample(item)
 

@@ -75,8 +75,9 @@ class BucketedWeightSync(Protocol):
     weight_sync: str
     payloads_per_bucket: int
 
-    def apply_serialized_bucket(self, payloads: Sequence[str], *, last: bool, weight_version: int,
-                                load_format: str | None = None) -> None: ...
+    def apply_serialized_bucket(
+        self, payloads: Sequence[str], *, last: bool, weight_version: int, load_format: str | None = None
+    ) -> None: ...
 
 
 @runtime_checkable
@@ -96,8 +97,8 @@ class WeightGroupMember(Protocol):
     weight_group: str | None
     weight_group_world_size: int
 
-    def join_weight_group(self, master_address: str, master_port: int, *, group_name: str,
-                          backend: str) -> None: ...
+    def join_weight_group(self, master_address: str, master_port: int, *, group_name: str, backend: str) -> None: ...
 
-    def receive_bucket(self, metas: Sequence[Mapping[str, Any]], *, last: bool, weight_version: int,
-                       group_name: str) -> None: ...
+    def receive_bucket(
+        self, metas: Sequence[Mapping[str, Any]], *, last: bool, weight_version: int, group_name: str
+    ) -> None: ...

@@ -92,8 +92,9 @@ class Conversation:
         """A model turn: the engine's ids and log-probs as they came (loss mask 1)."""
         if len(out.log_probs) != len(out.response_ids):
             raise ValueError(f"engine output has {len(out.response_ids)} tokens but {len(out.log_probs)} log-probs")
-        turn = self._append(list(out.response_ids), list(out.log_probs), 1, role="assistant",
-                            finish_reason=out.finish_reason)
+        turn = self._append(
+            list(out.response_ids), list(out.log_probs), 1, role="assistant", finish_reason=out.finish_reason
+        )
         if out.finish_reason == "abort":
             self.aborted = True
         return turn
@@ -110,14 +111,20 @@ class Conversation:
             ids, text, self.truncated = ids[:left], None, True
         return self._append(ids, [0.0] * len(ids), 0, role=role, text=text, **fields)
 
-    def _append(self, ids: list[int], log_probs: list[float], mask: int, *, role: Role, text: str | None = None,
-                **fields: Any) -> Turn:
+    def _append(
+        self, ids: list[int], log_probs: list[float], mask: int, *, role: Role, text: str | None = None, **fields: Any
+    ) -> Turn:
         start = len(self.response_ids)
         self.response_ids += ids
         self.log_probs += [float(x) for x in log_probs]
         self.loss_mask += [mask] * len(ids)
-        turn = Turn(role=role, start=start, end=len(self.response_ids),
-                    text=decode_response(self.tokenizer, ids) if text is None else text, **fields)
+        turn = Turn(
+            role=role,
+            start=start,
+            end=len(self.response_ids),
+            text=decode_response(self.tokenizer, ids) if text is None else text,
+            **fields,
+        )
         self.turns.append(turn)
         return turn
 
@@ -138,7 +145,9 @@ class Conversation:
     def to_sample(self, item: PromptItem, *, status: Status | None = None, **metadata: Any) -> Sample:
         """The whole conversation as one Sample (group/index/weight version are set by the runner)."""
         return Sample(
-            group_index=0, index=0, prompt=item.prompt,
+            group_index=0,
+            index=0,
+            prompt=item.prompt,
             tokens=self.prompt_ids + self.response_ids,
             response=decode_response(self.tokenizer, self.response_ids),
             response_length=len(self.response_ids),

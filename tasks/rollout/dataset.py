@@ -58,8 +58,10 @@ def detect_format(path: str, fmt: str = "auto") -> str:
         return "parquet"
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
-    raise ValueError(f"data.path={path!r}: cannot tell the format from the name; use a .jsonl or .parquet file "
-                     "or set data.format='jsonl' / 'parquet'")
+    raise ValueError(
+        f"data.path={path!r}: cannot tell the format from the name; use a .jsonl or .parquet file "
+        "or set data.format='jsonl' / 'parquet'"
+    )
 
 
 def parse_records(data: bytes, fmt: str, source: str) -> list[dict[str, Any]]:
@@ -77,8 +79,9 @@ def parse_records(data: bytes, fmt: str, source: str) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"data.path={source!r} line {number} is not JSON ({exc.msg}); one JSON object per "
-                             "line (JSONL)") from None
+            raise ValueError(
+                f"data.path={source!r} line {number} is not JSON ({exc.msg}); one JSON object per line (JSONL)"
+            ) from None
         if not isinstance(row, dict):
             raise ValueError(f"data.path={source!r} line {number} is a {type(row).__name__}, not a JSON object")
         rows.append(row)
@@ -136,8 +139,9 @@ def _label_text(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False, sort_keys=True)
 
 
-def record_to_item(row: dict[str, Any], data: Any, *, index: int, source: str,
-                   extra: dict[str, Any] | None = None) -> PromptItem:
+def record_to_item(
+    row: dict[str, Any], data: Any, *, index: int, source: str, extra: dict[str, Any] | None = None
+) -> PromptItem:
     """One record -> a PromptItem: chat messages (apply_chat_template) or text, label, metadata."""
     where = f"data record {index} of {source!r}"
     if data.input_key not in row:
@@ -158,8 +162,10 @@ def record_to_item(row: dict[str, Any], data: Any, *, index: int, source: str,
     label = None
     if data.label_key is not None:
         if data.label_key not in row:
-            raise KeyError(f"{where} has no {data.label_key!r} (data.label_key); its keys: {sorted(row)}; set "
-                           "data.label_key=null for data without labels")
+            raise KeyError(
+                f"{where} has no {data.label_key!r} (data.label_key); its keys: {sorted(row)}; set "
+                "data.label_key=null for data without labels"
+            )
         label = _label_text(row[data.label_key])
     metadata: dict[str, Any] = {}
     for key in data.metadata_keys:
@@ -180,13 +186,21 @@ def train_items(data: Any, rollout_id: int) -> list[PromptItem]:
         raise DataExhausted(
             f"rollout {rollout_id} needs samples {start}..{end - 1} but data.epochs={data.epochs} x {n} records "
             f"of {data.path!r} hold {data.epochs * n}; raise data.epochs (or leave it unset for no limit) or lower "
-            "iterations")
+            "iterations"
+        )
     items = []
     for position in range(start, end):
         epoch, offset = divmod(position, n)
         index = epoch_order(n, data.seed, epoch, data.shuffle)[offset]
-        items.append(record_to_item(records.rows[index], data, index=index, source=data.path,
-                                    extra={"data_index": index, "data_epoch": epoch}))
+        items.append(
+            record_to_item(
+                records.rows[index],
+                data,
+                index=index,
+                source=data.path,
+                extra={"data_index": index, "data_epoch": epoch},
+            )
+        )
     return items
 
 
@@ -203,14 +217,28 @@ def data_state(data: Any, rollout_id: int) -> dict[str, Any]:
     """The data source's cursor before train rollout `rollout_id` (= after `rollout_id` iterations)."""
     if getattr(data, "task", "addition") != "dataset":
         # The built-in task draws rollout r's prompts from seed + r: the id is the whole cursor.
-        return {"task": data.task, "seed": data.seed, "next_rollout_id": rollout_id,
-                "prompts_per_rollout": data.prompts_per_rollout}
+        return {
+            "task": data.task,
+            "seed": data.seed,
+            "next_rollout_id": rollout_id,
+            "prompts_per_rollout": data.prompts_per_rollout,
+        }
     records = load_records(data.path, data.format)
     position = rollout_id * data.prompts_per_rollout
     epoch, offset = divmod(position, len(records))
-    return {"task": "dataset", "path": data.path, "n_records": len(records), "sha256": records.sha256,
-            "shuffle": data.shuffle, "shuffle_seed": data.seed, "prompts_per_rollout": data.prompts_per_rollout,
-            "next_rollout_id": rollout_id, "samples_consumed": position, "epoch": epoch, "offset": offset}
+    return {
+        "task": "dataset",
+        "path": data.path,
+        "n_records": len(records),
+        "sha256": records.sha256,
+        "shuffle": data.shuffle,
+        "shuffle_seed": data.seed,
+        "prompts_per_rollout": data.prompts_per_rollout,
+        "next_rollout_id": rollout_id,
+        "samples_consumed": position,
+        "epoch": epoch,
+        "offset": offset,
+    }
 
 
 CURSOR_KEYS = ("task", "n_records", "sha256", "shuffle", "shuffle_seed", "samples_consumed", "epoch", "offset")
@@ -220,10 +248,15 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], iteratio
     """Raise `DataResumeMismatch` when the checkpoint's cursor is not where this config resumes."""
     if not saved:
         return  # a checkpoint from before cursors were saved: nothing to compare
-    diffs = [f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in CURSOR_KEYS
-             if saved.get(key) != current.get(key)]
+    diffs = [
+        f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}"
+        for key in CURSOR_KEYS
+        if saved.get(key) != current.get(key)
+    ]
     if diffs:
         raise DataResumeMismatch(
-            f"resuming after checkpoint {iteration} would not continue at the same sample: " + "; ".join(diffs)
+            f"resuming after checkpoint {iteration} would not continue at the same sample: "
+            + "; ".join(diffs)
             + ". Restore the data settings and file of the run (data.path, data.prompts_per_rollout, data.seed, "
-            "data.shuffle), or start a new run (another run name)")
+            "data.shuffle), or start a new run (another run name)"
+        )

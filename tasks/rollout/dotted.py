@@ -10,8 +10,9 @@ import importlib
 from typing import Any, Callable
 
 
-def load_callable(field: str, spec: str,
-                  expected: str = "a dotted path like 'my_pkg.module:function'") -> Callable[..., Any]:
+def load_callable(
+    field: str, spec: str, expected: str = "a dotted path like 'my_pkg.module:function'"
+) -> Callable[..., Any]:
     """The callable `spec` names; ValueError naming `field` when it is malformed, missing or not callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep:

@@ -43,9 +43,11 @@ def oversample_prompts(data, rollout_id: int, attempt: int) -> list[PromptItem]:
         raise ValueError("attempt 0 is the rollout's own prompts (prompts_for)")
     if getattr(data, "task", "addition") == "dataset":
         return train_items(data, OVERSAMPLE_SEED_OFFSET + rollout_id * ATTEMPT_STRIDE + attempt)
-    return addition_prompts(data.prompts_per_rollout,
-                            seed=data.seed + OVERSAMPLE_SEED_OFFSET + rollout_id * ATTEMPT_STRIDE + attempt,
-                            digits=data.digits)
+    return addition_prompts(
+        data.prompts_per_rollout,
+        seed=data.seed + OVERSAMPLE_SEED_OFFSET + rollout_id * ATTEMPT_STRIDE + attempt,
+        digits=data.digits,
+    )
 
 
 def split_groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
@@ -79,8 +81,9 @@ class GroupSelection:
         return out
 
 
-def select_groups(groups: list[list[Sample]], keep: list[bool], target: int,
-                  already_marked: list[bool] | None = None) -> GroupSelection:
+def select_groups(
+    groups: list[list[Sample]], keep: list[bool], target: int, already_marked: list[bool] | None = None
+) -> GroupSelection:
     """Train the first `target` groups that passed; mark the others `filter` / `surplus`. When fewer than
     `target` passed, the first failing groups are trained too (their advantages are zero under GRPO), so
     every trained batch has `target` groups; `short` says how many were missing.

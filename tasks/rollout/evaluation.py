@@ -26,8 +26,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def eval_summary(samples: list[Sample], *, ks: list[int] | tuple[int, ...] = (), threshold: float = 1.0,
-                 reward_key: str | None = None) -> dict[str, Any]:
+def eval_summary(
+    samples: list[Sample],
+    *,
+    ks: list[int] | tuple[int, ...] = (),
+    threshold: float = 1.0,
+    reward_key: str | None = None,
+) -> dict[str, Any]:
     """`eval/accuracy` (mean scalar reward over samples), `eval/pass@k` for each k, and counts.
 
     `reward_key`: the field of dict rewards (the run's `rollout.eval_reward_key`, else `rollout.reward_key`)."""
@@ -44,8 +49,9 @@ def eval_summary(samples: list[Sample], *, ks: list[int] | tuple[int, ...] = (),
         for k in ks:
             if k > n:
                 raise ValueError(f"eval/pass@{k}: a prompt has only {n} samples")
-            out[f"eval/pass@{k}"] = sum(pass_at_k(len(g), sum(r >= threshold for r in g), k)
-                                        for g in groups.values()) / len(groups)
+            out[f"eval/pass@{k}"] = sum(
+                pass_at_k(len(g), sum(r >= threshold for r in g), k) for g in groups.values()
+            ) / len(groups)
         out["eval/n_prompts"] = float(len(groups))
         out["eval/n_samples_per_prompt"] = float(n)
     return out

@@ -93,12 +93,20 @@ async def score_turns(sample: Sample, judge: JudgeFn, votes: int) -> list[Option
         if turn.get("role") != "assistant" or nxt.get("role") not in ("user", "tool"):
             continue
         context = "".join(t.get("text", "") for t in turns[:i])
-        requests.append(JudgeRequest(prompt=sample.prompt, context=context, assistant=turn.get("text", ""),
-                                     feedback=nxt.get("text", ""), feedback_role=nxt["role"], turn=i))
+        requests.append(
+            JudgeRequest(
+                prompt=sample.prompt,
+                context=context,
+                assistant=turn.get("text", ""),
+                feedback=nxt.get("text", ""),
+                feedback_role=nxt["role"],
+                turn=i,
+            )
+        )
     verdicts = await asyncio.gather(*(_ask(judge, r) for r in requests for _ in range(votes)))
     rewards: list[Optional[float]] = [None] * len(turns)
     for j, request in enumerate(requests):
-        mine = [v for v in verdicts[j * votes:(j + 1) * votes] if v is not None]
+        mine = [v for v in verdicts[j * votes : (j + 1) * votes] if v is not None]
         turns[request.turn]["votes"] = mine
         if mine:  # no valid vote at all: the turn stays unjudged
             rewards[request.turn] = majority(mine)
@@ -120,23 +128,34 @@ def feedback_reward(judge: JudgeFn, votes: int = 3) -> Callable[[Sample], Any]:
 
 # ---- a judge that is an engine call ------------------------------------------------------------------
 
+
 def engine_judge(client: Any, template: str, params: SamplingParams) -> JudgeFn:
     """A judge asking an engine: `template` filled with the request's fields ({prompt}, {context},
     {assistant}, {feedback}, {role}), sent through `client` (a TokenClient), the decoded answer is the verdict.
     Votes of one rollout go out in the same batched engine calls as the conversations."""
+
     async def judge(request: JudgeRequest) -> str:
-        prompt = request.prompt if isinstance(request.prompt, str) else \
-            " ".join(str(m.get("content", "")) for m in request.prompt)
-        text = template.format(prompt=prompt, context=request.context, assistant=request.assistant,
-                               feedback=request.feedback, role=request.feedback_role)
+        prompt = (
+            request.prompt
+            if isinstance(request.prompt, str)
+            else " ".join(str(m.get("content", "")) for m in request.prompt)
+        )
+        text = template.format(
+            prompt=prompt,
+            context=request.context,
+            assistant=request.assistant,
+            feedback=request.feedback,
+            role=request.feedback_role,
+        )
         out = await client.generate(prompt_token_ids(client.tokenizer, text), params)
         return decode_response(client.tokenizer, out.response_ids)
 
     return judge
 
 
-async def judge_conversation(client: Any, sample: Sample, template: str, params: SamplingParams,
-                             votes: int = 3) -> Sample:
+async def judge_conversation(
+    client: Any, sample: Sample, template: str, params: SamplingParams, votes: int = 3
+) -> Sample:
     """Online feedback inside a rollout function: judge the sample's turns with the engine (`engine_judge`)
     before returning it; `judged_turns_reward` then makes the scalar reward from the turn rewards."""
     await score_turns(sample, engine_judge(client, template, params), votes)
@@ -150,6 +169,7 @@ def judged_turns_reward(sample: Sample) -> float:
 
 
 # ---- offline: logged conversations -----------------------------------------------------------------
+
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -171,20 +191,24 @@ def conversation_from_messages(messages: list[dict[str, Any]], tokenizer: Any) -
         prompt_ids = _render(tokenizer, messages[:first], True)
     else:
         bos = getattr(tokenizer, "bos_token_id", None)
-        prompt_ids = ([bos] if bos is not None else []) + [t for m in messages[:first]
-                                                           for t in encode_text(tokenizer, str(m.get("content", "")))]
+        prompt_ids = ([bos] if bos is not None else []) + [
+            t for m in messages[:first] for t in encode_text(tokenizer, str(m.get("content", "")))
+        ]
     conv = Conversation(prompt_ids, tokenizer)
     for i in range(first, len(messages)):
         role = messages[i].get("role")
         content = str(messages[i].get("content", ""))
         if chat:
             before = conv.ids
-            upto = _render(tokenizer, messages[:i + 1], i + 1 < len(messages)
-                           and messages[i + 1].get("role") == "assistant")
-            if upto[:len(before)] != before:
-                raise ValueError(f"the chat template does not render message {i} as an extension of the ones "
-                                 "before it; logged conversations need a prefix-stable template")
-            ids = upto[len(before):]
+            upto = _render(
+                tokenizer, messages[: i + 1], i + 1 < len(messages) and messages[i + 1].get("role") == "assistant"
+            )
+            if upto[: len(before)] != before:
+                raise ValueError(
+                    f"the chat template does not render message {i} as an extension of the ones "
+                    "before it; logged conversations need a prefix-stable template"
+                )
+            ids = upto[len(before) :]
         else:
             ids = encode_text(tokenizer, content) + ([tokenizer.eos_token_id] if role == "assistant" else [])
         if role == "assistant":
@@ -199,7 +223,9 @@ def conversation_from_messages(messages: list[dict[str, Any]], tokenizer: Any) -
 def logged_conversation(client: Any, item: PromptItem, params: SamplingParams, ctx: Any) -> Sample:
     """Rollout function of the offline path: the record's messages as one sample, no generation."""
     if not isinstance(item.prompt, list):
-        raise ValueError("logged_conversation needs chat messages: set data.apply_chat_template=true and "
-                         "data.input_key to the record's messages field")
+        raise ValueError(
+            "logged_conversation needs chat messages: set data.apply_chat_template=true and "
+            "data.input_key to the record's messages field"
+        )
     conv = conversation_from_messages(item.prompt, client.tokenizer)
     return conv.to_sample(item, rollout_log_probs_missing=True)

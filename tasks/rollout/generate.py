@@ -17,12 +17,18 @@ FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort
 
 def build_requests(items: list[PromptItem], tokenizer: Tokenizer, n_samples_per_prompt: int) -> list[GenerationRequest]:
     """Prompt token ids with special tokens added once (chat template, or the tokenizer's own rule)."""
-    return [GenerationRequest(prompt_ids=prompt_token_ids(tokenizer, it.prompt), n=n_samples_per_prompt)
-            for it in items]
+    return [
+        GenerationRequest(prompt_ids=prompt_token_ids(tokenizer, it.prompt), n=n_samples_per_prompt) for it in items
+    ]
 
 
-def generate_samples(engine: RolloutEngine, tokenizer: Tokenizer, items: list[PromptItem], params: SamplingParams,
-                     n_samples_per_prompt: int) -> list[Sample]:
+def generate_samples(
+    engine: RolloutEngine,
+    tokenizer: Tokenizer,
+    items: list[PromptItem],
+    params: SamplingParams,
+    n_samples_per_prompt: int,
+) -> list[Sample]:
     """Samples ordered by group (one group per prompt), `n_samples_per_prompt` each."""
     requests = build_requests(items, tokenizer, n_samples_per_prompt)
     outputs = engine.generate(requests, params)

@@ -27,11 +27,10 @@ import torch
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
 from rollflow.tasks.progress import Progress
-from rollflow.tasks.sync.copy_plan import MEMCPY_BYTES, CopyPlan, plan_key, run_plan
-from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from rollflow.tasks.rollout.static_decode import StaticDecoder
-
+from rollflow.tasks.sync.copy_plan import MEMCPY_BYTES, CopyPlan, plan_key, run_plan
+from rollflow.tasks.sync.resident import ResidentWeights
 
 StaticCache = Union[bool, Literal["auto"]]
 _MEMCPY_BYTES = MEMCPY_BYTES  # (a name the tests patch) tensors this large are copied one by one
@@ -75,10 +74,20 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class HFEngine:
-    def __init__(self, model, *, pad_token_id: int, eos_token_id: int, model_name: str = "model",
-                 weight_version: int = 0, max_batch_size: int = 4096, threads: int | None = None,
-                 static_cache: StaticCache = "auto", length_bucket: int = 64,
-                 scoring: ScoringLayout | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        pad_token_id: int,
+        eos_token_id: int,
+        model_name: str = "model",
+        weight_version: int = 0,
+        max_batch_size: int = 4096,
+        threads: int | None = None,
+        static_cache: StaticCache = "auto",
+        length_bucket: int = 64,
+        scoring: ScoringLayout | None = None,
+    ):
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
@@ -115,8 +124,12 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     def describe(self) -> dict[str, str]:
-        return {"backend": "hf", "model": self.model_name, "weight_version": str(self.weight_version),
-                "logprobs": "engine" if self.scoring is None else "teacher_forced"}
+        return {
+            "backend": "hf",
+            "model": self.model_name,
+            "weight_version": str(self.weight_version),
+            "logprobs": "engine" if self.scoring is None else "teacher_forced",
+        }
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
         if params.seed is not None:
@@ -164,11 +177,16 @@ class HFEngine:
         greedy = params.temperature == 0
         scale = 1.0 if greedy else params.temperature
         if static and (greedy or (params.top_k == 0 and params.top_p == 1.0)):
-            decoded = self._static_decoder().run(ids.to(self.device), mask.to(self.device),
-                                                 max_new_tokens=params.max_new_tokens,
-                                                 temperature=params.temperature, stop_ids=stops,
-                                                 pad_id=self.pad_token_id, abort=self._abort,
-                                                 progress=self.progress)
+            decoded = self._static_decoder().run(
+                ids.to(self.device),
+                mask.to(self.device),
+                max_new_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                stop_ids=stops,
+                pad_id=self.pad_token_id,
+                abort=self._abort,
+                progress=self.progress,
+            )
             return _outputs(decoded.tokens, decoded.log_probs, n_real, set(stops), aborted=decoded.aborted)
         # On CPU the log-probs come from `output_logits` (unchanged numerics); elsewhere from a
         # recorder that keeps one step of full-vocabulary log-probs at a time, on the device.
@@ -211,8 +229,9 @@ class HFEngine:
             self._decoder = StaticDecoder(self.model, compile=self.device.type == "cuda")
         return self._decoder
 
-    def rescore(self, prompts: list[list[int]], outputs: list[GenerationOutput],
-                params: SamplingParams) -> list[GenerationOutput]:
+    def rescore(
+        self, prompts: list[list[int]], outputs: list[GenerationOutput], params: SamplingParams
+    ) -> list[GenerationOutput]:
         """`outputs` with log-probs from the trainer's teacher-forced forward over all of them at once.
 
         The trainer's batch of this rollout is these rows in this order (generate_samples keeps request
@@ -227,9 +246,14 @@ class HFEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(layout.threads)  # CPU reductions may split by thread count
         try:
-            log_probs = teacher_forced_log_probs(self.model, padded.tokens, padded.attention_mask,
-                                                 padded.position_ids, temperature=temperature,
-                                                 micro_batch_size=layout.micro_batch_size)
+            log_probs = teacher_forced_log_probs(
+                self.model,
+                padded.tokens,
+                padded.attention_mask,
+                padded.position_ids,
+                temperature=temperature,
+                micro_batch_size=layout.micro_batch_size,
+            )
         finally:
             torch.set_num_threads(threads)
         rescored = []
@@ -258,16 +282,22 @@ class HFEngine:
         run_plan(plan, dst, src)  # the same sources at the same addresses as before: checks done then
         self.weight_version = version
 
-    def _plan_update(self, targets: dict[str, torch.Tensor], named_tensors: dict[str, torch.Tensor],
-                     key: tuple) -> CopyPlan:
+    def _plan_update(
+        self, targets: dict[str, torch.Tensor], named_tensors: dict[str, torch.Tensor], key: tuple
+    ) -> CopyPlan:
         for name, d in targets.items():
             if d.shape != named_tensors[name].shape:
-                raise ValueError(f"weight update: {name} has shape {tuple(named_tensors[name].shape)}, engine "
-                                 f"expects {tuple(d.shape)}")
+                raise ValueError(
+                    f"weight update: {name} has shape {tuple(named_tensors[name].shape)}, engine "
+                    f"expects {tuple(d.shape)}"
+                )
         # A tied parameter is written once, when the trainer sends the same tensor under both names.
-        skip = {name for name, first in self.resident.aliases().items()
-                if named_tensors[name] is named_tensors[first]
-                or named_tensors[name].data_ptr() == named_tensors[first].data_ptr()}
+        skip = {
+            name
+            for name, first in self.resident.aliases().items()
+            if named_tensors[name] is named_tensors[first]
+            or named_tensors[name].data_ptr() == named_tensors[first].data_ptr()
+        }
         return CopyPlan(key, tuple(i for i, name in enumerate(targets) if name not in skip), _MEMCPY_BYTES)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -300,8 +330,9 @@ class HFEngine:
             self._home_device = None
 
 
-def _outputs(new_tokens: torch.Tensor, log_probs: torch.Tensor, n_real: int, stop_set: set[int], *,
-             aborted: bool = False) -> list[GenerationOutput]:
+def _outputs(
+    new_tokens: torch.Tensor, log_probs: torch.Tensor, n_real: int, stop_set: set[int], *, aborted: bool = False
+) -> list[GenerationOutput]:
     """Rows cut after their first stop token (kept: the trainer scores it); padding rows dropped. With
     `aborted`, rows that did not stop are "abort" (continued in a later rollout) instead of "length"."""
     results = []
@@ -331,8 +362,12 @@ def check_scoring(model, layout: ScoringLayout) -> None:
     """The engine can only reproduce the trainer's log-probs bit for bit with the trainer's dtype and device."""
     param = next(model.parameters())
     if param.dtype != DTYPES[layout.dtype]:
-        raise ValueError(f"rollout.logprobs='teacher_forced': the engine's model is {str(param.dtype).removeprefix('torch.')} "
-                         f"but the trainer scores in train.dtype={layout.dtype!r}; set rollout.dtype={layout.dtype!r}")
+        raise ValueError(
+            f"rollout.logprobs='teacher_forced': the engine's model is {str(param.dtype).removeprefix('torch.')} "
+            f"but the trainer scores in train.dtype={layout.dtype!r}; set rollout.dtype={layout.dtype!r}"
+        )
     if param.device.type != torch.device(layout.device).type:
-        raise ValueError(f"rollout.logprobs='teacher_forced': the engine runs on {param.device.type} but the trainer "
-                         f"on train.device={layout.device!r}; put both on the same device type")
+        raise ValueError(
+            f"rollout.logprobs='teacher_forced': the engine runs on {param.device.type} but the trainer "
+            f"on train.device={layout.device!r}; put both on the same device type"
+        )

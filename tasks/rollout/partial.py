@@ -12,7 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 from rollflow.artifacts.pipeline_meta import (
-    CONTINUED_FROM, FILTERED, WEIGHT_VERSIONS, filtered_reason, mark_filtered, oldest_weight_version,
+    CONTINUED_FROM,
+    FILTERED,
+    WEIGHT_VERSIONS,
+    filtered_reason,
+    mark_filtered,
+    oldest_weight_version,
     token_weight_versions,
 )
 from rollflow.artifacts.sample import Sample, Status
@@ -46,8 +51,16 @@ def _unmarked(sample: Sample) -> Sample:
     return dataclasses.replace(sample, metadata=meta)
 
 
-def continue_groups(engine: RolloutEngine, tokenizer: Tokenizer, groups: list[list[Sample]], params: SamplingParams,
-                    *, source_rollout_id: int, trainer_version: int, max_staleness: int) -> list[list[Sample]]:
+def continue_groups(
+    engine: RolloutEngine,
+    tokenizer: Tokenizer,
+    groups: list[list[Sample]],
+    params: SamplingParams,
+    *,
+    source_rollout_id: int,
+    trainer_version: int,
+    max_staleness: int,
+) -> list[list[Sample]]:
     """`groups` with their aborted samples continued by `engine` (its current weights), completed samples kept.
 
     A group whose oldest token would be more than `max_staleness` versions behind `trainer_version` (the
@@ -68,19 +81,33 @@ def continue_groups(engine: RolloutEngine, tokenizer: Tokenizer, groups: list[li
         by_budget.setdefault(budget, []).append(item)
     for budget, items in sorted(by_budget.items()):
         if budget < 1:  # nothing left to generate: the sample is as long as it may get
-            for g, i, s in items:
+            for g, i, _s in items:
                 out[g][i] = dataclasses.replace(out[g][i], status=Status.TRUNCATED)
             continue
         requests = [GenerationRequest(prompt_ids=list(s.tokens), n=1) for _, _, s in items]
         outputs = engine.generate(requests, dataclasses.replace(params, max_new_tokens=budget))
-        for (g, i, s), (result,) in zip(items, outputs):
-            out[g][i] = _extended(out[g][i], result.response_ids, result.log_probs, result.finish_reason,
-                                  engine.weight_version, tokenizer, source_rollout_id)
+        for (g, i, _s), (result,) in zip(items, outputs):
+            out[g][i] = _extended(
+                out[g][i],
+                result.response_ids,
+                result.log_probs,
+                result.finish_reason,
+                engine.weight_version,
+                tokenizer,
+                source_rollout_id,
+            )
     return out
 
 
-def _extended(sample: Sample, new_ids: list[int], new_log_probs: list[float], finish: str, version: int,
-              tokenizer: Tokenizer, source_rollout_id: int) -> Sample:
+def _extended(
+    sample: Sample,
+    new_ids: list[int],
+    new_log_probs: list[float],
+    finish: str,
+    version: int,
+    tokenizer: Tokenizer,
+    source_rollout_id: int,
+) -> Sample:
     versions = token_weight_versions(sample) + [int(version)] * len(new_ids)
     response_ids = sample.response_tokens + list(new_ids)
     meta = dict(sample.metadata)

@@ -42,14 +42,24 @@ class RemoteRewardError(RuntimeError):
 class RemoteReward:
     """An async per-sample reward function that scores on a reward server."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5,
-                 max_concurrency: int = 32, auth_env: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        max_concurrency: int = 32,
+        auth_env: str | None = None,
+    ):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"rollout.reward={redact_url(url)!r} is not an http(s) URL")
         if "@" in parts.netloc:
-            raise ValueError("rollout.reward: put no credentials in the URL; set rollout.remote_reward.auth_env to "
-                             "the name of an environment variable holding the token")
+            raise ValueError(
+                "rollout.reward: put no credentials in the URL; set rollout.remote_reward.auth_env to "
+                "the name of an environment variable holding the token"
+            )
         self.url = url
         # What messages, logs and stored names show: the URL without its user:secret@ / token= parts.
         self.display_url = redact_url(url)
@@ -66,8 +76,14 @@ class RemoteReward:
     def from_config(cls, url: str, config: Any = None) -> "RemoteReward":
         if config is None:
             return cls(url)
-        return cls(url, timeout_s=config.timeout_s, retries=config.retries, backoff_s=config.backoff_s,
-                   max_concurrency=config.max_concurrency, auth_env=config.auth_env)
+        return cls(
+            url,
+            timeout_s=config.timeout_s,
+            retries=config.retries,
+            backoff_s=config.backoff_s,
+            max_concurrency=config.max_concurrency,
+            auth_env=config.auth_env,
+        )
 
     def __getstate__(self) -> dict[str, Any]:  # picklable (Ray, Prefect): no thread pool or lock
         state = dict(self.__dict__)
@@ -86,16 +102,24 @@ class RemoteReward:
 
     @staticmethod
     def payload(sample: Sample) -> dict[str, Any]:
-        return {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
-                "metadata": sample.metadata, "group_index": sample.group_index, "index": sample.index}
+        return {
+            "prompt": sample.prompt,
+            "response": sample.response,
+            "label": sample.label,
+            "metadata": sample.metadata,
+            "group_index": sample.group_index,
+            "index": sample.index,
+        }
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.auth_env:
             token = os.environ.get(self.auth_env)
             if not token:
-                raise RemoteRewardError(f"rollout.remote_reward.auth_env={self.auth_env!r} is not set in the "
-                                        "environment of the process that scores rewards")
+                raise RemoteRewardError(
+                    f"rollout.remote_reward.auth_env={self.auth_env!r} is not set in the "
+                    "environment of the process that scores rewards"
+                )
             headers["Authorization"] = f"Bearer {token}"
         return headers
 
@@ -120,8 +144,10 @@ class RemoteReward:
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
                 continue
             return self._parse(raw)
-        raise RemoteRewardError(f"reward server {self.display_url} failed {self.retries + 1} time(s) (timeout "
-                                f"{self.timeout_s:g}s); last error: {last}")
+        raise RemoteRewardError(
+            f"reward server {self.display_url} failed {self.retries + 1} time(s) (timeout "
+            f"{self.timeout_s:g}s); last error: {last}"
+        )
 
     def _parse(self, raw: bytes) -> Any:
         try:
@@ -129,7 +155,9 @@ class RemoteReward:
         except json.JSONDecodeError:
             raise RemoteRewardError(f"reward server {self.display_url} answered non-JSON: {raw[:200]!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
-            raise RemoteRewardError(f"reward server {self.display_url} answered {value!r}: expected a number or an object")
+            raise RemoteRewardError(
+                f"reward server {self.display_url} answered {value!r}: expected a number or an object"
+            )
         return float(value) if not isinstance(value, dict) else value
 
     async def __call__(self, sample: Sample) -> Any:

@@ -20,8 +20,12 @@ class EngineDescription:
     @classmethod
     def of(cls, described: dict[str, str]) -> EngineDescription:
         """From a `RolloutEngine.describe()` (the engines' own small string dict)."""
-        return cls(backend=str(described["backend"]), model=str(described["model"]),
-                   weight_version=int(described["weight_version"]), logprobs=described.get("logprobs"))
+        return cls(
+            backend=str(described["backend"]),
+            model=str(described["model"]),
+            weight_version=int(described["weight_version"]),
+            logprobs=described.get("logprobs"),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,8 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from rollflow.artifacts.sample import Sample
-from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.addition import addition_reward
+from rollflow.tasks.rollout.dotted import load_callable
 from rollflow.tasks.rollout.feedback import feedback_reward
 from rollflow.tasks.rollout.remote_reward import RemoteReward
 
@@ -142,6 +142,7 @@ def f1_score(prediction: str, reference: str) -> float:
 
 # ---- built-in reward functions (per sample) --------------------------------------------------------
 
+
 def _addition(sample: Sample) -> float:
     return addition_reward(sample.response, sample.label or "")
 
@@ -181,9 +182,12 @@ def resolve_reward_fn(spec: str, *, remote: Any = None) -> RewardFn:
         return BUILTIN_REWARDS[spec]
     if is_url(spec):
         return RemoteReward.from_config(spec, remote)
-    return load_callable("rollout.reward", spec,
-                         f"a built-in ({', '.join(BUILTIN_REWARDS)}), a dotted path like 'my_pkg.rewards:score', "
-                         "or an http(s) URL of a reward server")
+    return load_callable(
+        "rollout.reward",
+        spec,
+        f"a built-in ({', '.join(BUILTIN_REWARDS)}), a dotted path like 'my_pkg.rewards:score', "
+        "or an http(s) URL of a reward server",
+    )
 
 
 def reward_fn_from_config(rollout: Any) -> RewardFn:
@@ -204,8 +208,9 @@ def reward_fn_from_config(rollout: Any) -> RewardFn:
 
 # ---- scoring ---------------------------------------------------------------------------------------
 
+
 def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (async __call__)
 
 
 def _run(coro: Any) -> Any:
@@ -233,6 +238,7 @@ def _run(coro: Any) -> Any:
 def _call_all(fn: Any, args: list[Any]) -> list[Any]:
     """fn(arg) for every arg; coroutines (async fn, or a sync fn returning awaitables) run concurrently."""
     if _is_async(fn):
+
         async def gather_all() -> list[Any]:
             return list(await asyncio.gather(*(fn(a) for a in args)))
 
@@ -240,6 +246,7 @@ def _call_all(fn: Any, args: list[Any]) -> list[Any]:
     values = [fn(a) for a in args]
     pending = [i for i, v in enumerate(values) if inspect.isawaitable(v)]
     if pending:
+
         async def gather_pending() -> list[Any]:
             return list(await asyncio.gather(*(values[i] for i in pending)))
 
@@ -256,8 +263,9 @@ def _groups(samples: list[Sample]) -> list[list[Sample]]:
     return list(by_group.values())
 
 
-def score_samples(samples: list[Sample], fn: RewardFn, *, reward_key: str | None = None,
-                  scope: str | None = None) -> list[Sample]:
+def score_samples(
+    samples: list[Sample], fn: RewardFn, *, reward_key: str | None = None, scope: str | None = None
+) -> list[Sample]:
     """Set `reward` (and `reward_key`) on every sample in place; returns the same list.
 
     `scope` ('sample' or 'group') defaults to the function's own (`@group_reward`), else 'sample'.
@@ -271,8 +279,10 @@ def score_samples(samples: list[Sample], fn: RewardFn, *, reward_key: str | None
             rewards = list(rewards) if isinstance(rewards, (list, tuple)) else rewards
             if not isinstance(rewards, list) or len(rewards) != len(group):
                 got = f"{len(rewards)} rewards" if isinstance(rewards, list) else type(rewards).__name__
-                raise ValueError(f"group reward function {getattr(fn, '__name__', fn)!r} returned {got} for group "
-                                 f"{group[0].group_index} of {len(group)} samples; return one reward per sample")
+                raise ValueError(
+                    f"group reward function {getattr(fn, '__name__', fn)!r} returned {got} for group "
+                    f"{group[0].group_index} of {len(group)} samples; return one reward per sample"
+                )
             pairs.extend(zip(group, rewards))
     elif scope == SAMPLE:
         pairs = list(zip(samples, _call_all(fn, list(samples))))

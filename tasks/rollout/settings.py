@@ -33,8 +33,11 @@ def _absolute_local(path: Optional[str]) -> Optional[str]:
 class EvalDataConfig(_Strict):
     """The eval set and its own sampling (data.eval). Records use data's keys, template and system prompt."""
 
-    path: Optional[str] = Field(None, description="JSONL / parquet eval set (local path or fsspec URL); "
-                                                  "task='addition' draws its eval prompts without one")
+    path: Optional[str] = Field(
+        None,
+        description="JSONL / parquet eval set (local path or fsspec URL); "
+        "task='addition' draws its eval prompts without one",
+    )
     format: Literal["auto", "jsonl", "parquet"] = "auto"
     max_prompts: Optional[int] = Field(None, ge=1, description="use the first N records (None = all)")
     n_samples_per_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k needs k <= n)")
@@ -53,14 +56,17 @@ class EvalDataConfig(_Strict):
     def _k_le_n(self) -> "EvalDataConfig":
         bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples_per_prompt]
         if bad:
-            raise ValueError(f"data.eval.pass_k={self.pass_k}: every k must be in 1..n_samples_per_prompt="
-                             f"{self.n_samples_per_prompt} (the unbiased estimator needs n >= k samples)")
+            raise ValueError(
+                f"data.eval.pass_k={self.pass_k}: every k must be in 1..n_samples_per_prompt="
+                f"{self.n_samples_per_prompt} (the unbiased estimator needs n >= k samples)"
+            )
         return self
 
 
 class DataConfig(_Strict):
     task: Literal["addition", "dataset"] = Field(
-        "addition", description="'addition': the built-in synthetic task; 'dataset': prompts from data.path")
+        "addition", description="'addition': the built-in synthetic task; 'dataset': prompts from data.path"
+    )
     digits: int = Field(3, ge=1, le=9)
     prompts_per_rollout: int = Field(256, ge=1, description="prompts (groups) per rollout")
     eval_prompts: int = Field(256, ge=1, description="task='addition': prompts of the eval split")
@@ -86,8 +92,9 @@ class DataConfig(_Strict):
         if self.task == "dataset" and not self.path:
             raise ValueError("data.task='dataset' needs data.path (a .jsonl or .parquet file, local or fsspec URL)")
         if self.task == "addition" and self.path:
-            raise ValueError(f"data.path={self.path!r} is set but data.task='addition' ignores it; set "
-                             "data.task='dataset'")
+            raise ValueError(
+                f"data.path={self.path!r} is set but data.task='addition' ignores it; set data.task='dataset'"
+            )
         if self.task == "dataset" and self.eval is not None and not self.eval.path:
             raise ValueError("data.eval needs data.eval.path for data.task='dataset'")
         return self
@@ -115,36 +122,53 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = no top-k (full softmax)")
     max_new_tokens: int = Field(5, ge=1)
-    reward: str = Field("addition", description="built-in (addition, exact_match, math, f1), dotted path "
-                                                "'pkg.mod:fn', or an http(s) URL of a reward server")
+    reward: str = Field(
+        "addition",
+        description="built-in (addition, exact_match, math, f1), dotted path "
+        "'pkg.mod:fn', or an http(s) URL of a reward server",
+    )
     reward_key: Optional[str] = Field(
-        None, description="field of a dict reward used for training and metrics (slime's --reward-key)")
+        None, description="field of a dict reward used for training and metrics (slime's --reward-key)"
+    )
     eval_reward_key: Optional[str] = Field(
-        None, description="field of a dict reward for the eval split (slime's --eval-reward-key; default reward_key)")
+        None, description="field of a dict reward for the eval split (slime's --eval-reward-key; default reward_key)"
+    )
     reward_scope: Literal["sample", "group"] = Field(
-        "sample", description="group: the function gets the samples of one prompt and returns their rewards")
+        "sample", description="group: the function gets the samples of one prompt and returns their rewards"
+    )
     remote_reward: RemoteRewardConfig = Field(default_factory=RemoteRewardConfig)
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     device: str = "cpu"
     threads: int = Field(1, ge=1)
     max_batch_size: int = Field(4096, ge=1)
     static_cache: Union[bool, Literal["auto"]] = Field(
-        "auto", description="hf engine: transformers' static KV cache with its compiled decode step; "
-                            "auto = on for CUDA, off on CPU")
-    seed: int = Field(0, description="sampling seed of a rollout: seed * 1000003 + rollout_id (per call; samples "
-                                     "of a group draw different numbers)")
+        "auto",
+        description="hf engine: transformers' static KV cache with its compiled decode step; "
+        "auto = on for CUDA, off on CPU",
+    )
+    seed: int = Field(
+        0,
+        description="sampling seed of a rollout: seed * 1000003 + rollout_id (per call; samples "
+        "of a group draw different numbers)",
+    )
     logprobs: Literal["engine", "teacher_forced"] = Field(
-        "engine", description="rollout log-probs: 'engine' = taken while sampling (up to ~1e-5 off the trainer's in fp32, "
-                              "~1e-2 in bf16); 'teacher_forced' = the hf engine rescoring each rollout with the torch "
-                              "trainer's own forward (same padding, positions, micro-batches, dtype), so train-vs-"
-                              "rollout log-probs are bitwise equal; costs one extra forward per rollout")
+        "engine",
+        description="rollout log-probs: 'engine' = taken while sampling (up to ~1e-5 off the trainer's in fp32, "
+        "~1e-2 in bf16); 'teacher_forced' = the hf engine rescoring each rollout with the torch "
+        "trainer's own forward (same padding, positions, micro-batches, dtype), so train-vs-"
+        "rollout log-probs are bitwise equal; costs one extra forward per rollout",
+    )
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="engine='sglang' only: server settings")
-    function: str = Field("single_turn", description="rollout function: 'single_turn' (one batched generate per "
-                                                     "rollout) or a dotted path 'pkg.mod:fn' (multi-turn agents, "
-                                                     "tools; docs/agents.md)")
+    function: str = Field(
+        "single_turn",
+        description="rollout function: 'single_turn' (one batched generate per "
+        "rollout) or a dotted path 'pkg.mod:fn' (multi-turn agents, "
+        "tools; docs/agents.md)",
+    )
     agent: AgentConfig = Field(default_factory=AgentConfig, description="limits of rollout.function's conversations")
-    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig,
-                                     description="rollout.reward='conversation_feedback' only: the judge")
+    feedback: FeedbackConfig = Field(
+        default_factory=FeedbackConfig, description="rollout.reward='conversation_feedback' only: the judge"
+    )
 
     @field_validator("function")
     @classmethod
@@ -162,20 +186,27 @@ class RolloutConfig(_Strict):
                 raise ValueError(
                     f"rollout.reward={redact_url(value)!r} carries credentials (user:secret@ or a token query "
                     "parameter); put the token in an environment variable and name it in "
-                    "rollout.remote_reward.auth_env")
+                    "rollout.remote_reward.auth_env"
+                )
         return value
 
     @model_validator(mode="after")
     def _logprobs_and_seeds(self) -> "RolloutConfig":
         if self.logprobs == "teacher_forced" and self.engine != "hf":
-            raise ValueError(f"rollout.logprobs='teacher_forced' needs rollout.engine='hf' (the {self.engine} engine "
-                             "cannot run the trainer's forward); set rollout.logprobs='engine'")
+            raise ValueError(
+                f"rollout.logprobs='teacher_forced' needs rollout.engine='hf' (the {self.engine} engine "
+                "cannot run the trainer's forward); set rollout.logprobs='engine'"
+            )
         if self.logprobs == "teacher_forced" and self.function != "single_turn":
-            raise ValueError(f"rollout.logprobs='teacher_forced' rescores one engine call per sample, but "
-                             f"rollout.function={self.function!r} makes several; set rollout.logprobs='engine'")
+            raise ValueError(
+                f"rollout.logprobs='teacher_forced' rescores one engine call per sample, but "
+                f"rollout.function={self.function!r} makes several; set rollout.logprobs='engine'"
+            )
         if self.reward == "conversation_feedback" and not self.feedback.judge:
-            raise ValueError("rollout.reward='conversation_feedback' needs a judge: set rollout.feedback.judge to a "
-                             "dotted path 'pkg.mod:judge' (docs/agents.md)")
+            raise ValueError(
+                "rollout.reward='conversation_feedback' needs a judge: set rollout.feedback.judge to a "
+                "dotted path 'pkg.mod:judge' (docs/agents.md)"
+            )
         if self.feedback.judge:
             try:
                 resolve_reward_fn(self.feedback.judge)
@@ -197,7 +228,6 @@ class RolloutConfig(_Strict):
             max_new_tokens=self.max_new_tokens,
             seed=self.seed * 1_000_003 + rollout_id,
         )
-
 
     def eval_sampling(self, data: DataConfig, rollout_id: int) -> SamplingParams:
         """The eval split's sampling: data.eval's settings (greedy, one sample, without an eval section)."""

@@ -57,8 +57,12 @@ def _new_static_cache(model, batch: int, length: int):
     kwargs = {"config": model.config, "max_cache_len": length}
     param = next(model.parameters())
     # Older transformers releases size the cache up front; newer ones lazily from the first update.
-    for name, value in (("max_batch_size", batch), ("batch_size", batch), ("device", param.device),
-                        ("dtype", param.dtype)):
+    for name, value in (
+        ("max_batch_size", batch),
+        ("batch_size", batch),
+        ("device", param.device),
+        ("dtype", param.dtype),
+    ):
         if name in params:
             kwargs[name] = value
     return StaticCache(**kwargs)
@@ -93,9 +97,18 @@ class StaticDecoder:
         return self.model.__call__
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int, temperature: float,
-            stop_ids: list[int], pad_id: int, abort: threading.Event | None = None,
-            progress: Progress | None = None) -> Decoded:
+    def run(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        stop_ids: list[int],
+        pad_id: int,
+        abort: threading.Event | None = None,
+        progress: Progress | None = None,
+    ) -> Decoded:
         """`ids`/`mask`: [B, W] left-padded prompts on the model's device. `abort`, set from another
         thread, ends the loop after the current step (partial rollouts). `progress` counts the decode steps."""
         batch, width = ids.shape
@@ -117,8 +130,14 @@ class StaticDecoder:
         extra = {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
         if self._takes_cache_position:
             extra["cache_position"] = torch.arange(width, device=device)
-        out = self.model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, **extra)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
         logits = out.logits[:, -1]
         step = self._step_fn()
         steps, aborted = max_new_tokens, False
@@ -140,7 +159,13 @@ class StaticDecoder:
             kwargs = {}
             if self._takes_cache_position:
                 kwargs["cache_position"] = torch.full((1,), width + t, dtype=torch.long, device=device)
-            out = step(input_ids=token[:, None], attention_mask=full_mask, position_ids=(prompt_len + t)[:, None],
-                       past_key_values=cache, use_cache=True, **kwargs)
+            out = step(
+                input_ids=token[:, None],
+                attention_mask=full_mask,
+                position_ids=(prompt_len + t)[:, None],
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
             logits = out.logits[:, -1]
         return Decoded(tokens[:, :steps].cpu(), log_probs[:, :steps].cpu(), aborted)

@@ -20,8 +20,13 @@ import contextvars
 import dataclasses
 from typing import Any
 
-from rollflow.tasks.rollout.engine import (GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams,
-                                           sample_seed)
+from rollflow.tasks.rollout.engine import (
+    GenerationOutput,
+    GenerationRequest,
+    RolloutEngine,
+    SamplingParams,
+    sample_seed,
+)
 
 # The (group, sample) slot of the conversation a request belongs to; set by the runner per task.
 SLOT: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("rollflow_rollout_slot", default=(0, 0))

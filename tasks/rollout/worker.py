@@ -14,15 +14,24 @@ import torch
 from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.tasks.model.dtypes import DTYPES
-from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.model.source import resolve_model_path
+from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.model.tokenizer import load_tokenizer
 from rollflow.tasks.progress import Progress, progress_of
 from rollflow.tasks.rollout.agent import resolve_rollout_fn, run_rollout_function
-from rollflow.tasks.rollout.capabilities import (Abortable, BucketedWeightSync, Liveness, Offloadable,
-                                                 ReportsInflight, ReportsModelInfo, ServesWeightsByName, StickyAbort,
-                                                 WeightGroupMember, WeightUpdateSession)
+from rollflow.tasks.rollout.capabilities import (
+    Abortable,
+    BucketedWeightSync,
+    Liveness,
+    Offloadable,
+    ReportsInflight,
+    ReportsModelInfo,
+    ServesWeightsByName,
+    StickyAbort,
+    WeightGroupMember,
+    WeightUpdateSession,
+)
 from rollflow.tasks.rollout.dynamic_sampling import oversample_prompts
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, sample_seed
 from rollflow.tasks.rollout.generate import generate_samples
@@ -40,19 +49,34 @@ from rollflow.tasks.sync.parity import checksums, tensor_prefix
 from rollflow.tasks.sync.probe import ProbeSpec
 
 
-def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int = 0,
-                 base_gpu_id: int | None = None, servers: list | None = None, scoring: ScoringLayout | None = None):
+def build_engine(
+    model_spec: str,
+    rollout: RolloutConfig,
+    *,
+    weight_version: int = 0,
+    base_gpu_id: int | None = None,
+    servers: list | None = None,
+    scoring: ScoringLayout | None = None,
+):
     """`servers`: SGLang servers already launched (one actor per engine, see flows/group.py), else
     this worker launches one itself. `base_gpu_id`: that one's first GPU (SGLang `--base-gpu-id`);
     the hf engine ignores both. `scoring`: the trainer's scoring layout, required by (and only used
     with) rollout.logprobs='teacher_forced' (RunConfig.scoring_layout() builds it)."""
     if rollout.logprobs == "teacher_forced" and scoring is None:
-        raise ValueError("rollout.logprobs='teacher_forced' needs the trainer's scoring layout: build the worker "
-                         "with scoring=cfg.scoring_layout(), or set rollout.logprobs='engine'")
+        raise ValueError(
+            "rollout.logprobs='teacher_forced' needs the trainer's scoring layout: build the worker "
+            "with scoring=cfg.scoring_layout(), or set rollout.logprobs='engine'"
+        )
     if rollout.engine == "sglang":
         path = resolve_model_path(model_spec)
-        engine = engine_from_config(path, rollout, model_name=model_spec, weight_version=weight_version,
-                                    base_gpu_id=base_gpu_id, servers=servers)
+        engine = engine_from_config(
+            path,
+            rollout,
+            model_name=model_spec,
+            weight_version=weight_version,
+            base_gpu_id=base_gpu_id,
+            servers=servers,
+        )
         return engine, load_tokenizer(path)
     if rollout.engine != "hf":
         raise NotImplementedError(
@@ -61,10 +85,17 @@ def build_engine(model_spec: str, rollout: RolloutConfig, *, weight_version: int
     path = resolve_model_path(model_spec)
     model = load_model(path, dtype=DTYPES[rollout.dtype], device=rollout.device)
     tokenizer = load_tokenizer(path)
-    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      model_name=model_spec, weight_version=weight_version, max_batch_size=rollout.max_batch_size,
-                      threads=rollout.threads, static_cache=rollout.static_cache,
-                      scoring=scoring if rollout.logprobs == "teacher_forced" else None)
+    engine = HFEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        model_name=model_spec,
+        weight_version=weight_version,
+        max_batch_size=rollout.max_batch_size,
+        threads=rollout.threads,
+        static_cache=rollout.static_cache,
+        scoring=scoring if rollout.logprobs == "teacher_forced" else None,
+    )
     return engine, tokenizer
 
 
@@ -82,13 +113,23 @@ def extra_stop_ids(model_spec: str, tokenizer) -> tuple[int, ...]:
 
 
 class RolloutWorker:
-    def __init__(self, model_spec: str, rollout: RolloutConfig, data: DataConfig, *,
-                 weights: dict[str, torch.Tensor] | None = None, weight_version: int = 0,
-                 base_gpu_id: int | None = None, servers: list | None = None, scoring: ScoringLayout | None = None):
+    def __init__(
+        self,
+        model_spec: str,
+        rollout: RolloutConfig,
+        data: DataConfig,
+        *,
+        weights: dict[str, torch.Tensor] | None = None,
+        weight_version: int = 0,
+        base_gpu_id: int | None = None,
+        servers: list | None = None,
+        scoring: ScoringLayout | None = None,
+    ):
         self.rollout_cfg = rollout
         self.data_cfg = data
-        self.engine, self.tokenizer = build_engine(model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers,
-                                                   scoring=scoring)
+        self.engine, self.tokenizer = build_engine(
+            model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers, scoring=scoring
+        )
         self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
         self._progress = Progress()  # weight buckets taken (the engine counts its own decode steps or requests)
         if weights is not None:
@@ -106,8 +147,16 @@ class RolloutWorker:
     def describe(self) -> EngineDescription:
         return EngineDescription.of(self.engine.describe())
 
-    def rollout(self, rollout_id: int, split: str = "train", *, greedy: bool = False, attempt: int = 0,
-                continue_from: str | None = None, max_staleness: int = 0) -> list[Sample]:
+    def rollout(
+        self,
+        rollout_id: int,
+        split: str = "train",
+        *,
+        greedy: bool = False,
+        attempt: int = 0,
+        continue_from: str | None = None,
+        max_staleness: int = 0,
+    ) -> list[Sample]:
         """Train: n samples per prompt (greedy: one). Eval: data.eval's sampling when configured.
 
         `attempt` >= 1: an over-sampling call of dynamic sampling (its own prompts and seed). `continue_from`:
@@ -117,8 +166,11 @@ class RolloutWorker:
         continued = self._continued(rollout_id, continue_from, max_staleness) if continue_from else []
         if attempt:
             params = self.rollout_cfg.sampling(rollout_id)
-            params = dataclasses.replace(params, seed=sample_seed(params.seed, 1_000_000 + attempt),
-                                         stop_token_ids=params.stop_token_ids + self.stop_token_ids)
+            params = dataclasses.replace(
+                params,
+                seed=sample_seed(params.seed, 1_000_000 + attempt),
+                stop_token_ids=params.stop_token_ids + self.stop_token_ids,
+            )
             items = oversample_prompts(self.data_cfg, rollout_id, attempt)
             return generate_samples(self.engine, self.tokenizer, items, params, self.rollout_cfg.n_samples_per_prompt)
         fresh = self._rollout(rollout_id, split, greedy=greedy)
@@ -135,12 +187,20 @@ class RolloutWorker:
         artifact = RolloutStore(ref.root).load_uri(uri)
         return self._continue_groups(rollout_id, aborted_groups(artifact.samples), ref.rollout_id, max_staleness)
 
-    def _continue_groups(self, rollout_id: int, groups: list[list[Sample]], source_rollout_id: int,
-                         max_staleness: int) -> list[list[Sample]]:
+    def _continue_groups(
+        self, rollout_id: int, groups: list[list[Sample]], source_rollout_id: int, max_staleness: int
+    ) -> list[list[Sample]]:
         params = self.rollout_cfg.sampling(rollout_id)
         params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
-        return continue_groups(self.engine, self.tokenizer, groups, params, source_rollout_id=source_rollout_id,
-                               trainer_version=rollout_id, max_staleness=max_staleness)
+        return continue_groups(
+            self.engine,
+            self.tokenizer,
+            groups,
+            params,
+            source_rollout_id=source_rollout_id,
+            trainer_version=rollout_id,
+            max_staleness=max_staleness,
+        )
 
     def finish_aborted(self, rollout_id: int, samples: list[Sample]) -> list[Sample]:
         """Partial rollouts, when an abort left a rollout without one finished group: generate the aborted groups
@@ -161,8 +221,15 @@ class RolloutWorker:
         if self.stop_token_ids:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.stop_token_ids)
         if self.rollout_cfg.function != "single_turn":
-            return run_rollout_function(resolve_rollout_fn(self.rollout_cfg.function), self.engine, self.tokenizer,
-                                        items, params, n, self.rollout_cfg.agent.limits())
+            return run_rollout_function(
+                resolve_rollout_fn(self.rollout_cfg.function),
+                self.engine,
+                self.tokenizer,
+                items,
+                params,
+                n,
+                self.rollout_cfg.agent.limits(),
+            )
         return generate_samples(self.engine, self.tokenizer, items, params, n)
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[list[GenerationOutput]]:
@@ -275,8 +342,9 @@ class RolloutWorker:
         """Serialized copies of each bucket the trainer makes: one per TP rank of every server."""
         return self.engine.payloads_per_bucket if isinstance(self.engine, BucketedWeightSync) else 1
 
-    def apply_serialized_bucket(self, payloads: list[str], last: bool, weight_version: int,
-                                load_format: str | None = None) -> int:
+    def apply_serialized_bucket(
+        self, payloads: list[str], last: bool, weight_version: int, load_format: str | None = None
+    ) -> int:
         self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version, load_format=load_format)
         self._progress.tick()
         return self.engine.weight_version

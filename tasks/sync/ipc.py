@@ -50,7 +50,7 @@ def replace_device_slot(args: tuple, device: int | str) -> tuple:
     """`args` of rebuild_cuda_tensor with the device slot replaced."""
     if len(args) <= DEVICE_SLOT:
         raise ValueError(f"rebuild_cuda_tensor args have {len(args)} items; the device is item {DEVICE_SLOT}")
-    return (*args[:DEVICE_SLOT], device, *args[DEVICE_SLOT + 1:])
+    return (*args[:DEVICE_SLOT], device, *args[DEVICE_SLOT + 1 :])
 
 
 def _norm_uuid(uuid: str) -> str:
@@ -72,7 +72,8 @@ def local_device_index(device: int | str, visible_uuids: Sequence[str]) -> int:
     raise IpcDeviceError(
         f"CUDA IPC handle is on GPU {device}, which this process does not see (visible: {visible}; "
         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): colocated weight sync needs "
-        f"the receiver to see the sender's GPU")
+        f"the receiver to see the sender's GPU"
+    )
 
 
 def device_uuid(index: int) -> str:
@@ -93,8 +94,10 @@ def visible_device_uuids() -> list[str]:
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """Detached, plain `torch.Tensor` (Parameters and subclasses reduce like tensors)."""
     if is_traceable_wrapper_subclass(tensor):
-        raise TypeError(f"{type(tensor).__name__} is a wrapper tensor subclass (e.g. DTensor): gather it to a "
-                        f"plain local tensor before a weight sync")
+        raise TypeError(
+            f"{type(tensor).__name__} is a wrapper tensor subclass (e.g. DTensor): gather it to a "
+            f"plain local tensor before a weight sync"
+        )
     t = tensor.detach()
     return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
 
@@ -178,8 +181,10 @@ class _FlatPickler(pickle._Pickler):  # the Python pickler: it can write a globa
             return _reduce_tensor(obj)
         if isinstance(obj, FlatEntry):
             # FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel): a dataclass
-            return (_ExternalClass(*_SGLANG_FLAT_METADATA),
-                    (obj.name, torch.Size(obj.shape), obj.dtype, obj.start_idx, obj.end_idx, obj.numel))
+            return (
+                _ExternalClass(*_SGLANG_FLAT_METADATA),
+                (obj.name, torch.Size(obj.shape), obj.dtype, obj.start_idx, obj.end_idx, obj.numel),
+            )
         return NotImplemented
 
 
@@ -193,8 +198,10 @@ def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor,
     for name, tensor in named:
         t = _plain(tensor).contiguous()
         if offset % t.element_size():
-            raise ValueError(f"{name} ({t.dtype}) would start at byte {offset}, not a multiple of its element "
-                             f"size {t.element_size()}: SGLang cannot view it back; split the bucket by dtype")
+            raise ValueError(
+                f"{name} ({t.dtype}) would start at byte {offset}, not a multiple of its element "
+                f"size {t.element_size()}: SGLang cannot view it back; split the bucket by dtype"
+            )
         flat = t.reshape(-1).view(torch.uint8)
         entries.append(FlatEntry(str(name), t.shape, t.dtype, offset, offset + flat.numel(), flat.numel()))
         parts.append(flat)
@@ -228,9 +235,15 @@ class IpcBucket:
     nbytes: int
 
 
-def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, tp_size: int = 1,
-                device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                flattened: bool = False) -> Iterator[IpcBucket]:
+def ipc_buckets(
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    tp_size: int = 1,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    flattened: bool = False,
+) -> Iterator[IpcBucket]:
     """Consecutive tensors up to `bucket_bytes` per bucket (a larger tensor alone), each first moved to
     `device` / cast to `dtype` when given. Lazy: the caller holds one bucket's converted copies at a time.
     `flattened`: each payload is one flattened bucket (SGLang's load_format="flattened_bucket"), so a
@@ -243,8 +256,9 @@ def ipc_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if flattened:
             flat, entries = flatten_bucket(pairs)
-            payloads = [base64.b64encode(serialize_flattened_bucket(flat, entries)).decode("ascii")
-                        for _ in range(tp_size)]
+            payloads = [
+                base64.b64encode(serialize_flattened_bucket(flat, entries)).decode("ascii") for _ in range(tp_size)
+            ]
             tensors = [flat]  # the handle points into the flat copy: it must outlive the load
         else:
             payloads = encode_payloads(pairs, tp_size=tp_size)
@@ -263,8 +277,24 @@ def _rebuild_cuda_tensor_here(*args):
     return reductions.rebuild_cuda_tensor(*args)
 
 
-_SAFE_BUILTINS = frozenset({"list", "tuple", "dict", "set", "frozenset", "str", "bytes", "bytearray",
-                            "int", "float", "bool", "complex", "slice", "range"})
+_SAFE_BUILTINS = frozenset(
+    {
+        "list",
+        "tuple",
+        "dict",
+        "set",
+        "frozenset",
+        "str",
+        "bytes",
+        "bytearray",
+        "int",
+        "float",
+        "bool",
+        "complex",
+        "slice",
+        "range",
+    }
+)
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -276,11 +306,16 @@ class _TensorUnpickler(pickle.Unpickler):
             return _rebuild_cuda_tensor_here
         if (module, name) == _SGLANG_FLAT_METADATA:
             return FlatEntry
-        if module == "torch" or module.startswith("torch.") or module == "collections" or (
-                module == "builtins" and name in _SAFE_BUILTINS):
+        if (
+            module == "torch"
+            or module.startswith("torch.")
+            or module == "collections"
+            or (module == "builtins" and name in _SAFE_BUILTINS)
+        ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"weight payload names {module}.{name}: only torch, collections and plain "
-                                     f"builtins are allowed")
+        raise pickle.UnpicklingError(
+            f"weight payload names {module}.{name}: only torch, collections and plain builtins are allowed"
+        )
 
 
 def deserialize_named_tensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
@@ -289,7 +324,7 @@ def deserialize_named_tensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
     named = _TensorUnpickler(io.BytesIO(data)).load()
     if isinstance(named, dict) and set(named) == {"flattened_tensor", "metadata"}:
         flat = named["flattened_tensor"]
-        return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in named["metadata"]]
+        return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in named["metadata"]]
     if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
         raise ValueError(f"weight payload is {type(named).__name__}, expected a list of (name, tensor)")
     return [(str(n), t) for n, t in named]

@@ -106,37 +106,55 @@ class MegatronLayout:
         if self.spec not in _NORM_NAMES:
             raise ConversionError(f"spec={self.spec!r}: expected 'local' or 'te'")
         if self.num_attention_heads % self.num_query_groups:
-            raise ConversionError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                                  f"num_query_groups={self.num_query_groups}")
+            raise ConversionError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
         if self.num_query_groups % self.tp_size:
-            raise ConversionError(f"num_query_groups={self.num_query_groups} (KV heads) is not divisible by "
-                                  f"tp_size={self.tp_size}; Megatron splits QKV by whole query groups")
+            raise ConversionError(
+                f"num_query_groups={self.num_query_groups} (KV heads) is not divisible by "
+                f"tp_size={self.tp_size}; Megatron splits QKV by whole query groups"
+            )
         if self.ffn_hidden_size % self.tp_size:
             raise ConversionError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp_size={self.tp_size}")
         if self.padded_vocab_size % self.tp_size or self.padded_vocab_size < self.vocab_size:
-            raise ConversionError(f"padded_vocab_size={self.padded_vocab_size} must be >= vocab_size="
-                                  f"{self.vocab_size} and divisible by tp_size={self.tp_size}")
+            raise ConversionError(
+                f"padded_vocab_size={self.padded_vocab_size} must be >= vocab_size="
+                f"{self.vocab_size} and divisible by tp_size={self.tp_size}"
+            )
         counts = self.stage_layer_counts()
         if len(counts) != self.pp_size or sum(counts) != self.num_layers or min(counts) < 1:
-            raise ConversionError(f"layers_per_stage={counts} does not split num_layers={self.num_layers} "
-                                  f"into pp_size={self.pp_size} non-empty stages")
+            raise ConversionError(
+                f"layers_per_stage={counts} does not split num_layers={self.num_layers} "
+                f"into pp_size={self.pp_size} non-empty stages"
+            )
 
     @classmethod
-    def from_hf_config(cls, config, *, spec: Spec = "local", tp_size: int = 1, pp_size: int = 1,
-                       make_vocab_size_divisible_by: int = 128,
-                       layers_per_stage: Sequence[int] | None = None) -> "MegatronLayout":
+    def from_hf_config(
+        cls,
+        config,
+        *,
+        spec: Spec = "local",
+        tp_size: int = 1,
+        pp_size: int = 1,
+        make_vocab_size_divisible_by: int = 128,
+        layers_per_stage: Sequence[int] | None = None,
+    ) -> "MegatronLayout":
         model_type = getattr(config, "model_type", "")
         if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ConversionError(f"model_type={model_type!r}: the Megatron mapping covers llama / qwen2 / qwen3 / "
-                                  "mistral")
+            raise ConversionError(
+                f"model_type={model_type!r}: the Megatron mapping covers llama / qwen2 / qwen3 / mistral"
+            )
         if getattr(config, "mlp_bias", False):
             raise ConversionError("mlp_bias=True is not supported by the Megatron mapping")
         window = sliding_window(config)
         if window is not None:
-            raise ConversionError(f"sliding_window={window} (< max_position_embeddings="
-                                  f"{getattr(config, 'max_position_embeddings', None)}): the Megatron layer specs "
-                                  "here attend over the full causal context and cannot honour a sliding window; "
-                                  "use train.backend=torch, or a config without sliding-window attention")
+            raise ConversionError(
+                f"sliding_window={window} (< max_position_embeddings="
+                f"{getattr(config, 'max_position_embeddings', None)}): the Megatron layer specs "
+                "here attend over the full causal context and cannot honour a sliding window; "
+                "use train.backend=torch, or a config without sliding-window attention"
+            )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         # Llama's attention_bias also adds o_proj.bias, which Megatron's add_qkv_bias lacks: hf_to_megatron then
@@ -150,8 +168,9 @@ class MegatronLayout:
             head_dim=head_dim,
             ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size,
-            padded_vocab_size=padded_vocab_size(config.vocab_size, divisible_by=make_vocab_size_divisible_by,
-                                                tp_size=tp_size),
+            padded_vocab_size=padded_vocab_size(
+                config.vocab_size, divisible_by=make_vocab_size_divisible_by, tp_size=tp_size
+            ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             spec=spec,
@@ -180,8 +199,9 @@ class MegatronLayout:
         if self.layers_per_stage is not None:
             return tuple(self.layers_per_stage)
         if self.num_layers % self.pp_size:
-            raise ConversionError(f"num_layers={self.num_layers} is not divisible by pp_size={self.pp_size}; "
-                                  "pass layers_per_stage")
+            raise ConversionError(
+                f"num_layers={self.num_layers} is not divisible by pp_size={self.pp_size}; pass layers_per_stage"
+            )
         return (self.num_layers // self.pp_size,) * self.pp_size
 
     def layer_offset(self, stage: int) -> int:
@@ -204,8 +224,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Megatron
     return torch.cat([qg, kg, vg], dim=1).reshape(ng * (qpg + 2) * d, *tail).contiguous()
 
 
-def split_qkv(fused: torch.Tensor, layout: MegatronLayout, num_groups: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    fused: torch.Tensor, layout: MegatronLayout, num_groups: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv` (for `num_groups` groups: a tp shard holds num_query_groups / tp)."""
     ng = num_groups or layout.num_query_groups
     qpg, d = layout.heads_per_group, layout.head_dim
@@ -214,8 +235,11 @@ def split_qkv(fused: torch.Tensor, layout: MegatronLayout, num_groups: int | Non
         raise ConversionError(f"fused QKV has {fused.shape[0]} rows; expected {ng} groups x ({qpg} + 2) x {d}")
     grouped = fused.reshape(ng, (qpg + 2) * d, *tail)
     q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)
-    return (q.reshape(ng * qpg * d, *tail).contiguous(), k.reshape(ng * d, *tail).contiguous(),
-            v.reshape(ng * d, *tail).contiguous())
+    return (
+        q.reshape(ng * qpg * d, *tail).contiguous(),
+        k.reshape(ng * d, *tail).contiguous(),
+        v.reshape(ng * d, *tail).contiguous(),
+    )
 
 
 # ------------------------------------------------------------------------------------------ HF <-> mcore
@@ -244,11 +268,19 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: MegatronLayout) -> St
     for i in range(layout.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + layout.input_norm] = take(p + "input_layernorm.weight").clone()
-        out[m + QKV_W] = fuse_qkv(take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
-                                  take(p + "self_attn.v_proj.weight"), layout)
+        out[m + QKV_W] = fuse_qkv(
+            take(p + "self_attn.q_proj.weight"),
+            take(p + "self_attn.k_proj.weight"),
+            take(p + "self_attn.v_proj.weight"),
+            layout,
+        )
         if layout.qkv_bias:
-            out[m + QKV_B] = fuse_qkv(take(p + "self_attn.q_proj.bias"), take(p + "self_attn.k_proj.bias"),
-                                      take(p + "self_attn.v_proj.bias"), layout)
+            out[m + QKV_B] = fuse_qkv(
+                take(p + "self_attn.q_proj.bias"),
+                take(p + "self_attn.k_proj.bias"),
+                take(p + "self_attn.v_proj.bias"),
+                layout,
+            )
         out[m + PROJ_W] = take(p + "self_attn.o_proj.weight").clone()
         if layout.qk_layernorm:
             out[m + Q_NORM] = take(p + "self_attn.q_norm.weight").clone()
@@ -263,13 +295,16 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: MegatronLayout) -> St
         taken.add("lm_head.weight")  # HF lists the tied head too; it is the embedding
     unmapped = sorted(name for name in hf if name not in taken and not name.endswith("rotary_emb.inv_freq"))
     if unmapped:
-        raise ConversionError(f"HF tensors the Megatron mapping does not carry (they would be dropped): "
-                              f"{unmapped[:6]}{' ...' if len(unmapped) > 6 else ''} ({len(unmapped)} in all)")
+        raise ConversionError(
+            f"HF tensors the Megatron mapping does not carry (they would be dropped): "
+            f"{unmapped[:6]}{' ...' if len(unmapped) > 6 else ''} ({len(unmapped)} in all)"
+        )
     return out
 
 
-def megatron_layer_to_hf(suffix: str, tensor: torch.Tensor, layout: MegatronLayout, hf_prefix: str
-                         ) -> dict[str, torch.Tensor]:
+def megatron_layer_to_hf(
+    suffix: str, tensor: torch.Tensor, layout: MegatronLayout, hf_prefix: str
+) -> dict[str, torch.Tensor]:
     """One tp-merged Megatron layer tensor (name without `decoder.layers.{i}.`) -> its HF tensors."""
     if suffix == layout.input_norm:
         return {hf_prefix + "input_layernorm.weight": tensor}
@@ -278,8 +313,11 @@ def megatron_layer_to_hf(suffix: str, tensor: torch.Tensor, layout: MegatronLayo
     if suffix in (QKV_W, QKV_B):
         kind = suffix.rsplit(".", 1)[1]
         q, k, v = split_qkv(tensor, layout)
-        return {f"{hf_prefix}self_attn.q_proj.{kind}": q, f"{hf_prefix}self_attn.k_proj.{kind}": k,
-                f"{hf_prefix}self_attn.v_proj.{kind}": v}
+        return {
+            f"{hf_prefix}self_attn.q_proj.{kind}": q,
+            f"{hf_prefix}self_attn.k_proj.{kind}": k,
+            f"{hf_prefix}self_attn.v_proj.{kind}": v,
+        }
     if suffix == PROJ_W:
         return {hf_prefix + "self_attn.o_proj.weight": tensor}
     if suffix == Q_NORM:
@@ -288,13 +326,18 @@ def megatron_layer_to_hf(suffix: str, tensor: torch.Tensor, layout: MegatronLayo
         return {hf_prefix + "self_attn.k_norm.weight": tensor}
     if suffix == FC1_W:
         gate, up = torch.chunk(tensor, 2, dim=0)
-        return {hf_prefix + "mlp.gate_proj.weight": gate.contiguous(), hf_prefix + "mlp.up_proj.weight": up.contiguous()}
+        return {
+            hf_prefix + "mlp.gate_proj.weight": gate.contiguous(),
+            hf_prefix + "mlp.up_proj.weight": up.contiguous(),
+        }
     if suffix == FC2_W:
         return {hf_prefix + "mlp.down_proj.weight": tensor}
     other_spec = "te" if layout.spec == "local" else "local"
     if suffix in _NORM_NAMES[other_spec]:
-        raise ConversionError(f"layer tensor {suffix!r} belongs to the {other_spec!r} layer spec, but the layout "
-                              f"says spec={layout.spec!r}")
+        raise ConversionError(
+            f"layer tensor {suffix!r} belongs to the {other_spec!r} layer spec, but the layout "
+            f"says spec={layout.spec!r}"
+        )
     raise ConversionError(f"unknown Megatron layer tensor {suffix!r}")
 
 
@@ -302,8 +345,9 @@ def _is_extra_state(name: str) -> bool:
     return name.endswith("_extra_state")  # TE modules' fp8 metadata: not a weight
 
 
-def megatron_to_hf(mcore: Mapping[str, torch.Tensor], layout: MegatronLayout, *, layer_offset: int = 0,
-                   emit_tied_lm_head: bool = True) -> StateDict:
+def megatron_to_hf(
+    mcore: Mapping[str, torch.Tensor], layout: MegatronLayout, *, layer_offset: int = 0, emit_tied_lm_head: bool = True
+) -> StateDict:
     """Global (tp-merged) Megatron tensors -> HF names; vocabulary padding removed.
 
     `layer_offset` is added to every layer id (for one pipeline stage's local names; 0 for a merged model).
@@ -386,8 +430,9 @@ def merge_tensor_parallel(shards: Sequence[Mapping[str, torch.Tensor]], layout: 
     names = list(shards[0])
     for rank, shard in enumerate(shards[1:], start=1):
         if set(shard) != set(names):
-            raise ConversionError(f"tp rank {rank} holds other tensors than rank 0: "
-                                  f"{sorted(set(shard) ^ set(names))[:3]}")
+            raise ConversionError(
+                f"tp rank {rank} holds other tensors than rank 0: {sorted(set(shard) ^ set(names))[:3]}"
+            )
     out: StateDict = {}
     for name in names:
         parts = [shard[name] for shard in shards]
@@ -465,8 +510,13 @@ def to_megatron_shards(hf: Mapping[str, torch.Tensor], layout: MegatronLayout) -
     return out
 
 
-def export_stage_to_hf(tp_shards: Sequence[Mapping[str, torch.Tensor]], layout: MegatronLayout, stage: int,
-                       *, layer_offset: int | None = None) -> StateDict:
+def export_stage_to_hf(
+    tp_shards: Sequence[Mapping[str, torch.Tensor]],
+    layout: MegatronLayout,
+    stage: int,
+    *,
+    layer_offset: int | None = None,
+) -> StateDict:
     """What one pipeline stage sends to the engine: tp-merged, HF-named, global layer ids.
 
     `layer_offset` defaults to the stage's true offset; it is a parameter only so tests can show what a
@@ -477,8 +527,9 @@ def export_stage_to_hf(tp_shards: Sequence[Mapping[str, torch.Tensor]], layout: 
     return megatron_to_hf(merged, layout, layer_offset=offset)
 
 
-def from_megatron_shards(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], layout: MegatronLayout
-                         ) -> StateDict:
+def from_megatron_shards(
+    shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], layout: MegatronLayout
+) -> StateDict:
     """{(pp_stage, tp_rank): state dict} -> the HF state dict (vocab padding removed)."""
     out: StateDict = {}
     for stage in range(layout.pp_size):
@@ -492,7 +543,9 @@ def from_megatron_shards(shards: Mapping[tuple[int, int], Mapping[str, torch.Ten
 
 def hf_layer_name_map(layer_offset: int) -> Callable[[str], str]:
     """A parity `NameMap` for HF names whose layer ids are stage-local (adds the stage's offset)."""
+
     def name_map(name: str) -> str:
         match = _HF_LAYER.match(name)
         return f"model.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}" if match else name
+
     return name_map

@@ -72,9 +72,11 @@ def checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
     for names in by_device.values():
         stacked = torch.stack([parts[n] for n in names]).cpu().tolist()
         values.update(zip(names, stacked))
-    return {name: f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|"
-                  + "".join(f"{v & _MASK:016x}" for v in values[name])
-            for name, t in named.items()}
+    return {
+        name: f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|"
+        + "".join(f"{v & _MASK:016x}" for v in values[name])
+        for name, t in named.items()
+    }
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -95,8 +97,11 @@ class ParityReport:
 
     @property
     def first_problem(self) -> str | None:
-        for label, names in (("mismatch", self.mismatched), ("missing in engine", self.missing_in_engine),
-                             ("unexpected in engine", self.unexpected_in_engine)):
+        for label, names in (
+            ("mismatch", self.mismatched),
+            ("missing in engine", self.missing_in_engine),
+            ("unexpected in engine", self.unexpected_in_engine),
+        ):
             if names:
                 return f"{label}: {names[0]}"
         return None
@@ -104,8 +109,10 @@ class ParityReport:
     def summary(self) -> str:
         if self.ok:
             return f"weight parity ok: {self.n_tensors} tensors equal"
-        return (f"weight parity FAILED: {len(self.mismatched)} mismatched, {len(self.missing_in_engine)} missing, "
-                f"{len(self.unexpected_in_engine)} unexpected of {self.n_tensors}; first {self.first_problem}")
+        return (
+            f"weight parity FAILED: {len(self.mismatched)} mismatched, {len(self.missing_in_engine)} missing, "
+            f"{len(self.unexpected_in_engine)} unexpected of {self.n_tensors}; first {self.first_problem}"
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"ok": self.ok, "first_problem": self.first_problem}

@@ -66,17 +66,31 @@ class ProbeReport:
 
     def summary(self) -> str:
         verdict = "ok" if self.ok else "FAILED"
-        why = "" if self.ok else (
-            " (no token was generated)" if self.tokens == 0 else
-            ": the engine serves other weights than it holds (a stale cache, graph or model copy) or scores "
-            "with another dtype / config")
-        return (f"sync probe {verdict} at weight version {self.weight_version}: mean |engine - trainer| log-prob "
-                f"{self.mean_abs_diff:.3g} (bound {self.bound:g} for {self.dtype}), max {self.max_abs_diff:.3g}, "
-                f"over {self.tokens} tokens of {self.sequences} sequences{why}")
+        why = (
+            ""
+            if self.ok
+            else (
+                " (no token was generated)"
+                if self.tokens == 0
+                else ": the engine serves other weights than it holds (a stale cache, graph or model copy) or scores "
+                "with another dtype / config"
+            )
+        )
+        return (
+            f"sync probe {verdict} at weight version {self.weight_version}: mean |engine - trainer| log-prob "
+            f"{self.mean_abs_diff:.3g} (bound {self.bound:g} for {self.dtype}), max {self.max_abs_diff:.3g}, "
+            f"over {self.tokens} tokens of {self.sequences} sequences{why}"
+        )
 
 
-def compare_probe(engine: Sequence[Sequence[float]], trainer: Sequence[Sequence[float]], *, dtype: str,
-                  bound: float, weight_version: int) -> ProbeReport:
+def compare_probe(
+    engine: Sequence[Sequence[float]],
+    trainer: Sequence[Sequence[float]],
+    *,
+    dtype: str,
+    bound: float,
+    weight_version: int,
+) -> ProbeReport:
     """Per-token |engine - trainer| over every probe sequence (the two lists are the same sequences in order)."""
     if len(engine) != len(trainer):
         raise ValueError(f"probe: the engine scored {len(engine)} sequences, the trainer {len(trainer)}")
@@ -86,5 +100,12 @@ def compare_probe(engine: Sequence[Sequence[float]], trainer: Sequence[Sequence[
             raise ValueError(f"probe sequence {row}: the engine scored {len(e)} tokens, the trainer {len(t)}")
         diffs.extend(abs(a - b) for a, b in zip(e, t))
     mean = math.fsum(diffs) / len(diffs) if diffs else math.nan
-    return ProbeReport(mean_abs_diff=mean, max_abs_diff=max(diffs, default=math.nan), tokens=len(diffs),
-                       sequences=len(engine), dtype=dtype, bound=bound, weight_version=weight_version)
+    return ProbeReport(
+        mean_abs_diff=mean,
+        max_abs_diff=max(diffs, default=math.nan),
+        tokens=len(diffs),
+        sequences=len(engine),
+        dtype=dtype,
+        bound=bound,
+        weight_version=weight_version,
+    )

@@ -40,9 +40,7 @@ def _check_groups(rewards: torch.Tensor, group_size: int) -> None:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})"
-        )
+        raise ValueError(f"number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})")
 
 
 def _float_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -149,8 +147,18 @@ def compute_advantages(
         return kl_coef * kl[i].to(dtype) * masks[i]
 
     if turn_units is not None:
-        return turn_advantages(estimator, r, masks, group_size, turn_units, normalize_std=normalize_std,
-                               penalty=[penalty(i) for i in range(n)], gamma=gamma, eps=eps, whiten_eps=whiten_eps)
+        return turn_advantages(
+            estimator,
+            r,
+            masks,
+            group_size,
+            turn_units,
+            normalize_std=normalize_std,
+            penalty=[penalty(i) for i in range(n)],
+            gamma=gamma,
+            eps=eps,
+            whiten_eps=whiten_eps,
+        )
 
     if estimator in ("grpo", "gspo", "rloo"):
         if estimator == "rloo" and group_size == 1:
@@ -186,8 +194,9 @@ def compute_advantages(
     return advantages, returns
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
-        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016) over a padded batch: ``(advantages, returns)``.
 
     All three inputs are [B, T]; ``mask`` marks the policy's own tokens (1) against masked ones (0:
@@ -204,8 +213,10 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *
     (returns minus values). Computed in float32 at least (bf16 values are upcast); no whitening here.
     """
     if not (token_rewards.shape == values.shape == mask.shape) or values.dim() != 2:
-        raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
-                         f"{tuple(mask.shape)} must be equal [B, T] shapes")
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+            f"{tuple(mask.shape)} must be equal [B, T] shapes"
+        )
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lambd <= 1.0):
         raise ValueError(f"gamma and lambd must be in [0, 1], got gamma={gamma}, lambd={lambd}")
     dtype = torch.promote_types(values.dtype, torch.float32)
@@ -241,8 +252,9 @@ def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return out
 
 
-def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
-                   lambd: float, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lambd: float, eps: float = 1e-8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ppo's estimator on a dense [B, T] layout: outcome rewards on the last masked-in token, `gae`, then the
     advantages whitened over all masked-in tokens (``(A - mean) / sqrt(var + eps)``, unbiased var, eps 1e-8
     inside the square root as slime and verl). ``returns`` (the critic's targets) are not whitened."""

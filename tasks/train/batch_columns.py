@@ -36,8 +36,10 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
     no_prompt = np.flatnonzero((resp > 0) & (resp == lengths))
     if len(no_prompt):
         row = int(no_prompt[0])
-        raise ValueError(f"samples[{row}]: a response needs at least one prompt token before it (tokens are "
-                         "prompt + response; the first response token is scored from the last prompt token)")
+        raise ValueError(
+            f"samples[{row}]: a response needs at least one prompt token before it (tokens are "
+            "prompt + response; the first response token is scored from the last prompt token)"
+        )
     width = int(lengths.max())
     cols = np.arange(width)
     ids = np.zeros((n, width), dtype=np.int32)  # the column's own dtype: no widening of the rollout
@@ -56,13 +58,13 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
             hi = min(lo + block, len(chunk))
             rows = slice(first + lo, first + hi)
             length, r = lengths[rows], resp[rows]
-            ids[rows][cols[None, :] < length[:, None]] = tokens.values[tokens.offsets[lo]:tokens.offsets[hi]]
+            ids[rows][cols[None, :] < length[:, None]] = tokens.values[tokens.offsets[lo] : tokens.offsets[hi]]
             start = length - r - 1
             target = cols[None, :-1]
             in_span = (target >= start[:, None]) & (target < (start + r)[:, None])
-            response_mask[rows][in_span] = loss_mask.values[loss_mask.offsets[lo]:loss_mask.offsets[hi]] != 0
+            response_mask[rows][in_span] = loss_mask.values[loss_mask.offsets[lo] : loss_mask.offsets[hi]] != 0
             # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
-            rollout_lp[rows][in_span] = log_probs.values[log_probs.offsets[lo]:log_probs.offsets[hi]]
+            rollout_lp[rows][in_span] = log_probs.values[log_probs.offsets[lo] : log_probs.offsets[hi]]
     return TrainBatch(
         tokens=torch.from_numpy(ids),
         lengths=torch.from_numpy(lengths.astype(np.int64)),  # mask and positions follow (TrainBatch properties)

@@ -43,8 +43,9 @@ class BucketExporter(Protocol):
     """Streams its HF-named weights in buckets of about `bucket_bytes` (in `dtype`; None: as they are), so a
     weight sync never holds a second copy of the model (megatron: per layer; a collective when sharded)."""
 
-    def export_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None
-                       ) -> Iterable[list[tuple[str, torch.Tensor]]]: ...
+    def export_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterable[list[tuple[str, torch.Tensor]]]: ...
 
 
 @runtime_checkable

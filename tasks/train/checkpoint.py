@@ -94,8 +94,15 @@ def _parse_marker(data: bytes, iteration: int) -> dict:
     return meta
 
 
-def save_checkpoint(root: str, run: str, iteration: int, payload: bytes, *, extra: dict | None = None,
-                    storage_options: dict | None = None) -> str:
+def save_checkpoint(
+    root: str,
+    run: str,
+    iteration: int,
+    payload: bytes,
+    *,
+    extra: dict | None = None,
+    storage_options: dict | None = None,
+) -> str:
     """Commit checkpoint `iteration`: payload, then the marker. Returns the folder (fs path, as before)."""
     fs, base = _fs(root, storage_options)
     folder = checkpoint_dir(base, run, iteration)
@@ -109,8 +116,12 @@ def save_checkpoint(root: str, run: str, iteration: int, payload: bytes, *, extr
                 old = _parse_marker(store.read_bytes(marker_rel), iteration)
             except CheckpointError:
                 old = None
-            if old is not None and old["sha256"] == digest and old["size"] == len(payload) \
-                    and store.exists_path(_rel(run, iteration, PAYLOAD_NAME)):
+            if (
+                old is not None
+                and old["sha256"] == digest
+                and old["size"] == len(payload)
+                and store.exists_path(_rel(run, iteration, PAYLOAD_NAME))
+            ):
                 return folder  # the same checkpoint again (a retried task): already committed
             # A marker that does not verify, or a checkpoint being redone (--resume-from an earlier one):
             # withdraw the commit before its payload is replaced, so no marker ever names other bytes.
@@ -118,8 +129,10 @@ def save_checkpoint(root: str, run: str, iteration: int, payload: bytes, *, extr
         store.write_bytes(_rel(run, iteration, PAYLOAD_NAME), payload)  # atomic: temp + rename / one PUT
         _fault("checkpoint-before-marker", iteration)
         if not store.create_bytes(marker_rel, json.dumps(meta).encode()):
-            raise CheckpointError(f"checkpoint {checkpoint_uri(root, run, iteration)} was committed by another "
-                                  "writer meanwhile; give concurrent runs distinct run names")
+            raise CheckpointError(
+                f"checkpoint {checkpoint_uri(root, run, iteration)} was committed by another "
+                "writer meanwhile; give concurrent runs distinct run names"
+            )
     return folder
 
 
@@ -188,8 +201,10 @@ def _earlier_hint(root: str, run: str, iteration: int, storage_options: dict | N
     except Exception:  # noqa: BLE001 - the hint must not hide the checksum error
         earlier = []
     if earlier:
-        return (f"; resume from the previous committed checkpoint with `rollflow train --resume-from {earlier[-1]}` "
-                f"(--set resume_from={earlier[-1]}), or restore the file")
+        return (
+            f"; resume from the previous committed checkpoint with `rollflow train --resume-from {earlier[-1]}` "
+            f"(--set resume_from={earlier[-1]}), or restore the file"
+        )
     return "; restore the file, or start the run again without this checkpoint (there is no earlier one)"
 
 
@@ -199,8 +214,9 @@ def load_checkpoint(root: str, run: str, iteration: int, *, storage_options: dic
     if iteration not in list_checkpoints(root, run, storage_options=storage_options):
         good, skipped = checkpoint_status(root, run, storage_options=storage_options)
         why = f" ({skipped[iteration]})" if iteration in skipped else ""
-        raise CheckpointError(f"no committed checkpoint {iteration} for run {run!r} under {root}{why}; committed: "
-                              f"{good or 'none'}")
+        raise CheckpointError(
+            f"no committed checkpoint {iteration} for run {run!r} under {root}{why}; committed: {good or 'none'}"
+        )
     meta = load_checkpoint_meta(root, run, iteration, storage_options=storage_options)
     payload_uri = checkpoint_uri(root, run, iteration, PAYLOAD_NAME)
     with storage_errors(payload_uri, "reading checkpoint", fs=fs):

@@ -20,8 +20,10 @@ def hf_weights_of_checkpoint(payload: bytes, model_path: str | os.PathLike) -> d
     megatron checkpoint holds Megatron-named tensors, converted with the model's HF config (`model_path`); a
     sharded trainer's (Megatron's distributed format) only the trainer ranks can read."""
     if is_distributed_payload(payload):
-        raise ValueError("the checkpoint is a sharded megatron trainer's (Megatron's distributed format): only the "
-                         "trainer ranks read it; start the trainer first and take the engine's weights from it")
+        raise ValueError(
+            "the checkpoint is a sharded megatron trainer's (Megatron's distributed format): only the "
+            "trainer ranks read it; start the trainer first and take the engine's weights from it"
+        )
     state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     if state.get("format") != "rollflow-megatron-1":
         return state["model"]

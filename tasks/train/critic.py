@@ -32,8 +32,9 @@ class CriticEstimate:
     returns: torch.Tensor
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               value_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped value loss (PPO2 / slime / verl) and where the clipped branch is the larger one.
 
         V_clip = V_old + clamp(V - V_old, -value_clip, value_clip)
@@ -45,8 +46,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     are upcast), so the squares neither round to 0 nor overflow in half precision.
     """
     if not (values.shape == old_values.shape == returns.shape):
-        raise ValueError(f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)} and returns "
-                         f"{tuple(returns.shape)} differ in shape")
+        raise ValueError(
+            f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)} and returns "
+            f"{tuple(returns.shape)} differ in shape"
+        )
     if value_clip <= 0:
         raise ValueError(f"value_clip must be > 0, got {value_clip}")
     dtype = torch.promote_types(values.dtype, torch.float32)
@@ -89,8 +92,11 @@ class ValueModel(torch.nn.Module):
     def forward(self, batch: TrainBatch) -> torch.Tensor:
         """Target-aligned values [B, L-1], float32, on the model's device."""
         device = self.value_head.weight.device
-        hidden = self.backbone(input_ids=batch.tokens.to(device, torch.long), attention_mask=batch.attention_mask.to(device),
-                               position_ids=batch.position_ids.to(device)).last_hidden_state
+        hidden = self.backbone(
+            input_ids=batch.tokens.to(device, torch.long),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+        ).last_hidden_state
         return self.value_head(hidden[:, :-1]).squeeze(-1).float()
 
 
@@ -105,9 +111,12 @@ class CriticBackend:
         torch.manual_seed(optim.seed)
         self.optim_cfg, self.algo = optim, algo
         self.model = ValueModel(causal_lm).eval()  # eval(): no dropout; scoring and training forwards agree
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr,
-                                           weight_decay=optim.weight_decay,
-                                           betas=(optim.adam_beta1, optim.adam_beta2))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=algo.critic_lr,
+            weight_decay=optim.weight_decay,
+            betas=(optim.adam_beta1, optim.adam_beta2),
+        )
 
     @property
     def vocab_size(self) -> int | None:
@@ -133,17 +142,24 @@ class CriticBackend:
             loss_per_token, clipped = value_loss(values, old, returns, clip)
             loss = masked_token_mean(loss_per_token, mask, denom.tokens)
             loss.backward()
-            return {"loss": float(loss.detach()),
-                    "vf_clipfrac": float(masked_token_mean(clipped.float(), mask, denom.tokens))}
+            return {
+                "loss": float(loss.detach()),
+                "vf_clipfrac": float(masked_token_mean(clipped.float(), mask, denom.tokens)),
+            }
 
         def optimizer_step() -> float:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
             self.optimizer.step()
             return float(grad_norm)
 
-        stats = minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
-                                zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
-                                micro_step=micro_step, optimizer_step=optimizer_step)
+        stats = minibatch_steps(
+            batch,
+            self.optim_cfg.num_steps_per_rollout,
+            self.optim_cfg.micro_batch_size,
+            zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+            micro_step=micro_step,
+            optimizer_step=optimizer_step,
+        )
         mask = batch.response_mask
         tokens = max(float(mask.sum()), 1.0)
         return {

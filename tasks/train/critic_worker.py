@@ -17,9 +17,9 @@ from __future__ import annotations
 from rollflow.artifacts.slime import check_token_ids
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.tasks.model.dtypes import DTYPES
-from rollflow.tasks.progress import Progress, progress_of
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.progress import Progress, progress_of
 from rollflow.tasks.train.advantages import gae_advantages
 from rollflow.tasks.train.batch import TrainBatch, batch_from_samples
 from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_uri, load_state, save_state
@@ -34,11 +34,22 @@ def critic_state_uri(store_root: str, run: str, iteration: int) -> str:
 
 
 class CriticWorker:
-    def __init__(self, model_spec: str, optim: OptimConfig, algo: AlgoConfig, *, store_root: str, run: str,
-                 resume_iteration: int | None = None, storage_options: dict | None = None):
+    def __init__(
+        self,
+        model_spec: str,
+        optim: OptimConfig,
+        algo: AlgoConfig,
+        *,
+        store_root: str,
+        run: str,
+        resume_iteration: int | None = None,
+        storage_options: dict | None = None,
+    ):
         if optim.backend != "torch":
-            raise NotImplementedError(f"the ppo critic runs on the torch backend only (train.backend="
-                                      f"{optim.backend!r}); use train.backend=torch")
+            raise NotImplementedError(
+                f"the ppo critic runs on the torch backend only (train.backend="
+                f"{optim.backend!r}); use train.backend=torch"
+            )
 
         self.optim, self.algo = optim, algo
         self.store_root, self.run, self.storage_options = store_root, run, storage_options
@@ -52,8 +63,10 @@ class CriticWorker:
             try:
                 state = load_state(uri, storage_options=storage_options)
             except CheckpointError as exc:
-                raise CheckpointError(f"checkpoint {resume_iteration} of run {run!r} has no usable critic state "
-                                      f"({exc}); a ppo run resumes with its critic") from None
+                raise CheckpointError(
+                    f"checkpoint {resume_iteration} of run {run!r} has no usable critic state "
+                    f"({exc}); a ppo run resumes with its critic"
+                ) from None
             self.backend.load_checkpoint_bytes(state)
 
     def ping(self) -> bool:
@@ -67,8 +80,13 @@ class CriticWorker:
         uri = ref.uri
         artifact = self.store.load_uri(uri)
         samples = artifact.samples
-        check_token_ids(samples, self.backend.vocab_size,
-                        rollout_id=artifact.manifest.rollout_id, split=artifact.manifest.split, uri=uri)
+        check_token_ids(
+            samples,
+            self.backend.vocab_size,
+            rollout_id=artifact.manifest.rollout_id,
+            split=artifact.manifest.split,
+            uri=uri,
+        )
         if reward_key is not None:  # the run's key of dict rewards, as the trainer applies it
             for sample in samples:
                 if isinstance(sample.reward, dict):
@@ -76,8 +94,9 @@ class CriticWorker:
         # GAE works per sample: no prompt groups needed (group_size 1 always divides).
         batch = batch_from_samples(samples, group_size=1)
         batch.values = self.backend.compute_values(batch)
-        batch.advantages, batch.returns = gae_advantages(batch.rewards, batch.values, batch.response_mask,
-                                                         gamma=self.algo.gamma, lambd=self.algo.lambd)
+        batch.advantages, batch.returns = gae_advantages(
+            batch.rewards, batch.values, batch.response_mask, gamma=self.algo.gamma, lambd=self.algo.lambd
+        )
         self._batch = batch
         self._progress.tick()
         return CriticEstimate(values=batch.values, advantages=batch.advantages.float(), returns=batch.returns)
@@ -93,5 +112,8 @@ class CriticWorker:
 
     def save_checkpoint(self, iteration: int) -> str:
         """`critic.pt` (+ its sha256 sidecar) in checkpoint `iteration`'s folder; its URI."""
-        return save_state(critic_state_uri(self.store_root, self.run, iteration), self.backend.checkpoint_bytes(),
-                          storage_options=self.storage_options)
+        return save_state(
+            critic_state_uri(self.store_root, self.run, iteration),
+            self.backend.checkpoint_bytes(),
+            storage_options=self.storage_options,
+        )

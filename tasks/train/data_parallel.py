@@ -83,10 +83,16 @@ def init_data_parallel(dp: DataParallel, timeout_s: float = DEFAULT_TIMEOUT_S):
         if have != (dp.rank, dp.world_size, dp.backend):
             raise RuntimeError(
                 f"this process already has a torch.distributed group (rank, world_size, backend)={have}, "
-                f"but DataParallel asks for {(dp.rank, dp.world_size, dp.backend)}; one trainer group per process")
+                f"but DataParallel asks for {(dp.rank, dp.world_size, dp.backend)}; one trainer group per process"
+            )
         return dist.group.WORLD
-    dist.init_process_group(backend=dp.backend, init_method=dp.init_method, rank=dp.rank,
-                            world_size=dp.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=dp.backend,
+        init_method=dp.init_method,
+        rank=dp.rank,
+        world_size=dp.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return dist.group.WORLD
 
 
@@ -176,7 +182,7 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], group, bucket_bytes: 
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

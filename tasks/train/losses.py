@@ -13,7 +13,6 @@ from typing import Literal
 
 import torch
 
-
 LOG_RATIO_BOUND = 20.0
 """Every log-ratio is clamped to [-20, 20] before ``exp`` (as verl and slime's MIS do): e^20 ~ 4.9e8
 is finite in fp16/bf16/fp32 and far beyond any clip range, so only overflow cases change."""
@@ -27,15 +26,17 @@ def bounded_exp(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), clamped.to(log_ratio.dtype)
 
 
-def token_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+def token_log_ratio(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """``log_probs - old_log_probs``, set to 0 where ``mask`` is 0.
 
     Zeroing masked slots before any ``exp`` keeps padding (which may hold -inf or garbage log-probs)
     from producing inf/NaN values whose gradient, even behind a mask, is ``0 * inf = NaN``."""
     if log_probs.shape != old_log_probs.shape:
-        raise ValueError(f"log_probs shape {tuple(log_probs.shape)} != old_log_probs shape "
-                         f"{tuple(old_log_probs.shape)}")
+        raise ValueError(
+            f"log_probs shape {tuple(log_probs.shape)} != old_log_probs shape {tuple(old_log_probs.shape)}"
+        )
     diff = log_probs - old_log_probs
     if mask is None:
         return diff
@@ -154,8 +155,9 @@ def policy_loss(
         log_ratio = token_log_ratio(log_probs, old_log_probs, mask)
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    return clipped_surrogate(log_ratio, advantages, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
-                             eps_clip_c=eps_clip_c)
+    return clipped_surrogate(
+        log_ratio, advantages, eps_clip=eps_clip, eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c
+    )
 
 
 def masked_mean(
@@ -183,9 +185,7 @@ def masked_mean(
         return weighted.sum() / mask.sum().clamp(min=1)
     if sample_ids is not None:
         if sample_ids.shape != values.shape:
-            raise ValueError(
-                f"sample_ids shape {tuple(sample_ids.shape)} != values shape {tuple(values.shape)}"
-            )
+            raise ValueError(f"sample_ids shape {tuple(sample_ids.shape)} != values shape {tuple(values.shape)}")
         _, inverse = torch.unique(sample_ids.reshape(-1), return_inverse=True)
         n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
         sums = weighted.new_zeros(n_groups).index_add(0, inverse, weighted.reshape(-1))

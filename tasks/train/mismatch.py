@@ -57,7 +57,7 @@ def _sample_mean(per_row: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    m = (mask != 0)
+    m = mask != 0
     return float(values[m].double().mean()) if bool(m.any()) else 0.0
 
 
@@ -82,8 +82,9 @@ def effective_sample_size(weights: torch.Tensor) -> float:
     return float(w.sum().square() / denom) if float(denom) > 0 else 0.0
 
 
-def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """``mismatch/*``: how far the trainer's old policy is from the engine on the sampled tokens.
 
     Per sample, then averaged over samples (slime's sum-of-sample-mean; names as slime's
@@ -96,8 +97,10 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     ``ess_seq`` (of the sequence ratios), ``max_abs_log_ratio``, ``log_ratio_clampfrac``.
     """
     if not (old_log_probs.shape == rollout_log_probs.shape == mask.shape):
-        raise ValueError("old_log_probs, rollout_log_probs and mask must share a shape, got "
-                         f"{tuple(old_log_probs.shape)}, {tuple(rollout_log_probs.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            "old_log_probs, rollout_log_probs and mask must share a shape, got "
+            f"{tuple(old_log_probs.shape)}, {tuple(rollout_log_probs.shape)}, {tuple(mask.shape)}"
+        )
     # float64: these are figures of tiny gaps (1e-7 per token between fp32 engines), which fp32 round-off in
     # e^r - r - 1 would turn negative.
     dtype = torch.float64
@@ -120,8 +123,13 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
         "ppl_ratio": _sample_mean(bounded_exp(log_ppl_diff)[0], mask),
         "kl": _sample_mean(_row_mean(-r, mask), mask),
         # expm1(r) - r: the same e^r - r - 1 without cancelling a 1 first
-        "k3_kl": _sample_mean(_row_mean(torch.expm1(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-                                        - r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), mask), mask),
+        "k3_kl": _sample_mean(
+            _row_mean(
+                torch.expm1(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) - r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND),
+                mask,
+            ),
+            mask,
+        ),
         "chi2_token": _sample_mean(_row_mean(ratio.square(), mask) - 1, mask),
         "chi2_seq": _sample_mean(bounded_exp(2 * seq_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))[0] - 1, mask),
         "tis": _sample_mean(_row_mean(ratio, mask), mask),
@@ -133,8 +141,9 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     return {f"mismatch/{k}": v for k, v in out.items()}
 
 
-def correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
-               algo: AlgoConfig) -> Correction:
+def correction(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, algo: AlgoConfig
+) -> Correction:
     """Importance weights and rejections for one rollout batch (see the module docstring).
 
     ``mismatch/*`` metrics out: ``tis_clipfrac`` (tokens whose weight truncate/clip changed),
@@ -146,8 +155,7 @@ def correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mas
     dtype = torch.promote_types(old_log_probs.dtype, torch.float32)
     mask = mask.to(dtype)
     on = mask != 0
-    r = torch.where(on, old_log_probs.detach().to(dtype) - rollout_log_probs.detach().to(dtype),
-                    torch.zeros_like(mask))
+    r = torch.where(on, old_log_probs.detach().to(dtype) - rollout_log_probs.detach().to(dtype), torch.zeros_like(mask))
     weights = torch.ones_like(mask)
     keep = mask.clone()
     metrics: dict[str, float] = {}
@@ -189,10 +197,14 @@ def correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mas
     kept = keep != 0
     metrics["rejected_frac"] = _token_mean((~kept).float(), mask)
     if bool(kept.any()):
-        metrics.update(is_weight_mean=float(weights[kept].mean()), is_weight_min=float(weights[kept].min()),
-                       is_weight_max=float(weights[kept].max()))
-    return Correction(weights=weights.detach(), keep=keep.detach(),
-                      metrics={f"mismatch/{k}": v for k, v in metrics.items()})
+        metrics.update(
+            is_weight_mean=float(weights[kept].mean()),
+            is_weight_min=float(weights[kept].min()),
+            is_weight_max=float(weights[kept].max()),
+        )
+    return Correction(
+        weights=weights.detach(), keep=keep.detach(), metrics={f"mismatch/{k}": v for k, v in metrics.items()}
+    )
 
 
 def corrects(algo: AlgoConfig) -> bool:

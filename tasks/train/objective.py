@@ -17,8 +17,16 @@ from rollflow.tasks.train.kl import approx_kl
 from rollflow.tasks.train.losses import policy_loss
 from rollflow.tasks.train.settings import AlgoConfig
 
-STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy_loss",
-              "train_rollout_logprob_abs_diff", "ratio_clampfrac")
+STAT_NAMES = (
+    "loss",
+    "pg_loss",
+    "pg_clipfrac",
+    "ppo_kl",
+    "kl_loss",
+    "entropy_loss",
+    "train_rollout_logprob_abs_diff",
+    "ratio_clampfrac",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +38,16 @@ class Denominators:
     @classmethod
     def of(cls, mini: TrainBatch) -> "Denominators":
         per_row = mini.response_mask.sum(dim=1)
-        return cls(tokens=max(float(per_row.sum()), 1.0), rows=max(float(mini.size), 1.0),
-                   width=max(float(mini.response_mask.shape[1]), 1.0))
+        return cls(
+            tokens=max(float(per_row.sum()), 1.0),
+            rows=max(float(mini.size), 1.0),
+            width=max(float(mini.response_mask.shape[1]), 1.0),
+        )
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, denom: Denominators, mode: str,
-              norm: float | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, denom: Denominators, mode: str, norm: float | None = None
+) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss under ``mode`` (verl's ``loss_agg_mode`` names).
 
     With ``v`` the masked values and ``n_i`` sample i's loss tokens, over the mini-batch's N samples and
@@ -63,8 +75,9 @@ def reduce(values: torch.Tensor, mask: torch.Tensor, denom: Denominators, per_sa
     return aggregate(values, mask, denom, "seq-mean-token-mean" if per_sample else "token-mean")
 
 
-def micro_batch_objective(log_probs: torch.Tensor, entropy: torch.Tensor, micro: TrainBatch, algo: AlgoConfig,
-                          denom: Denominators) -> tuple[torch.Tensor, dict[str, float]]:
+def micro_batch_objective(
+    log_probs: torch.Tensor, entropy: torch.Tensor, micro: TrainBatch, algo: AlgoConfig, denom: Denominators
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss to backpropagate plus this micro-batch's share of every `train/*` statistic.
 
     Policy loss: PPO clip of the token ratio, or of GSPO's sequence ratio (``gspo``), times the
@@ -75,8 +88,16 @@ def micro_batch_objective(log_probs: torch.Tensor, entropy: torch.Tensor, micro:
     mask = micro.response_mask
     mode, norm = algo.loss_agg_mode, algo.loss_norm_constant
     level = "sequence" if algo.advantage_estimator == "gspo" else "token"
-    terms = policy_loss(log_probs, micro.log_probs, micro.advantages, eps_clip=algo.eps_clip,
-                        eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c, mask=mask, level=level)
+    terms = policy_loss(
+        log_probs,
+        micro.log_probs,
+        micro.advantages,
+        eps_clip=algo.eps_clip,
+        eps_clip_high=algo.eps_clip_high,
+        eps_clip_c=algo.eps_clip_c,
+        mask=mask,
+        level=level,
+    )
     pg_per_token = terms.loss
     if micro.is_weights is not None:
         pg_per_token = pg_per_token * micro.is_weights
@@ -117,13 +138,19 @@ def minibatch_slices(n_rows: int, steps_per_rollout: int) -> list[slice]:
     return [slice(step * mini_size, min((step + 1) * mini_size, n_rows)) for step in range(steps)]
 
 
-def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size: int, *,
-                    zero_grad, micro_step, optimizer_step,
-                    local_rows: Callable[[int], slice] | None = None,
-                    sum_stats: Callable[[dict[str, float]], dict[str, float]] | None = None,
-                    on_step: Callable[[dict[str, float]], None] | None = None,
-                    run_micro_batches: Callable[[list[TrainBatch], Denominators], dict[str, float]] | None = None,
-                    ) -> dict[str, float]:
+def minibatch_steps(
+    batch: TrainBatch,
+    steps_per_rollout: int,
+    micro_batch_size: int,
+    *,
+    zero_grad,
+    micro_step,
+    optimizer_step,
+    local_rows: Callable[[int], slice] | None = None,
+    sum_stats: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    run_micro_batches: Callable[[list[TrainBatch], Denominators], dict[str, float]] | None = None,
+) -> dict[str, float]:
     """The optimizer loop every backend shares: consecutive mini-batches, one optimizer step each.
 
     `micro_step(micro, denom) -> stats` runs forward + objective + backward of one micro-batch;
@@ -157,8 +184,9 @@ def minibatch_steps(batch: TrainBatch, steps_per_rollout: int, micro_batch_size:
             mini = mini.select(local_rows(mini.size))  # may be empty: the rank still joins the collectives
         zero_grad()
         acc: dict[str, float] = {}
-        micros = [mini.select(slice(start, start + micro_batch_size))
-                  for start in range(0, mini.size, micro_batch_size)]
+        micros = [
+            mini.select(slice(start, start + micro_batch_size)) for start in range(0, mini.size, micro_batch_size)
+        ]
         if run_micro_batches is not None:
             acc = dict(run_micro_batches(micros, denom))
         else:

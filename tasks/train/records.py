@@ -50,18 +50,25 @@ def sample_records(batch: TrainBatch, rollout_id: int) -> SampleRecords:
     count = mask.sum(dim=1).clamp(min=1.0)
     adv = batch.advantages
     advantage = [None] * batch.size if adv is None else ((adv.double() * mask).sum(dim=1) / count).tolist()
-    return SampleRecords(rollout_id, {
-        "reward": batch.rewards.double().tolist(),
-        "advantage": advantage,
-        "log_prob_sum": _masked_sum(batch.log_probs, mask),
-        "ref_log_prob_sum": _masked_sum(batch.ref_log_probs, mask),
-    })
+    return SampleRecords(
+        rollout_id,
+        {
+            "reward": batch.rewards.double().tolist(),
+            "advantage": advantage,
+            "log_prob_sum": _masked_sum(batch.log_probs, mask),
+            "ref_log_prob_sum": _masked_sum(batch.ref_log_probs, mask),
+        },
+    )
 
 
 def records_bytes(records: SampleRecords) -> bytes:
-    table = pa.table({"rollout_id": [records.rollout_id] * records.n_samples,
-                      "row": list(range(records.n_samples)),
-                      **{name: pa.array(records.columns[name], pa.float64()) for name in RECORD_COLUMNS}})
+    table = pa.table(
+        {
+            "rollout_id": [records.rollout_id] * records.n_samples,
+            "row": list(range(records.n_samples)),
+            **{name: pa.array(records.columns[name], pa.float64()) for name in RECORD_COLUMNS},
+        }
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()

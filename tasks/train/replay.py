@@ -29,8 +29,9 @@ def infer_group_size(samples: list[Sample] | SampleColumns) -> int:
     return distinct.pop()
 
 
-def subsample_groups(samples: list[Sample] | SampleColumns, ratio: float,
-                     group_size: int) -> list[Sample] | SampleColumns:
+def subsample_groups(
+    samples: list[Sample] | SampleColumns, ratio: float, group_size: int
+) -> list[Sample] | SampleColumns:
     """Keep `ratio` of the prompt groups: the first and the last halves (as slime), whole groups only.
 
     Whole groups keep group-normalised advantages correct; a ratio that keeps nothing is an error

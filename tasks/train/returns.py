@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def whiten(
-    values: list[torch.Tensor], masks: list[torch.Tensor], *, eps: float = 1e-8
-) -> list[torch.Tensor]:
+def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], *, eps: float = 1e-8) -> list[torch.Tensor]:
     """Batch whitening: ``(v - mean) / sqrt(var + eps)`` with mean/var over all masked tokens.
 
     ``var`` is unbiased (``/ (n - 1)``), as slime's masked whitening applies the Bessel

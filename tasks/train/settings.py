@@ -33,39 +33,59 @@ class AlgoConfig(_Strict):
     loss_agg_mode: LossAggMode = Field(
         "token-mean",
         description="how per-token losses become one number: token-mean (verl's default; slime's "
-                    "--calculate-per-token-loss), seq-mean-token-mean (slime's default), seq-mean-token-sum, "
-                    "seq-mean-token-sum-norm (Dr. GRPO: token sums over a constant, loss_norm_constant)")
+        "--calculate-per-token-loss), seq-mean-token-mean (slime's default), seq-mean-token-sum, "
+        "seq-mean-token-sum-norm (Dr. GRPO: token sums over a constant, loss_norm_constant)",
+    )
     loss_norm_constant: Optional[int] = Field(
-        None, ge=1, description="seq-mean-token-sum-norm's constant divisor; run configs fill in "
-                                "rollout.max_new_tokens when unset")
+        None,
+        ge=1,
+        description="seq-mean-token-sum-norm's constant divisor; run configs fill in rollout.max_new_tokens when unset",
+    )
     # Train/rollout mismatch correction (slime's --use-tis family; names and defaults as slime's).
     use_rollout_logprobs: bool = Field(
-        False, description="old log-probs = the engine's rollout log-probs (no trainer recompute; slime's "
-                           "--use-rollout-logprobs); excludes use_tis")
+        False,
+        description="old log-probs = the engine's rollout log-probs (no trainer recompute; slime's "
+        "--use-rollout-logprobs); excludes use_tis",
+    )
     use_tis: bool = Field(False, description="weight the policy loss by train/rollout importance ratios")
     tis_level: ISLevel = Field("token", description="token ratio, sequence (product) or geometric (mean) ratio")
     tis_mode: Literal["truncate", "clip", "mask"] = Field(
-        "truncate", description="truncate: min(w, upper) (TIS); clip: clamp to [lower, upper]; mask: 0 outside "
-                                "[lower, upper] (icepop / MIS)")
+        "truncate",
+        description="truncate: min(w, upper) (TIS); clip: clamp to [lower, upper]; mask: 0 outside "
+        "[lower, upper] (icepop / MIS)",
+    )
     tis_lower_bound: Optional[float] = Field(
-        None, ge=0, description="clip/mask lower bound; unset: 1 / tis_upper_bound (slime)")
+        None, ge=0, description="clip/mask lower bound; unset: 1 / tis_upper_bound (slime)"
+    )
     tis_upper_bound: float = Field(2.0, gt=0, description="slime's --tis-clip default")
     tis_batch_normalize: bool = Field(False, description="rescale the weights to mean 1 over the rollout")
-    use_rs: bool = Field(False, description="rejection sampling: drop tokens/samples whose ratio is outside "
-                                            "[rs_lower_bound, rs_upper_bound]")
+    use_rs: bool = Field(
+        False,
+        description="rejection sampling: drop tokens/samples whose ratio is outside [rs_lower_bound, rs_upper_bound]",
+    )
     rs_level: ISLevel = "token"
     rs_lower_bound: Optional[float] = Field(None, ge=0, description="unset: the TIS lower bound")
     rs_upper_bound: Optional[float] = Field(None, gt=0, description="unset: tis_upper_bound")
     rs_veto_threshold: Optional[float] = Field(
-        None, gt=0, lt=1, description="drop a whole sample if any token's ratio is below this (typical 1e-4)")
+        None, gt=0, lt=1, description="drop a whole sample if any token's ratio is below this (typical 1e-4)"
+    )
     max_consecutive_skipped_steps: int = Field(
-        3, ge=1, description="non-finite loss or grad norm skips the optimizer step; this many in a row fail the run")
+        3, ge=1, description="non-finite loss or grad norm skips the optimizer step; this many in a row fail the run"
+    )
     # ppo only: a critic actor + GAE (tasks/train/critic.py); names as slime's --lambd / --value-clip / --critic-lr.
     lambd: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (slime's --lambd, verl's algorithm.lam)")
-    value_clip: float = Field(0.2, gt=0, description="ppo: the critic's value clip around its old values (slime's "
-                                                      "--value-clip; verl's critic.cliprange_value defaults to 0.5)")
-    critic_lr: float = Field(1e-5, ge=0, description="ppo: the critic's AdamW learning rate (slime's --critic-lr); "
-                                                      "its other optimizer settings are train.*")
+    value_clip: float = Field(
+        0.2,
+        gt=0,
+        description="ppo: the critic's value clip around its old values (slime's "
+        "--value-clip; verl's critic.cliprange_value defaults to 0.5)",
+    )
+    critic_lr: float = Field(
+        1e-5,
+        ge=0,
+        description="ppo: the critic's AdamW learning rate (slime's --critic-lr); "
+        "its other optimizer settings are train.*",
+    )
 
     @model_validator(mode="after")
     def _one_kl(self) -> "AlgoConfig":
@@ -82,15 +102,20 @@ class AlgoConfig(_Strict):
         if self.advantage_estimator == "ppo" and self.kl_coef > 0:
             # The critic computes GAE from the scalar rewards alone: a per-token KL penalty would need the
             # policy's and the reference's log-probs inside the critic actor.
-            raise ValueError(f"algo.kl_coef={self.kl_coef} (KL as a reward penalty) is not supported with "
-                             "advantage_estimator='ppo' (the critic's GAE sees the scalar rewards only); use "
-                             "algo.kl_loss_coef instead, or set algo.kl_coef=0")
+            raise ValueError(
+                f"algo.kl_coef={self.kl_coef} (KL as a reward penalty) is not supported with "
+                "advantage_estimator='ppo' (the critic's GAE sees the scalar rewards only); use "
+                "algo.kl_loss_coef instead, or set algo.kl_coef=0"
+            )
         if self.lambd != 1.0 and self.advantage_estimator != "ppo":
-            raise ValueError(f"algo.lambd={self.lambd} only applies to advantage_estimator='ppo' (GAE); "
-                             "leave lambd at 1.0")
+            raise ValueError(
+                f"algo.lambd={self.lambd} only applies to advantage_estimator='ppo' (GAE); leave lambd at 1.0"
+            )
         if self.use_rollout_logprobs and self.use_tis:
-            raise ValueError("algo.use_rollout_logprobs and algo.use_tis are both on: the ratio old/rollout is then "
-                             "1 by construction; turn one of them off")
+            raise ValueError(
+                "algo.use_rollout_logprobs and algo.use_tis are both on: the ratio old/rollout is then "
+                "1 by construction; turn one of them off"
+            )
         low, high = self.tis_bounds
         if self.use_tis and self.tis_mode != "truncate" and not low < high:
             raise ValueError(f"algo.tis_lower_bound={low} must be below algo.tis_upper_bound={high}")
@@ -103,9 +128,12 @@ class AlgoConfig(_Strict):
     @classmethod
     def _renamed(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            moved = {"loss_reduction": "loss_agg_mode ('token' -> 'token-mean', 'sample' -> 'seq-mean-token-mean')",
-                     "tis": "use_tis=true with tis_mode ('tis' -> 'clip', 'icepop' -> 'mask')",
-                     "tis_low": "tis_lower_bound", "tis_high": "tis_upper_bound"}
+            moved = {
+                "loss_reduction": "loss_agg_mode ('token' -> 'token-mean', 'sample' -> 'seq-mean-token-mean')",
+                "tis": "use_tis=true with tis_mode ('tis' -> 'clip', 'icepop' -> 'mask')",
+                "tis_low": "tis_lower_bound",
+                "tis_high": "tis_upper_bound",
+            }
             for old, new in moved.items():
                 if old in data:
                     raise ValueError(f"algo.{old} was renamed: use algo.{new}")
@@ -119,8 +147,10 @@ class AlgoConfig(_Strict):
     @property
     def rs_bounds(self) -> tuple[float, float]:
         low, high = self.tis_bounds
-        return (low if self.rs_lower_bound is None else self.rs_lower_bound,
-                high if self.rs_upper_bound is None else self.rs_upper_bound)
+        return (
+            low if self.rs_lower_bound is None else self.rs_lower_bound,
+            high if self.rs_upper_bound is None else self.rs_upper_bound,
+        )
 
     @property
     def needs_ref(self) -> bool:
@@ -131,34 +161,49 @@ class MegatronSettings(_Strict):
     """Knobs of the `megatron` backend (tasks/train/megatron/); ignored by `torch`."""
 
     layer_spec: Literal["auto", "te", "sdpa", "local"] = Field(
-        "auto", description="auto: te when transformer-engine imports, else sdpa (local spec + torch SDPA attention)")
+        "auto", description="auto: te when transformer-engine imports, else sdpa (local spec + torch SDPA attention)"
+    )
     sdpa_backends: tuple[Literal["flash", "cudnn", "efficient", "math"], ...] = Field(
-        (), description="pin torch SDPA kernels, in priority order (empty: torch picks)")
+        (), description="pin torch SDPA kernels, in priority order (empty: torch picks)"
+    )
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = Field(
-        "auto", description="Megatron's AttnBackend for the te spec")
+        "auto", description="Megatron's AttnBackend for the te spec"
+    )
     optimizer: Literal["auto", "megatron", "torch"] = Field(
-        "auto", description="megatron: Megatron DDP + get_megatron_optimizer (CUDA); torch: AdamW on fp32 master "
-                            "weights; auto: megatron on CUDA, torch on CPU")
+        "auto",
+        description="megatron: Megatron DDP + get_megatron_optimizer (CUDA); torch: AdamW on fp32 master "
+        "weights; auto: megatron on CUDA, torch on CPU",
+    )
     fusions: Literal["auto", "on", "off"] = Field(
-        "auto", description="Megatron's bias-SwiGLU / bias-dropout-add fusions (torch.compile'd); auto: on on CUDA")
+        "auto", description="Megatron's bias-SwiGLU / bias-dropout-add fusions (torch.compile'd); auto: on on CUDA"
+    )
     make_vocab_size_divisible_by: int = Field(128, ge=1)
     log_prob_impl: Literal["auto", "chunked", "compiled"] = Field(
-        "auto", description="log-prob / entropy kernel: eager row chunks, or torch.compile'd; auto: compiled on CUDA")
+        "auto", description="log-prob / entropy kernel: eager row chunks, or torch.compile'd; auto: compiled on CUDA"
+    )
     log_prob_chunk: int = Field(2048, ge=1, description="rows per chunk of the chunked log-prob kernel")
     rope_fusion: Literal["auto", "none", "compiled"] = Field(
-        "auto", description="compiled: a torch.compile'd RoPE through Megatron's apply_rope_fusion hook (TE's fused "
-                            "RoPE when TE is installed); auto: compiled on CUDA")
+        "auto",
+        description="compiled: a torch.compile'd RoPE through Megatron's apply_rope_fusion hook (TE's fused "
+        "RoPE when TE is installed); auto: compiled on CUDA",
+    )
 
     def resolved(self, device_type: str) -> "MegatronSettings":
         """`auto` made concrete: the torch.compile'd kernels on CUDA (measured on the H200), eager on CPU."""
         cuda = device_type == "cuda"
-        return self.model_copy(update=dict(
-            fusions=("on" if cuda else "off") if self.fusions == "auto" else self.fusions,
-            log_prob_impl=("compiled" if cuda else "chunked") if self.log_prob_impl == "auto" else self.log_prob_impl,
-            rope_fusion=("compiled" if cuda else "none") if self.rope_fusion == "auto" else self.rope_fusion,
-        ))
+        return self.model_copy(
+            update=dict(
+                fusions=("on" if cuda else "off") if self.fusions == "auto" else self.fusions,
+                log_prob_impl=("compiled" if cuda else "chunked")
+                if self.log_prob_impl == "auto"
+                else self.log_prob_impl,
+                rope_fusion=("compiled" if cuda else "none") if self.rope_fusion == "auto" else self.rope_fusion,
+            )
+        )
+
     transformer_config: dict[str, Any] = Field(
-        default_factory=dict, description="extra TransformerConfig fields, passed through")
+        default_factory=dict, description="extra TransformerConfig fields, passed through"
+    )
     # Parallel layout: data parallel = world / (tp * pp * cp) (`data_parallel_size`).
     tp: int = Field(1, ge=1, description="tensor-parallel size (divides the KV heads and the FFN width)")
     pp: int = Field(1, ge=1, description="pipeline-parallel size (stages; divides the layers)")
@@ -166,9 +211,11 @@ class MegatronSettings(_Strict):
     vpp: Optional[int] = Field(None, ge=2, description="virtual pipeline stages per rank (interleaved 1F1B); pp > 1")
     sequence_parallel: bool = Field(False, description="shard norms / dropout activations over the TP group; tp > 1")
     recompute_granularity: Optional[Literal["full", "selective"]] = Field(
-        None, description="activation recompute (Megatron's); takes effect because training runs in train mode")
+        None, description="activation recompute (Megatron's); takes effect because training runs in train mode"
+    )
     recompute_method: Optional[Literal["uniform", "block"]] = Field(
-        None, description="full recompute only: uniform (groups of recompute_num_layers) or block (first N layers)")
+        None, description="full recompute only: uniform (groups of recompute_num_layers) or block (first N layers)"
+    )
     recompute_num_layers: Optional[int] = Field(None, ge=1, description="full recompute only")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data parallel (ZeRO-1)")
     overlap_grad_reduce: bool = Field(False, description="overlap the DP grad reduce with backward (CUDA)")
@@ -178,14 +225,22 @@ class MegatronSettings(_Strict):
     lr_decay_steps: Optional[int] = Field(None, ge=1, description="steps of decay after warmup (non-constant styles)")
     min_lr: float = Field(0.0, ge=0, description="the LR the decay ends at")
     max_tokens_per_gpu: Optional[int] = Field(
-        None, ge=1, description="token budget of a micro-batch (rows x its own padded width; packed: the sum of "
-                                "its rows' lengths) instead of micro_batch_size rows; optimizer=megatron, pp = 1")
+        None,
+        ge=1,
+        description="token budget of a micro-batch (rows x its own padded width; packed: the sum of "
+        "its rows' lengths) instead of micro_batch_size rows; optimizer=megatron, pp = 1",
+    )
     packing: Literal["off", "thd"] = Field(
-        "off", description="thd: a micro-batch's rows packed end to end (PackedSeqParams, no padding to the "
-                           "longest row); sdpa or te layer spec, optimizer=megatron. off: right-padded rows")
+        "off",
+        description="thd: a micro-batch's rows packed end to end (PackedSeqParams, no padding to the "
+        "longest row); sdpa or te layer spec, optimizer=megatron. off: right-padded rows",
+    )
     pack_multiple: int = Field(
-        1, ge=1, description="packing='thd': each packed micro-batch's length rounded up to a multiple of this "
-                             "(fewer distinct shapes for compiled kernels; the padding is its own segment)")
+        1,
+        ge=1,
+        description="packing='thd': each packed micro-batch's length rounded up to a multiple of this "
+        "(fewer distinct shapes for compiled kernels; the padding is its own segment)",
+    )
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> "MegatronSettings":
@@ -194,22 +249,32 @@ class MegatronSettings(_Strict):
         if self.vpp is not None and self.pp == 1:
             raise ValueError(f"train.megatron.vpp={self.vpp} needs train.megatron.pp > 1; unset vpp")
         if self.cp > 1 and self.layer_spec == "local":
-            raise ValueError(f"train.megatron.cp={self.cp} needs an attention that sees the other cp ranks' keys: "
-                             "layer_spec 'sdpa' (all-gathered keys / values) or 'te'; Megatron's local attention "
-                             "refuses it. Set layer_spec=sdpa or cp=1")
+            raise ValueError(
+                f"train.megatron.cp={self.cp} needs an attention that sees the other cp ranks' keys: "
+                "layer_spec 'sdpa' (all-gathered keys / values) or 'te'; Megatron's local attention "
+                "refuses it. Set layer_spec=sdpa or cp=1"
+            )
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
-            raise ValueError("train.megatron.recompute_method / recompute_num_layers apply to "
-                             "recompute_granularity='full' only; set recompute_granularity=full or unset them")
+            raise ValueError(
+                "train.megatron.recompute_method / recompute_num_layers apply to "
+                "recompute_granularity='full' only; set recompute_granularity=full or unset them"
+            )
         if self.recompute_granularity == "full" and not (self.recompute_method and self.recompute_num_layers):
-            raise ValueError("train.megatron.recompute_granularity='full' needs recompute_method (uniform | block) and "
-                             "recompute_num_layers")
+            raise ValueError(
+                "train.megatron.recompute_granularity='full' needs recompute_method (uniform | block) and "
+                "recompute_num_layers"
+            )
         if self.max_tokens_per_gpu is not None and self.pp > 1:
-            raise ValueError("train.megatron.max_tokens_per_gpu needs pp = 1 (pipeline stages exchange fixed-shape "
-                             "activations); use micro_batch_size with pp > 1, or unset max_tokens_per_gpu")
+            raise ValueError(
+                "train.megatron.max_tokens_per_gpu needs pp = 1 (pipeline stages exchange fixed-shape "
+                "activations); use micro_batch_size with pp > 1, or unset max_tokens_per_gpu"
+            )
         if self.packing == "thd" and self.layer_spec == "local":
-            raise ValueError("train.megatron.packing='thd' needs an attention that reads PackedSeqParams: "
-                             "layer_spec 'sdpa' (per-row torch SDPA) or 'te'; Megatron's local attention cannot. "
-                             "Set layer_spec=sdpa or packing=off")
+            raise ValueError(
+                "train.megatron.packing='thd' needs an attention that reads PackedSeqParams: "
+                "layer_spec 'sdpa' (per-row torch SDPA) or 'te'; Megatron's local attention cannot. "
+                "Set layer_spec=sdpa or packing=off"
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("train.megatron.overlap_param_gather needs use_distributed_optimizer=true")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
@@ -223,20 +288,26 @@ class MegatronSettings(_Strict):
     def data_parallel_size(self, world_size: int) -> int:
         """world / (tp * pp * cp), or one clear error naming the fields."""
         if world_size % self.model_parallel_size:
-            raise ValueError(f"trainer world size {world_size} is not divisible by train.megatron.tp * pp * cp = "
-                             f"{self.tp} * {self.pp} * {self.cp}; use a world size that is a multiple of "
-                             f"{self.model_parallel_size}")
+            raise ValueError(
+                f"trainer world size {world_size} is not divisible by train.megatron.tp * pp * cp = "
+                f"{self.tp} * {self.pp} * {self.cp}; use a world size that is a multiple of "
+                f"{self.model_parallel_size}"
+            )
         return world_size // self.model_parallel_size
 
     def check_model(self, num_layers: int, num_kv_heads: int) -> None:
         """The layout against the model's shape (before any rank builds anything)."""
         stages = self.pp * (self.vpp or 1)
         if num_layers % stages:
-            raise ValueError(f"num_hidden_layers={num_layers} is not divisible by train.megatron.pp * vpp = {stages}; "
-                             "choose pp / vpp that divide the layer count")
+            raise ValueError(
+                f"num_hidden_layers={num_layers} is not divisible by train.megatron.pp * vpp = {stages}; "
+                "choose pp / vpp that divide the layer count"
+            )
         if num_kv_heads % self.tp:
-            raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by train.megatron.tp={self.tp}; "
-                             "choose a tp that divides the KV heads")
+            raise ValueError(
+                f"num_key_value_heads={num_kv_heads} is not divisible by train.megatron.tp={self.tp}; "
+                "choose a tp that divides the KV heads"
+            )
 
 
 class OptimConfig(_Strict):

@@ -14,7 +14,6 @@ from rollflow.tasks.model.teacher_forced import gather_log_probs, next_token_log
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.train.batch import TrainBatch
-from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.data_parallel import (
     DataParallel,
     all_reduce_grads,
@@ -23,14 +22,15 @@ from rollflow.tasks.train.data_parallel import (
     shard_rows,
     sum_stats,
 )
+from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.pinned import pinned_copy
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 
-
-def response_log_probs(model, batch: TrainBatch, temperature: float, with_entropy: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_log_probs(
+    model, batch: TrainBatch, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher-forced log-prob of every next token, target aligned [B, L-1], fp32.
 
     The numerics are tasks/model/teacher_forced.py's, which the `hf` engine also runs for
@@ -40,7 +40,8 @@ def response_log_probs(model, batch: TrainBatch, temperature: float, with_entrop
     log_probs = gather_log_probs(logits, batch.tokens)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return log_probs.cpu() if device.type != "cpu" else log_probs, (
-        entropy.cpu() if entropy is not None and device.type != "cpu" else entropy)
+        entropy.cpu() if entropy is not None and device.type != "cpu" else entropy
+    )
 
 
 def split_rows(batch: TrainBatch, size: int) -> list[TrainBatch]:
@@ -50,8 +51,15 @@ def split_rows(batch: TrainBatch, size: int) -> list[TrainBatch]:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model, optim: OptimConfig, *, temperature: float = 1.0, keep_ref: bool = True,
-                 dp: DataParallel | None = None):
+    def __init__(
+        self,
+        model,
+        optim: OptimConfig,
+        *,
+        temperature: float = 1.0,
+        keep_ref: bool = True,
+        dp: DataParallel | None = None,
+    ):
         torch.set_num_threads(optim.threads)
         torch.manual_seed(optim.seed)  # the same seed on every rank
         self.optim_cfg = optim
@@ -60,8 +68,10 @@ class TorchBackend:
         if dp is not None and dp.enabled and dp.backend == "nccl":
             device = torch.device(optim.device)
             if device.type != "cuda":
-                raise ValueError(f"DataParallel.backend='nccl' needs train.device=cuda (got {optim.device!r}); "
-                                 "use backend='gloo' on CPU")
+                raise ValueError(
+                    f"DataParallel.backend='nccl' needs train.device=cuda (got {optim.device!r}); "
+                    "use backend='gloo' on CPU"
+                )
             if device.index is not None:
                 torch.cuda.set_device(device)  # NCCL binds each rank to its current device
         # None on one rank: then nothing below runs a collective and the numerics are the single-rank ones.
@@ -77,7 +87,9 @@ class TorchBackend:
         # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if keep_ref else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
+            self.model.parameters(),
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
             betas=(optim.adam_beta1, optim.adam_beta2),
         )
 
@@ -144,8 +156,14 @@ class TorchBackend:
         # anyway, the old/ref log-probs are then bitwise the single-rank ones on every rank, and this
         # method can be called on one rank alone (alignment checks). The cost is redundant forwards.
         self.progress.tick()
-        return teacher_forced_log_probs(model, batch.tokens, batch.attention_mask, batch.position_ids,
-                                        temperature=self.temperature, micro_batch_size=self.optim_cfg.micro_batch_size)
+        return teacher_forced_log_probs(
+            model,
+            batch.tokens,
+            batch.attention_mask,
+            batch.position_ids,
+            temperature=self.temperature,
+            micro_batch_size=self.optim_cfg.micro_batch_size,
+        )
 
     def train(self, batch: TrainBatch, algo: AlgoConfig, on_step=None) -> dict[str, float]:
         """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats
@@ -176,10 +194,17 @@ class TorchBackend:
             self.optimizer.step()
             return float(grad_norm)
 
-        return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
-                               zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
-                               micro_step=micro_step, optimizer_step=optimizer_step,
-                               local_rows=local_rows, sum_stats=stats_sum, on_step=on_step)
+        return minibatch_steps(
+            batch,
+            self.optim_cfg.num_steps_per_rollout,
+            self.optim_cfg.micro_batch_size,
+            zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+            micro_step=micro_step,
+            optimizer_step=optimizer_step,
+            local_rows=local_rows,
+            sum_stats=stats_sum,
+            on_step=on_step,
+        )
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -193,8 +218,10 @@ class TorchBackend:
 
     def checkpoint_bytes(self) -> bytes:
         buf = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "rng": torch.get_rng_state()}, buf)
+        torch.save(
+            {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
+            buf,
+        )
         return buf.getvalue()
 
     def load_checkpoint_bytes(self, data: bytes) -> None:

@@ -26,8 +26,11 @@ TURN_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_b
 
 
 def units_from_metadata(metadata: dict[str, Any]) -> list[Unit]:
-    return [(int(t["start"]), int(t["end"]), float(t["reward"])) for t in metadata.get("turns") or []
-            if isinstance(t, dict) and t.get("reward") is not None]
+    return [
+        (int(t["start"]), int(t["end"]), float(t["reward"]))
+        for t in metadata.get("turns") or []
+        if isinstance(t, dict) and t.get("reward") is not None
+    ]
 
 
 def turn_units(samples: Any) -> list[list[Unit]] | None:
@@ -49,8 +52,9 @@ def turn_units(samples: Any) -> list[list[Unit]] | None:
     return units if any(units) else None
 
 
-def _token_rewards(reward: float, mask: torch.Tensor,
-                   units: list[Unit]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, float]]]:
+def _token_rewards(
+    reward: float, mask: torch.Tensor, units: list[Unit]
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, float]]]:
     """The per-token reward of one sample and its credit units as (loss-token indices, reward)."""
     tokens = torch.full_like(mask, reward)
     covered = torch.zeros(mask.shape, dtype=torch.bool)
@@ -67,13 +71,25 @@ def _token_rewards(reward: float, mask: torch.Tensor,
     return tokens, out
 
 
-def turn_advantages(estimator: str, rewards: torch.Tensor, masks: list[torch.Tensor], group_size: int,
-                    units: list[list[Unit]], *, normalize_std: bool, penalty: list[torch.Tensor], gamma: float,
-                    eps: float, whiten_eps: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def turn_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    masks: list[torch.Tensor],
+    group_size: int,
+    units: list[list[Unit]],
+    *,
+    normalize_std: bool,
+    penalty: list[torch.Tensor],
+    gamma: float,
+    eps: float,
+    whiten_eps: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`compute_advantages` with turn rewards (masks in the rewards' dtype; `penalty` the per-token KL penalty)."""
     if estimator not in TURN_ESTIMATORS:
-        raise ValueError(f"turn-level rewards (metadata turns with 'reward') work with {TURN_ESTIMATORS}, not "
-                         f"algo.advantage_estimator={estimator!r}; pick one of those")
+        raise ValueError(
+            f"turn-level rewards (metadata turns with 'reward') work with {TURN_ESTIMATORS}, not "
+            f"algo.advantage_estimator={estimator!r}; pick one of those"
+        )
     if len(units) != len(masks):
         raise ValueError(f"turn units for {len(units)} samples, {len(masks)} masks")
     per_sample = [_token_rewards(float(rewards[i]), masks[i], units[i]) for i in range(len(masks))]
@@ -88,8 +104,9 @@ def turn_advantages(estimator: str, rewards: torch.Tensor, masks: list[torch.Ten
         return whiten(returns, masks, eps=whiten_eps), returns
     advantages = []
     for g in range(0, len(masks), group_size):
-        values = torch.tensor([v for _, credit in per_sample[g:g + group_size] for _, v in credit],
-                              dtype=rewards.dtype)
+        values = torch.tensor(
+            [v for _, credit in per_sample[g : g + group_size] for _, v in credit], dtype=rewards.dtype
+        )
         constant = values.numel() == 0 or bool((values == values[0]).all())
         mean = values[0] if constant else values.mean()
         std = values.std(unbiased=True) if values.numel() > 1 else values.new_zeros(())
@@ -98,8 +115,7 @@ def turn_advantages(estimator: str, rewards: torch.Tensor, masks: list[torch.Ten
             adv = (tokens - mean) if not constant else torch.zeros_like(tokens)
             if estimator in ("grpo", "gspo") and normalize_std and not constant:
                 adv = adv / (std + eps)
-            advantages.append(adv * (masks[i] > 0) if estimator != "reinforce_plus_plus_baseline"
-                              else adv - penalty[i])
+            advantages.append(adv * (masks[i] > 0) if estimator != "reinforce_plus_plus_baseline" else adv - penalty[i])
     if estimator == "reinforce_plus_plus_baseline":
         advantages = whiten(advantages, masks, eps=whiten_eps)
     return advantages, [a.clone() for a in advantages]

@@ -52,6 +52,7 @@ BucketSource = Callable[[int, "str | None"], Iterable[list[tuple[str, torch.Tens
 
 def dict_buckets(named_tensors: NamedTensors) -> BucketSource:
     """Buckets of a callable's whole dict (one snapshot per sync), sized in the sent dtype."""
+
     def source(bucket_bytes: int, dtype: str | None):
         named = named_tensors()
         sent = ((name, t if dtype is None else t.to(DTYPES[dtype])) for name, t in named.items())
@@ -87,8 +88,14 @@ class WeightSender:
         self._current: list[tuple[str, torch.Tensor]] | None = None
 
     # -- tensor path (CUDA IPC) -------------------------------------------------------------------
-    def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None,
-                  device: str | None = None, flattened: bool = False) -> None:
+    def ipc_begin(
+        self,
+        bucket_bytes: int,
+        tp_size: int = 1,
+        dtype: str | None = None,
+        device: str | None = None,
+        flattened: bool = False,
+    ) -> None:
         """Start a sync: `ipc_next` then gives the buckets until one says it is the last. `tp_size`: payload
         copies per bucket (1 when every engine TP rank takes the payload of the trainer rank on its own GPU; 0 for
         a rank no engine reads from, which only steps along); `flattened`: SGLang's load_format="flattened_bucket"."""
@@ -106,12 +113,17 @@ class WeightSender:
         pairs, last = next(self._stream)
         tp_size, device, flattened = self._ipc_args
         visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
-        out = IpcBucket(payloads=[], names=[n for n, _ in pairs], last=last,
-                        nbytes=sum(t.numel() * t.element_size() for _, t in pairs),
-                        gpu=visible.split(",")[0] if visible else None)
+        out = IpcBucket(
+            payloads=[],
+            names=[n for n, _ in pairs],
+            last=last,
+            nbytes=sum(t.numel() * t.element_size() for _, t in pairs),
+            gpu=visible.split(",")[0] if visible else None,
+        )
         if tp_size and pairs:
-            bucket = next(ipc_buckets(pairs, 1 << 62, tp_size=tp_size, device=device,
-                                      flattened=flattened))  # the source's bucket, as one IPC bucket
+            bucket = next(
+                ipc_buckets(pairs, 1 << 62, tp_size=tp_size, device=device, flattened=flattened)
+            )  # the source's bucket, as one IPC bucket
             self._held = bucket
             out = dataclasses.replace(out, payloads=list(bucket.payloads), nbytes=int(bucket.nbytes))
         return out
@@ -129,13 +141,27 @@ class WeightSender:
     def in_group(self) -> bool:
         return self._group is not None
 
-    def join_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                   backend: str = "nccl", timeout_s: float = 600.0) -> None:
+    def join_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
         """Rank 0 of the group (blocks until every engine rank has joined). A previous group (engines
         restarted since) is destroyed first."""
         self.leave_group()
-        self._group = init_weight_group(master_address, master_port, rank=0, world_size=world_size,
-                                        group_name=group_name, backend=backend, timeout_s=timeout_s)
+        self._group = init_weight_group(
+            master_address,
+            master_port,
+            rank=0,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
 
     def buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:
         """Start a broadcast sync: `next_bucket` / `broadcast_current` then go bucket by bucket."""

@@ -18,8 +18,8 @@ import torch
 from rollflow.artifacts.pipeline_meta import trained_rows
 from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.slime import check_token_ids
-from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.artifacts.storage import open_fs
+from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
@@ -27,26 +27,34 @@ from rollflow.tasks.progress import Progress, progress_of
 from rollflow.tasks.sync.capabilities import weights_in_place
 from rollflow.tasks.sync.parity import checksums, tensor_prefix
 from rollflow.tasks.train.capabilities import BucketExporter, KnowsVocabSize, Offloadable, Sharded
+from rollflow.tasks.train.checkpoint import (
+    checkpoint_dir,
+    distributed_payload,
+    is_distributed_payload,
+    load_checkpoint,
+    load_state,
+    save_checkpoint,
+    save_state,
+)
 from rollflow.tasks.train.critic import CriticEstimate
-from rollflow.tasks.train.checkpoint import (checkpoint_dir, distributed_payload, is_distributed_payload,
-                                             load_checkpoint, load_state, save_checkpoint, save_state)
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.dump import train_dump_bytes
-from rollflow.tasks.train.records import records_bytes, sample_records
 from rollflow.tasks.train.megatron.backend import build_megatron_backend  # megatron-core itself loads on use
 from rollflow.tasks.train.mismatch import corrects
-from rollflow.tasks.train.results import BroadcastBucket, IpcBucket, TrainerDescription
-from rollflow.tasks.train.replay import infer_group_size, subsample_groups
 from rollflow.tasks.train.probe import probe_log_probs
+from rollflow.tasks.train.records import records_bytes, sample_records
+from rollflow.tasks.train.replay import infer_group_size, subsample_groups
+from rollflow.tasks.train.results import BroadcastBucket, IpcBucket, TrainerDescription
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.step import train_on_samples
 from rollflow.tasks.train.torch_backend import TorchBackend
 from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
 
-
-MEGATRON_DP_REFUSED = ("multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer "
-                       "(train.device=cuda, train.megatron.optimizer=auto|megatron): megatron-core's DDP, schedule and "
-                       "optimizer allocate CUDA tensors; use train.backend=torch for data parallel on CPU, or trainer_gpus=1")
+MEGATRON_DP_REFUSED = (
+    "multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer "
+    "(train.device=cuda, train.megatron.optimizer=auto|megatron): megatron-core's DDP, schedule and "
+    "optimizer allocate CUDA tensors; use train.backend=torch for data parallel on CPU, or trainer_gpus=1"
+)
 
 
 def megatron_multi_rank_refusal(optim: OptimConfig) -> str | None:
@@ -64,8 +72,9 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp
         # Refused before anything loads or joins a group.
         raise NotImplementedError(f"{why} (got world_size={dp.world_size})")
     if optim.backend == "megatron":
-        return build_megatron_backend(resolve_model_path(model_spec), optim, temperature=temperature,
-                                      dp=dp if multi_rank else None)
+        return build_megatron_backend(
+            resolve_model_path(model_spec), optim, temperature=temperature, dp=dp if multi_rank else None
+        )
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
 
@@ -75,9 +84,19 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp
 
 
 class TrainWorker:
-    def __init__(self, model_spec: str, optim: OptimConfig, algo: AlgoConfig, *, store_root: str, run: str,
-                 temperature: float = 1.0, resume_iteration: int | None = None,
-                 storage_options: dict | None = None, dp: DataParallel | None = None):
+    def __init__(
+        self,
+        model_spec: str,
+        optim: OptimConfig,
+        algo: AlgoConfig,
+        *,
+        store_root: str,
+        run: str,
+        temperature: float = 1.0,
+        resume_iteration: int | None = None,
+        storage_options: dict | None = None,
+        dp: DataParallel | None = None,
+    ):
         """`dp`: this worker is one rank of a data-parallel trainer (one TrainWorker per rank, all built
         concurrently: construction blocks until every rank has joined)."""
         self.optim = optim
@@ -88,7 +107,7 @@ class TrainWorker:
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
         self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp)
-        # No rank holds the whole state (megatron tp / pp > 1, ...): checkpoints are distributed, weight reads collective.
+        # No rank holds the whole state (megatron tp / pp > 1): checkpoints are distributed, weight reads collective.
         self.sharded = isinstance(self.backend, Sharded) and bool(self.backend.sharded)
         self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call
         self._consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
@@ -103,9 +122,11 @@ class TrainWorker:
             if self.sharded:
                 self._load_distributed(resume_iteration, payload)
             elif is_distributed_payload(payload):
-                raise ValueError(f"checkpoint {resume_iteration} of run {run!r} is a sharded megatron trainer's "
-                                 "(Megatron's distributed format); this trainer holds the whole state and cannot read "
-                                 "it: resume with the train.megatron layout and trainer_gpus that wrote it")
+                raise ValueError(
+                    f"checkpoint {resume_iteration} of run {run!r} is a sharded megatron trainer's "
+                    "(Megatron's distributed format); this trainer holds the whole state and cannot read "
+                    "it: resume with the train.megatron layout and trainer_gpus that wrote it"
+                )
             else:
                 self.backend.load_checkpoint_bytes(payload)
 
@@ -123,10 +144,13 @@ class TrainWorker:
 
     def describe(self) -> TrainerDescription:
         """Backend and data-parallel placement of this worker (for logs and checks)."""
-        return TrainerDescription(backend=self.backend.name, rank=self.dp.rank if self.dp else 0,
-                                  world_size=self.dp.world_size if self.dp else 1,
-                                  dp_backend=self.dp.backend if self.dp and self.dp.enabled else None,
-                                  sharded=self.sharded)
+        return TrainerDescription(
+            backend=self.backend.name,
+            rank=self.dp.rank if self.dp else 0,
+            world_size=self.dp.world_size if self.dp else 1,
+            dp_backend=self.dp.backend if self.dp and self.dp.enabled else None,
+            sharded=self.sharded,
+        )
 
     def load_artifact(self, ref: ArtifactRef) -> int:
         """Load (and checksum) a rollout artifact ahead of `train_on_artifact`; returns its sample count.
@@ -150,9 +174,16 @@ class TrainWorker:
     def _vocab_size(self) -> int | None:
         return self.backend.vocab_size if isinstance(self.backend, KnowsVocabSize) else None
 
-    def train_on_artifact(self, ref: ArtifactRef, *, subsample: float | None = None,
-                          dump_uri: str | None = None, reward_key: str | None = None,
-                          critic: CriticEstimate | None = None, record_uri: str | None = None) -> dict[str, float]:
+    def train_on_artifact(
+        self,
+        ref: ArtifactRef,
+        *,
+        subsample: float | None = None,
+        dump_uri: str | None = None,
+        reward_key: str | None = None,
+        critic: CriticEstimate | None = None,
+        record_uri: str | None = None,
+    ) -> dict[str, float]:
         """`critic`: advantage_estimator='ppo' only, the critic actor's estimate for this same artifact;
         `record_uri`: where the per-sample train records go (tasks/train/records.py; stage replay reads them)."""
         if critic is not None and subsample is not None:
@@ -162,8 +193,13 @@ class TrainWorker:
         artifact = self._artifact(ref)
         samples = artifact.columns  # the batch is built from the columns: no Python object per token
         # An id >= the vocab would be an IndexError deep in the forward (a device-side assert on GPU).
-        check_token_ids(samples, self._vocab_size(), rollout_id=artifact.manifest.rollout_id,
-                        split=artifact.manifest.split, uri=ref.uri)
+        check_token_ids(
+            samples,
+            self._vocab_size(),
+            rollout_id=artifact.manifest.rollout_id,
+            split=artifact.manifest.split,
+            uri=ref.uri,
+        )
         if reward_key is not None:  # the run's key of dict rewards wins over the samples' own (as slime)
             samples = samples.with_reward_key(reward_key)
         # Groups kept in the artifact but not trained (dynamic-sampling filter, partial rollouts): a replay of
@@ -182,8 +218,14 @@ class TrainWorker:
                 f"log-probs, but rollout {artifact.manifest.rollout_id} was imported without them; turn them off "
                 "for this replay"
             )
-        result = train_on_samples(self.backend, samples, self.algo, group_size=group_size,
-                                  compute_ref=self.optim.compute_ref_log_probs, critic=critic)
+        result = train_on_samples(
+            self.backend,
+            samples,
+            self.algo,
+            group_size=group_size,
+            compute_ref=self.optim.compute_ref_log_probs,
+            critic=critic,
+        )
         self._steps = result.steps
         self._count_skips(result.steps, artifact.manifest.rollout_id)
         if dump_uri is not None and self.is_primary:
@@ -208,53 +250,83 @@ class TrainWorker:
             self._consecutive_skips += 1
             logging.getLogger("rollflow.train").warning(
                 "rollout %d, optimizer step %d/%d skipped: loss=%s grad_norm=%s (not finite); the weights are "
-                "unchanged (%d in a row)", rollout_id, index + 1, len(steps), step.get("loss"),
-                step.get("grad_norm"), self._consecutive_skips)
+                "unchanged (%d in a row)",
+                rollout_id,
+                index + 1,
+                len(steps),
+                step.get("loss"),
+                step.get("grad_norm"),
+                self._consecutive_skips,
+            )
         limit = self.algo.max_consecutive_skipped_steps
         if self._consecutive_skips >= limit:
             raise FloatingPointError(
                 f"{self._consecutive_skips} optimizer steps in a row had a NaN/inf loss or grad norm (last: rollout "
                 f"{rollout_id}); stopped before more are lost (algo.max_consecutive_skipped_steps={limit}). "
-                f"Replay that rollout with a dump (`rollflow replay`, debug.dump_details) to see which tokens")
+                f"Replay that rollout with a dump (`rollflow replay`, debug.dump_details) to see which tokens"
+            )
 
     def train_steps(self) -> list[dict[str, float]]:
         """Each optimizer step's statistics of the last `train_on_artifact` / `replay_step` (global on every
         rank, like its metrics). Kept apart from the metrics so their dict stays one row of floats."""
         return list(self._steps)
 
-    def replay_step(self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str,
-                    subsample: float | None = None, dump_uri: str | None = None,
-                    reward_key: str | None = None) -> dict[str, float]:
+    def replay_step(
+        self,
+        ref: ArtifactRef,
+        *,
+        start_state_uri: str | None,
+        out_state_uri: str,
+        subsample: float | None = None,
+        dump_uri: str | None = None,
+        reward_key: str | None = None,
+    ) -> dict[str, float]:
         """Train on one pinned artifact from a given state, and save the resulting state."""
         if self.sharded:
-            return self._replay_step_distributed(ref, start_state_uri=start_state_uri, out_state_uri=out_state_uri,
-                                                 subsample=subsample, dump_uri=dump_uri, reward_key=reward_key)
-        start = load_state(start_state_uri, storage_options=self.storage_options) if start_state_uri \
+            return self._replay_step_distributed(
+                ref,
+                start_state_uri=start_state_uri,
+                out_state_uri=out_state_uri,
+                subsample=subsample,
+                dump_uri=dump_uri,
+                reward_key=reward_key,
+            )
+        start = (
+            load_state(start_state_uri, storage_options=self.storage_options)
+            if start_state_uri
             else self._initial_state
+        )
         if is_distributed_payload(start):
-            raise ValueError(f"trainer state {start_state_uri} is a sharded trainer's (Megatron distributed checkpoint); "
-                             "this trainer holds the whole state: replay with the layout that wrote it")
+            raise ValueError(
+                f"trainer state {start_state_uri} is a sharded trainer's (Megatron distributed checkpoint); "
+                "this trainer holds the whole state: replay with the layout that wrote it"
+            )
         self.backend.load_checkpoint_bytes(start)
         metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri, reward_key=reward_key)
         if self.is_primary:  # every rank holds the same state after the step
             save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
         return metrics
 
-    def _replay_step_distributed(self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str,
-                                 **train_kwargs) -> dict[str, float]:
+    def _replay_step_distributed(
+        self, ref: ArtifactRef, *, start_state_uri: str | None, out_state_uri: str, **train_kwargs
+    ) -> dict[str, float]:
         """`replay_step` of a sharded trainer: the states are Megatron distributed checkpoints in a `dist/` folder
         beside the state file, which holds the format's stub and is committed (sidecar) after every rank wrote."""
         if start_state_uri:
             payload = load_state(start_state_uri, storage_options=self.storage_options)
             if not is_distributed_payload(payload):
-                raise ValueError(f"trainer state {start_state_uri} holds a whole (single-rank) state; this trainer is "
-                                 "sharded and loads Megatron's distributed checkpoints: replay with the layout that "
-                                 "wrote it, or without the cache (--no-cache)")
+                raise ValueError(
+                    f"trainer state {start_state_uri} holds a whole (single-rank) state; this trainer is "
+                    "sharded and loads Megatron's distributed checkpoints: replay with the layout that "
+                    "wrote it, or without the cache (--no-cache)"
+                )
             self.backend.load_distributed(self._state_dist_dir(start_state_uri))
         elif self._trained:
             # The initial state of a sharded trainer is the model it started from, not a copy kept in memory.
-            raise RuntimeError("a sharded trainer replays from its initial state only before it has trained: start "
-                               "a new replay (its workers start from the model)")
+            raise RuntimeError(
+                "a sharded trainer replays from its initial state only before it has trained: start "
+                "a new replay (its workers start from the model)"
+            )
         metrics = self.train_on_artifact(ref, **train_kwargs)
         self._write_shards(self._state_dist_dir(out_state_uri), f"replay state {out_state_uri}")
         if self.is_primary:
@@ -279,13 +351,24 @@ class TrainWorker:
             return self._save_distributed(iteration, extra)
         if not self.is_primary:
             return checkpoint_dir(open_fs(self.store_root, self.storage_options)[1], self.run, iteration)
-        bad = [name for name, t in self.backend.named_weights().items()
-               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        bad = [
+            name
+            for name, t in self.backend.named_weights().items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        ]
         if bad:  # skipped steps keep NaN out of the weights; this is the last line of defence
-            raise FloatingPointError(f"not writing checkpoint {iteration}: {len(bad)} weight tensors hold NaN/inf "
-                                     f"(first: {bad[0]}); the last good checkpoint is kept")
-        return save_checkpoint(self.store_root, self.run, iteration, self.backend.checkpoint_bytes(),
-                               extra=extra, storage_options=self.storage_options)
+            raise FloatingPointError(
+                f"not writing checkpoint {iteration}: {len(bad)} weight tensors hold NaN/inf "
+                f"(first: {bad[0]}); the last good checkpoint is kept"
+            )
+        return save_checkpoint(
+            self.store_root,
+            self.run,
+            iteration,
+            self.backend.checkpoint_bytes(),
+            extra=extra,
+            storage_options=self.storage_options,
+        )
 
     def _dist_dir(self, iteration: int) -> str:
         import os
@@ -303,9 +386,11 @@ class TrainWorker:
         """`uri` as a local path every rank can write (distributed checkpoints), or one line naming the fix."""
         fs, path = open_fs(uri, self.storage_options)
         if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-            raise ValueError(f"store.root={self.store_root!r}: a sharded megatron trainer writes Megatron's distributed "
-                             "checkpoints with every rank on a filesystem path all ranks share (local disk on one "
-                             "host, NFS / Lustre across hosts); object stores are not supported for them yet")
+            raise ValueError(
+                f"store.root={self.store_root!r}: a sharded megatron trainer writes Megatron's distributed "
+                "checkpoints with every rank on a filesystem path all ranks share (local disk on one "
+                "host, NFS / Lustre across hosts); object stores are not supported for them yet"
+            )
         return path
 
     def _save_distributed(self, iteration: int, extra: dict | None) -> str:
@@ -315,8 +400,14 @@ class TrainWorker:
         self._write_shards(path, f"checkpoint {iteration}", "; the last good checkpoint is kept")
         if not self.is_primary:
             return str(path.rsplit("/", 1)[0])
-        return save_checkpoint(self.store_root, self.run, iteration, distributed_payload(), extra=extra,
-                               storage_options=self.storage_options)
+        return save_checkpoint(
+            self.store_root,
+            self.run,
+            iteration,
+            distributed_payload(),
+            extra=extra,
+            storage_options=self.storage_options,
+        )
 
     def _write_shards(self, path: str, what: str, kept: str = "") -> None:
         """Every rank's shards into `path` (Megatron's own commit marker last, rank 0 after a barrier), an earlier
@@ -331,9 +422,11 @@ class TrainWorker:
 
     def _load_distributed(self, iteration: int, payload: bytes) -> None:
         if not is_distributed_payload(payload):
-            raise ValueError(f"checkpoint {iteration} of run {self.run!r} was written by a trainer that held the whole "
-                             "state (one file); this trainer is sharded and loads Megatron's distributed checkpoints: "
-                             "resume it with the layout that wrote it, or start a new run from the HF model")
+            raise ValueError(
+                f"checkpoint {iteration} of run {self.run!r} was written by a trainer that held the whole "
+                "state (one file); this trainer is sharded and loads Megatron's distributed checkpoints: "
+                "resume it with the layout that wrote it, or start a new run from the HF model"
+            )
         self.backend.load_distributed(self._dist_dir(iteration))
 
     def score_probe(self, samples: list[Sample]) -> list[list[float]]:
@@ -385,6 +478,7 @@ class TrainWorker:
         if self._weight_sender is None:
             backend = self.backend
             if isinstance(backend, BucketExporter):  # megatron: streamed per layer, no whole-model copy
+
                 def source(size: int, dtype: str | None):  # (a collective when sharded)
                     return backend.export_buckets(size, DTYPES[dtype] if dtype else None)
             else:
@@ -421,8 +515,9 @@ class TrainWorker:
     def weight_group_address(self) -> tuple[str, int]:
         return self._sender().group_address()
 
-    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str = "nccl") -> None:
+    def join_weight_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl"
+    ) -> None:
         self._sender().join_group(master_address, master_port, world_size, group_name, backend)
 
     def weight_buckets_begin(self, bucket_bytes: int, dtype: str | None = None) -> None:

@@ -35,47 +35,67 @@ class SGLangConfig(BaseModel):
 
     urls: list[str] = Field(
         default_factory=list,
-        description="already running SGLang servers (http://host:port); set = launch nothing, balance over these")
+        description="already running SGLang servers (http://host:port); set = launch nothing, balance over these",
+    )
     launcher: list[str] = Field(
         default_factory=list,
         description="program that replaces `{python} -m sglang.launch_server` (a wrapper such as nsys, or a test "
-                    "double); the server flags are appended")
+        "double); the server flags are appended",
+    )
     python: Optional[str] = Field(None, description="interpreter that has SGLang (default: this one)")
     host: str = Field(
         "127.0.0.1",
         description="address launched servers bind; 127.0.0.1 keeps them private to their node (the rollout worker "
-                    "must then run there too); 0.0.0.0 lets engines on other nodes of the Ray cluster be reached at "
-                    "their node's IP")
-    tp_size: Optional[int] = Field(None, ge=1, description="tensor parallel size (default: resources.gpus_per_engine, or 1)")
+        "must then run there too); 0.0.0.0 lets engines on other nodes of the Ray cluster be reached at "
+        "their node's IP",
+    )
+    tp_size: Optional[int] = Field(
+        None, ge=1, description="tensor parallel size (default: resources.gpus_per_engine, or 1)"
+    )
     port: Optional[int] = Field(None, ge=1, le=65535, description="server port on 127.0.0.1 (default: a free one)")
     mem_fraction_static: Optional[float] = Field(
-        None, gt=0, lt=1, description="--mem-fraction-static (default: SGLang's; placement=colocate: "
-                                      f"{FIT_LIMIT:g} - colocate_trainer_fraction)")
+        None,
+        gt=0,
+        lt=1,
+        description="--mem-fraction-static (default: SGLang's; placement=colocate: "
+        f"{FIT_LIMIT:g} - colocate_trainer_fraction)",
+    )
     colocate_trainer_fraction: float = Field(
-        0.4, gt=0, lt=1, description="placement=colocate: share of each GPU the trainer rank keeps (weights, "
-                                     "gradients, optimizer states, activations); engine + trainer must fit")
+        0.4,
+        gt=0,
+        lt=1,
+        description="placement=colocate: share of each GPU the trainer rank keeps (weights, "
+        "gradients, optimizer states, activations); engine + trainer must fit",
+    )
     dtype: Optional[str] = Field(None, description="--dtype (default: bfloat16; rollout.dtype when that is set)")
     skip_tokenizer_init: bool = Field(True, description="token ids in and out; rollflow decodes with its own tokenizer")
-    memory_saver: bool = Field(False, description="--enable-memory-saver: release/resume weights and KV cache "
-                                                  "(turned on by offload=true)")
+    memory_saver: bool = Field(
+        False, description="--enable-memory-saver: release/resume weights and KV cache (turned on by offload=true)"
+    )
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="any other SGLang server flag, e.g. {'disable-cuda-graph': true, 'speculative-algorithm': "
-                    "'EAGLE', 'moe-a2a-backend': 'deepep'}; CLI: --sglang-<flag>[=value]")
+        "'EAGLE', 'moe-a2a-backend': 'deepep'}; CLI: --sglang-<flag>[=value]",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server process")
     startup_timeout_s: float = Field(900.0, gt=0, description="wait this long for /health after launch")
     request_timeout_s: float = Field(3600.0, gt=0)
     max_inflight: int = Field(256, ge=1, description="concurrent /generate requests per engine call")
     load_balance: Literal["round_robin", "least_outstanding"] = "least_outstanding"
     n_mode: Literal["repeat", "native"] = Field(
-        "repeat", description="repeat: one request per sample (abortable one by one); native: sampling_params.n")
+        "repeat", description="repeat: one request per sample (abortable one by one); native: sampling_params.n"
+    )
     weight_sync: Literal["auto", "disk", "tensor", "distributed"] = Field(
-        "auto", description="auto: tensor when colocated, disk when disaggregated")
+        "auto", description="auto: tensor when colocated, disk when disaggregated"
+    )
     weight_sync_backend: Literal["nccl", "gloo"] = Field(
-        "nccl", description="process-group backend of weight_sync=distributed (gloo: CPU-only test setups)")
+        "nccl", description="process-group backend of weight_sync=distributed (gloo: CPU-only test setups)"
+    )
     bucket_mb: int = Field(512, ge=1, description="weights per update request / broadcast bucket, in MiB")
     weight_dir: Optional[str] = Field(None, description="where disk weight updates are written (default: a temp dir)")
-    seeded: bool = Field(False, description="send sampling_seed (SGLang honours it with --enable-deterministic-inference)")
+    seeded: bool = Field(
+        False, description="send sampling_seed (SGLang honours it with --enable-deterministic-inference)"
+    )
     log_tail_lines: int = Field(40, ge=1, description="server log lines quoted when the server dies")
 
     @field_validator("args")
@@ -86,8 +106,10 @@ class SGLangConfig(BaseModel):
         for key in args:
             spec = flags.get(key)
             if spec.field in MANAGED_FIELDS:
-                raise ValueError(f"rollout.sglang.args sets {spec.flag}, which rollflow sets from "
-                                 f"{MANAGED_FIELDS[spec.field]}; use that field")
+                raise ValueError(
+                    f"rollout.sglang.args sets {spec.flag}, which rollflow sets from "
+                    f"{MANAGED_FIELDS[spec.field]}; use that field"
+                )
         return args
 
     @field_validator("urls")
@@ -110,11 +132,15 @@ def colocated_mem_fraction(cfg: SGLangConfig) -> float:
     limit = round(FIT_LIMIT - cfg.colocate_trainer_fraction, 4)
     if cfg.mem_fraction_static is None:
         if limit <= 0.05:
-            raise ValueError(f"rollout.sglang.colocate_trainer_fraction={cfg.colocate_trainer_fraction:g} leaves no "
-                             f"memory for a colocated engine (engine + trainer <= {FIT_LIMIT:g}); lower it")
+            raise ValueError(
+                f"rollout.sglang.colocate_trainer_fraction={cfg.colocate_trainer_fraction:g} leaves no "
+                f"memory for a colocated engine (engine + trainer <= {FIT_LIMIT:g}); lower it"
+            )
         return limit
     if cfg.mem_fraction_static > limit:
-        raise ValueError(f"rollout.sglang.mem_fraction_static={cfg.mem_fraction_static:g} + rollout.sglang."
-                         f"colocate_trainer_fraction={cfg.colocate_trainer_fraction:g} > {FIT_LIMIT:g}: a colocated "
-                         f"engine and trainer rank do not fit on one GPU; set mem_fraction_static <= {limit:g}")
+        raise ValueError(
+            f"rollout.sglang.mem_fraction_static={cfg.mem_fraction_static:g} + rollout.sglang."
+            f"colocate_trainer_fraction={cfg.colocate_trainer_fraction:g} > {FIT_LIMIT:g}: a colocated "
+            f"engine and trainer rank do not fit on one GPU; set mem_fraction_static <= {limit:g}"
+        )
     return cfg.mem_fraction_static

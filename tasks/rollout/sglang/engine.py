@@ -90,12 +90,25 @@ class _Inflight:
 class SGLangEngine(WeightReceiver):
     """A RolloutEngine over one or more SGLang servers (URLs; optionally the processes behind them)."""
 
-    def __init__(self, urls: Sequence[str] | str, *, servers: Sequence[SGLangServer] = (), model_name: str = "model",
-                 weight_version: int = 0, tp_sizes: Sequence[int] | int = 1, request_timeout: float = 3600.0,
-                 max_inflight: int = 256, load_balance: str = "least_outstanding", n_mode: str = "repeat",
-                 seeded: bool = False, weight_sync: str = "disk", weight_dir: str | Path | None = None,
-                 config_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
-                 tensor_device: str | None = None):
+    def __init__(
+        self,
+        urls: Sequence[str] | str,
+        *,
+        servers: Sequence[SGLangServer] = (),
+        model_name: str = "model",
+        weight_version: int = 0,
+        tp_sizes: Sequence[int] | int = 1,
+        request_timeout: float = 3600.0,
+        max_inflight: int = 256,
+        load_balance: str = "least_outstanding",
+        n_mode: str = "repeat",
+        seeded: bool = False,
+        weight_sync: str = "disk",
+        weight_dir: str | Path | None = None,
+        config_dir: str | Path | None = None,
+        bucket_bytes: int = 512 * 2**20,
+        tensor_device: str | None = None,
+    ):
         import httpx
 
         self.urls = [urls] if isinstance(urls, str) else list(urls)
@@ -119,9 +132,10 @@ class SGLangEngine(WeightReceiver):
         self.config_dir = Path(config_dir) if config_dir else None
         self.bucket_bytes = bucket_bytes
         self.tensor_device = tensor_device
-        self.client = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=10.0),
-                                   limits=httpx.Limits(max_connections=max_inflight + 16,
-                                                       max_keepalive_connections=max_inflight + 16))
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(request_timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=max_inflight + 16, max_keepalive_connections=max_inflight + 16),
+        )
         self.weight_group: str | None = None  # the trainer's weight-update group these servers joined
         self.released: dict[str, set[str]] = {u: set() for u in self.urls}  # memory tags released, per server
         self.idle_timeout_s = 300.0  # how long a release waits for the server to become idle
@@ -161,8 +175,9 @@ class SGLangEngine(WeightReceiver):
         for i, req in enumerate(requests):
             if self.n_mode == "native":
                 seeds = [self._seed(params, sample + j) for j in range(req.n)]
-                jobs.append((i, req.prompt_ids, req.n, request_id(prefix, i),
-                             seeds if seeds[0] is not None else [None]))
+                jobs.append(
+                    (i, req.prompt_ids, req.n, request_id(prefix, i), seeds if seeds[0] is not None else [None])
+                )
                 sample += req.n
             else:
                 for j in range(req.n):
@@ -198,14 +213,18 @@ class SGLangEngine(WeightReceiver):
             return None
         return sample_seed(params.seed, sample)
 
-    def _run_job(self, ids: list[int], params: SamplingParams, n: int, rid: str,
-                 seeds: list[int | None]) -> list[GenerationOutput]:
+    def _run_job(
+        self, ids: list[int], params: SamplingParams, n: int, rid: str, seeds: list[int | None]
+    ) -> list[GenerationOutput]:
         if self._abort.is_set():
             return [aborted_output() for _ in range(n)]
         if len(seeds) == n and n > 1:  # seeded native n: n samples with n seeds, as one batch request
             # children `rid` + `j.`: aborting `rid` aborts them all (as SGLang's own `rid_k` children of n)
-            payload = batch_payload(ids, [sampling_params_payload(params, seed=seed) for seed in seeds],
-                                    [f"{rid}{j}{RID_END}" for j in range(n)])
+            payload = batch_payload(
+                ids,
+                [sampling_params_payload(params, seed=seed) for seed in seeds],
+                [f"{rid}{j}{RID_END}" for j in range(n)],
+            )
         else:
             payload = generate_payload(ids, sampling_params_payload(params, n=n, seed=seeds[0]), rid)
         url = self.pool.acquire()
@@ -282,8 +301,9 @@ class SGLangEngine(WeightReceiver):
         import httpx
 
         try:
-            r = self.client.post(f"{url}{path}", json=payload if payload is not None else {},
-                                 timeout=timeout or self.request_timeout)
+            r = self.client.post(
+                f"{url}{path}", json=payload if payload is not None else {}, timeout=timeout or self.request_timeout
+            )
         except httpx.TransportError as exc:
             self._raise_if_died(url, during=path)
             raise SGLangRequestError(f"{url}{path} failed: {type(exc).__name__}: {exc}") from exc
@@ -362,8 +382,10 @@ class SGLangEngine(WeightReceiver):
                 self._raise_if_died(url, during="/flush_cache")
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() > deadline:
-                raise SGLangRequestError(f"{url} still busy after {attempts} /flush_cache attempts (last answer "
-                                         f"{last}): SGLang releases memory only on an idle server")
+                raise SGLangRequestError(
+                    f"{url} still busy after {attempts} /flush_cache attempts (last answer "
+                    f"{last}): SGLang releases memory only on an idle server"
+                )
             time.sleep(interval_s)
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -421,7 +443,8 @@ class SGLangEngine(WeightReceiver):
     def named_weights(self):
         raise NotImplementedError(
             "an SGLang engine does not export its weights; compare a few tensors with get_weights_by_name() "
-            "(SGLang's /get_weights_by_name) or checksum the directory written for a disk update")
+            "(SGLang's /get_weights_by_name) or checksum the directory written for a disk update"
+        )
 
     def shutdown(self) -> None:
         for server in self.servers.values():

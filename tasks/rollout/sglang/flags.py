@@ -82,7 +82,7 @@ def normalize_key(key: str) -> str:
     """'disable_cuda_graph', 'disable-cuda-graph' or '--disable-cuda-graph' -> '--disable-cuda-graph'."""
     key = key.strip()
     if key.startswith(CLI_PREFIX):
-        key = key[len(CLI_PREFIX):]
+        key = key[len(CLI_PREFIX) :]
     return "--" + key.lstrip("-").replace("_", "-")
 
 
@@ -195,8 +195,9 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
-def rewrite_cli_args(argv: list[str], *, target: str = "rollout.sglang.args",
-                     flags: FlagList | None = None) -> list[str]:
+def rewrite_cli_args(
+    argv: list[str], *, target: str = "rollout.sglang.args", flags: FlagList | None = None
+) -> list[str]:
     """`--sglang-<flag>[=value]` / `--sglang-<flag> value` -> `--set rollout.sglang.args.<flag>=value`.
 
     Switches need no value (`--sglang-disable-cuda-graph`); an unknown flag is an error naming the
@@ -343,8 +344,11 @@ def _field_flags(name: str, annotation: ast.AST) -> list[FlagSpec]:
 def _class_fields(tree: ast.Module, class_name: str) -> list[tuple[str, ast.AST]]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
-            return [(stmt.target.id, stmt.annotation) for stmt in node.body
-                    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)]
+            return [
+                (stmt.target.id, stmt.annotation)
+                for stmt in node.body
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            ]
     raise ValueError(f"class {class_name} not found")
 
 
@@ -356,8 +360,11 @@ def _manual_flags(tree: ast.Module) -> list[FlagSpec]:
             for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
                 if _call_name(call.func) != "add_argument":
                     continue
-                names = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
-                         and a.value.startswith("--")]
+                names = [
+                    a.value
+                    for a in call.args
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")
+                ]
                 if not names:
                     continue
                 action = _call_name(_kw(call, "action")) if _kw(call, "action") is not None else ""
@@ -387,9 +394,10 @@ def extract_flags(sglang_dir: Path) -> list[FlagSpec]:
     tree = ast.parse(server_args.read_text(), filename=str(server_args))
     namespaces: list[str] = []
     for node in tree.body:
-        if (isinstance(node, (ast.Assign, ast.AnnAssign))
-                and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES"
-                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+            isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES"
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        ):
             namespaces = [_call_name(e) for e in node.value.elts]
     if not namespaces:
         raise ValueError(f"{server_args}: no _INPUT_NAMESPACES list (an SGLang layout this extractor does not know)")
@@ -458,8 +466,12 @@ def _main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.wheel:
             with zipfile.ZipFile(args.wheel) as zf:
-                members = [m for m in zf.namelist() if (m.startswith("sglang/") and m.endswith(".py"))
-                           or re.match(r"sglang-[^/]+\.dist-info/METADATA$", m)]
+                members = [
+                    m
+                    for m in zf.namelist()
+                    if (m.startswith("sglang/") and m.endswith(".py"))
+                    or re.match(r"sglang-[^/]+\.dist-info/METADATA$", m)
+                ]
                 zf.extractall(tmp, members)
             root, source = Path(tmp) / "sglang", Path(args.wheel).name
         elif args.source:

@@ -26,16 +26,31 @@ def engine_dtype(rollout: RolloutConfig) -> str:
     return SGLANG_DEFAULT_DTYPE
 
 
-def launch_spec_for(model_dir: str | Path, rollout: RolloutConfig, *, port: int | None = None,
-                    base_gpu_id: int | None = None, weight_version: int | None = None) -> LaunchSpec:
+def launch_spec_for(
+    model_dir: str | Path,
+    rollout: RolloutConfig,
+    *,
+    port: int | None = None,
+    base_gpu_id: int | None = None,
+    weight_version: int | None = None,
+) -> LaunchSpec:
     """The launch settings of one engine's server from `rollout.sglang` (plus rollflow-managed fields)."""
     cfg = rollout.sglang
-    return LaunchSpec(model_path=str(model_dir), port=port or cfg.port or free_port(), tp_size=cfg.tp_size or 1,
-                      host=cfg.host,
-                      mem_fraction_static=cfg.mem_fraction_static, dtype=engine_dtype(rollout),
-                      skip_tokenizer_init=cfg.skip_tokenizer_init, enable_memory_saver=cfg.memory_saver,
-                      base_gpu_id=base_gpu_id, weight_version=weight_version, args=cfg.args,
-                      launcher=tuple(cfg.launcher), python=cfg.python)
+    return LaunchSpec(
+        model_path=str(model_dir),
+        port=port or cfg.port or free_port(),
+        tp_size=cfg.tp_size or 1,
+        host=cfg.host,
+        mem_fraction_static=cfg.mem_fraction_static,
+        dtype=engine_dtype(rollout),
+        skip_tokenizer_init=cfg.skip_tokenizer_init,
+        enable_memory_saver=cfg.memory_saver,
+        base_gpu_id=base_gpu_id,
+        weight_version=weight_version,
+        args=cfg.args,
+        launcher=tuple(cfg.launcher),
+        python=cfg.python,
+    )
 
 
 # torch's allocator settings: SGLang's memory saver (--enable-memory-saver) installs its own allocator
@@ -59,22 +74,42 @@ def server_env(rollout: RolloutConfig, gpu_ids: Sequence[str] | None) -> dict[st
     return env
 
 
-def engine_options(model_dir: str | Path, rollout: RolloutConfig, *, model_name: str, weight_version: int = 0) -> dict[str, Any]:
+def engine_options(
+    model_dir: str | Path, rollout: RolloutConfig, *, model_name: str, weight_version: int = 0
+) -> dict[str, Any]:
     """SGLangEngine keyword arguments from a RolloutConfig (everything but the servers)."""
     cfg = rollout.sglang
     weight_sync = "disk" if cfg.weight_sync == "auto" else cfg.weight_sync
     tensor_device = None
     if weight_sync == "tensor":
         tensor_device = "cuda" if torch.cuda.is_available() else None
-    return dict(model_name=model_name, weight_version=weight_version, tp_sizes=cfg.tp_size or 1,
-                request_timeout=cfg.request_timeout_s, max_inflight=cfg.max_inflight, load_balance=cfg.load_balance,
-                n_mode=cfg.n_mode, seeded=cfg.seeded, weight_sync=weight_sync, weight_dir=cfg.weight_dir,
-                config_dir=model_dir, tensor_device=tensor_device, bucket_bytes=cfg.bucket_mb * 2**20)
+    return dict(
+        model_name=model_name,
+        weight_version=weight_version,
+        tp_sizes=cfg.tp_size or 1,
+        request_timeout=cfg.request_timeout_s,
+        max_inflight=cfg.max_inflight,
+        load_balance=cfg.load_balance,
+        n_mode=cfg.n_mode,
+        seeded=cfg.seeded,
+        weight_sync=weight_sync,
+        weight_dir=cfg.weight_dir,
+        config_dir=model_dir,
+        tensor_device=tensor_device,
+        bucket_bytes=cfg.bucket_mb * 2**20,
+    )
 
 
-def engine_from_config(model_dir: str | Path, rollout: RolloutConfig, *, model_name: str, weight_version: int = 0,
-                       base_gpu_id: int | None = None, log_dir: str | Path | None = None,
-                       servers: Sequence[Any] | None = None) -> SGLangEngine:
+def engine_from_config(
+    model_dir: str | Path,
+    rollout: RolloutConfig,
+    *,
+    model_name: str,
+    weight_version: int = 0,
+    base_gpu_id: int | None = None,
+    log_dir: str | Path | None = None,
+    servers: Sequence[Any] | None = None,
+) -> SGLangEngine:
     """An SGLangEngine over `servers` (already launched, e.g. one Ray actor per engine: objects with the
     SGLangServer interface), over `rollout.sglang.urls`, or over one server launched here on loopback.
 
@@ -89,8 +124,13 @@ def engine_from_config(model_dir: str | Path, rollout: RolloutConfig, *, model_n
         return SGLangEngine(rollout.sglang.urls, **common)
     spec = launch_spec_for(model_dir, rollout, base_gpu_id=base_gpu_id, weight_version=weight_version)
     log_path = Path(log_dir) / f"sglang-{spec.port}.log" if log_dir else None
-    server = SGLangServer(spec, log_path=log_path, env=server_env(rollout, None),
-                          tail_lines=rollout.sglang.log_tail_lines, drop_env=dropped_env(rollout)).start()
+    server = SGLangServer(
+        spec,
+        log_path=log_path,
+        env=server_env(rollout, None),
+        tail_lines=rollout.sglang.log_tail_lines,
+        drop_env=dropped_env(rollout),
+    ).start()
     try:
         server.wait_healthy(rollout.sglang.startup_timeout_s)
     except BaseException:

@@ -11,12 +11,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 CONFIG_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
-def write_hf_checkpoint(named_tensors: Mapping[str, Any], out_dir: str | Path, *, config_dir: str | Path | None = None,
-                        config: Mapping[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+def write_hf_checkpoint(
+    named_tensors: Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    config_dir: str | Path | None = None,
+    config: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
     """Write HF-named tensors as `model.safetensors` (or shards + `model.safetensors.index.json`) plus
     the model's config files, into `out_dir` atomically (a temp sibling renamed at the end)."""
     from safetensors.torch import save_file
@@ -54,7 +64,8 @@ def write_hf_checkpoint(named_tensors: Mapping[str, Any], out_dir: str | Path, *
                     weight_map[name] = fname
                     total += t.numel() * t.element_size()
             (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

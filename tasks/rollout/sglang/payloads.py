@@ -40,21 +40,25 @@ def sampling_params_payload(params: SamplingParams, *, n: int = 1, seed: int | N
 
 
 def generate_payload(input_ids: Sequence[int], sampling: Mapping[str, Any], rid: str | None = None) -> dict[str, Any]:
-    payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling),
-                               "return_logprob": True}
+    payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling), "return_logprob": True}
     if rid is not None:
         payload["rid"] = rid
     return payload
 
 
-def batch_payload(input_ids: Sequence[int], samplings: Sequence[Mapping[str, Any]],
-                  rids: Sequence[str]) -> dict[str, Any]:
+def batch_payload(
+    input_ids: Sequence[int], samplings: Sequence[Mapping[str, Any]], rids: Sequence[str]
+) -> dict[str, Any]:
     """One request for len(samplings) samples of one prompt, each with its own sampling params (its own
     seed): SGLang's native `n` copies one params dict, seed included, to every sample."""
     if len(samplings) != len(rids):
         raise ValueError(f"{len(samplings)} sampling params for {len(rids)} rids")
-    return {"input_ids": [list(input_ids) for _ in samplings], "sampling_params": [dict(s) for s in samplings],
-            "return_logprob": True, "rid": list(rids)}
+    return {
+        "input_ids": [list(input_ids) for _ in samplings],
+        "sampling_params": [dict(s) for s in samplings],
+        "return_logprob": True,
+        "rid": list(rids),
+    }
 
 
 def request_id(prefix: str, *parts: int) -> str:
@@ -88,7 +92,8 @@ def output_from_response(body: Mapping[str, Any]) -> GenerationOutput:
     if ids != ids_from_logprobs:
         raise SGLangRequestError(
             f"SGLang output_ids ({len(ids)} tokens) disagree with the token ids of output_token_logprobs "
-            f"({len(ids_from_logprobs)}) for request {meta.get('id')!r}")
+            f"({len(ids_from_logprobs)}) for request {meta.get('id')!r}"
+        )
     return GenerationOutput(response_ids=ids, log_probs=log_probs, finish_reason=finish)
 
 

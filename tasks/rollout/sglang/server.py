@@ -26,8 +26,10 @@ from typing import Any, Mapping, Sequence
 from rollflow.tasks.rollout.sglang.flags import args_to_argv
 
 LOOPBACK = "127.0.0.1"
-INSTALL_HINT = ("rollout.engine='sglang' needs SGLang on a GPU machine: pip install 'rollflow[sglang]' "
-                "(or set rollout.sglang.urls to servers that are already running)")
+INSTALL_HINT = (
+    "rollout.engine='sglang' needs SGLang on a GPU machine: pip install 'rollflow[sglang]' "
+    "(or set rollout.sglang.urls to servers that are already running)"
+)
 
 
 class SGLangNotInstalled(NotImplementedError):
@@ -59,8 +61,11 @@ def require_sglang(python: str | None = None) -> None:
         if importlib.util.find_spec("sglang") is None:
             raise SGLangNotInstalled(INSTALL_HINT)
         return
-    probe = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
-                           capture_output=True, timeout=60)
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
+        capture_output=True,
+        timeout=60,
+    )
     if probe.returncode != 0:
         raise SGLangNotInstalled(f"{INSTALL_HINT} ({python} has no sglang)")
 
@@ -102,8 +107,16 @@ def launch_command(spec: LaunchSpec) -> list[str]:
         cmd = [part.replace("{python}", python) for part in spec.launcher]
     else:
         cmd = [python, "-m", "sglang.launch_server"]
-    cmd += ["--model-path", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
-            "--tp-size", str(spec.tp_size)]
+    cmd += [
+        "--model-path",
+        str(spec.model_path),
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tp-size",
+        str(spec.tp_size),
+    ]
     if spec.dtype is not None:
         if spec.dtype not in DTYPE_TO_SGLANG:
             raise ValueError(f"dtype {spec.dtype!r} is not an SGLang --dtype; use one of {sorted(DTYPE_TO_SGLANG)}")
@@ -153,8 +166,15 @@ def _stop_all() -> None:  # pragma: no cover - interpreter exit
 class SGLangServer:
     """One server process: start, wait for health, detect death, stop."""
 
-    def __init__(self, spec: LaunchSpec, *, log_path: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 tail_lines: int = 40, drop_env: Sequence[str] = ()):
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        *,
+        log_path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        tail_lines: int = 40,
+        drop_env: Sequence[str] = (),
+    ):
         self.spec = spec
         self.command = launch_command(spec)
         self.env = dict(env or {})
@@ -177,8 +197,15 @@ class SGLangServer:
         env = {k: v for k, v in os.environ.items() if k not in self.drop_env}
         env.update({"PYTHONUNBUFFERED": "1", **{k: v for k, v in self.env.items() if k not in self.drop_env}})
         try:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=_child_setup, close_fds=True)
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_child_setup,
+                close_fds=True,
+            )
         finally:
             log.close()
         _LIVE.add(self)
@@ -204,7 +231,8 @@ class SGLangServer:
                     tail = self.log_tail()
                     raise EngineStartError(
                         f"SGLang server at {self.url} not healthy after {timeout:.0f}s ({last_error}); "
-                        f"last {len(tail)} log lines of {self.log_path}:\n" + "\n".join(tail))
+                        f"last {len(tail)} log lines of {self.log_path}:\n" + "\n".join(tail)
+                    )
                 time.sleep(interval)
 
     def poll(self) -> int | None:
@@ -224,7 +252,9 @@ class SGLangServer:
             raise EngineDiedError(
                 f"SGLang server at {self.url} (pid {self.proc.pid}) died during {during} ({how}); "
                 f"last {len(tail)} log lines of {self.log_path}:\n" + "\n".join(tail),
-                returncode=code, log_tail=tail)
+                returncode=code,
+                log_tail=tail,
+            )
 
     def log_tail(self, n: int | None = None) -> list[str]:
         n = n or self.tail_lines

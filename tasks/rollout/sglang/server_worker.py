@@ -23,18 +23,36 @@ from rollflow.tasks.rollout.sglang.server import LOOPBACK, SGLangServer
 class SGLangServerWorker:
     """Launches engine `index`'s server on construction (waits for /health), stops it on `stop()`."""
 
-    def __init__(self, model_spec: str, rollout: RolloutConfig, *, index: int = 0,
-                 gpu_ids: Sequence[str] | None = None, base_gpu_id: int | None = None, weight_version: int = 0,
-                 log_dir: str | None = None):
+    def __init__(
+        self,
+        model_spec: str,
+        rollout: RolloutConfig,
+        *,
+        index: int = 0,
+        gpu_ids: Sequence[str] | None = None,
+        base_gpu_id: int | None = None,
+        weight_version: int = 0,
+        log_dir: str | None = None,
+    ):
         cfg = rollout.sglang
         # Several engines' server actors may share a node: each picks its own free port there.
-        spec = launch_spec_for(resolve_model_path(model_spec), rollout, port=None if index else cfg.port,
-                               base_gpu_id=None if gpu_ids else base_gpu_id, weight_version=weight_version)
+        spec = launch_spec_for(
+            resolve_model_path(model_spec),
+            rollout,
+            port=None if index else cfg.port,
+            base_gpu_id=None if gpu_ids else base_gpu_id,
+            weight_version=weight_version,
+        )
         log_path = Path(log_dir) / f"sglang-engine{index}-{spec.port}.log" if log_dir else None
         self.index = index
         self.gpu_ids = list(gpu_ids or [])
-        self.server = SGLangServer(spec, log_path=log_path, env=server_env(rollout, gpu_ids),
-                                   tail_lines=cfg.log_tail_lines, drop_env=dropped_env(rollout)).start()
+        self.server = SGLangServer(
+            spec,
+            log_path=log_path,
+            env=server_env(rollout, gpu_ids),
+            tail_lines=cfg.log_tail_lines,
+            drop_env=dropped_env(rollout),
+        ).start()
         try:
             self.server.wait_healthy(cfg.startup_timeout_s)
         except BaseException:
@@ -59,11 +77,17 @@ class SGLangServerWorker:
     def info(self) -> ServerInfo:
         """Where the server runs: url, pid, its GPUs, its command line and log (for reports and tests)."""
         proc = self.server.proc
-        return ServerInfo(index=self.index, url=self.url(), pid=proc.pid if proc else None, gpu_ids=self.gpu_ids,
-                          cuda_visible_devices=self.server.env.get("CUDA_VISIBLE_DEVICES",
-                                                                   os.environ.get("CUDA_VISIBLE_DEVICES")),
-                          command=list(self.server.command), log_path=str(self.server.log_path),
-                          host=self.server.spec.host, node_ip=node_ip())
+        return ServerInfo(
+            index=self.index,
+            url=self.url(),
+            pid=proc.pid if proc else None,
+            gpu_ids=self.gpu_ids,
+            cuda_visible_devices=self.server.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")),
+            command=list(self.server.command),
+            log_path=str(self.server.log_path),
+            host=self.server.spec.host,
+            node_ip=node_ip(),
+        )
 
     def poll(self) -> int | None:
         return self.server.poll()

@@ -113,8 +113,9 @@ class WeightReceiver:
             if self.weight_dir is None:
                 self.weight_dir = Path(tempfile.mkdtemp(prefix="rollflow-sglang-weights-"))
             if self.config_dir is None:
-                raise ValueError("disk weight updates need the model's config_dir (config.json to write beside "
-                                 "the tensors)")
+                raise ValueError(
+                    "disk weight updates need the model's config_dir (config.json to write beside the tensors)"
+                )
             target = self.weight_dir / f"v{weight_version:06d}"
             write_hf_checkpoint(named_tensors, target, config_dir=self.config_dir)
             self.update_weights_from_disk(target, weight_version)
@@ -125,22 +126,40 @@ class WeightReceiver:
             raise RuntimeError(
                 "weight_sync='distributed' is driven by the trainer, which owns the tensors and the NCCL group: "
                 "call SGLangEngine.sync_weights_distributed(...) from the trainer side (see tasks/rollout/"
-                "sglang/weight_receiver.py), or use weight_sync='disk' through this call")
+                "sglang/weight_receiver.py), or use weight_sync='disk' through this call"
+            )
 
-    def update_weights_from_disk(self, model_path: str | Path, weight_version: int, *, load_format: str | None = None,
-                                 flush_cache: bool = True, abort_all_requests: bool = False) -> None:
+    def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        weight_version: int,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> None:
         version = self._target_version(weight_version)
-        payload: dict[str, Any] = {"model_path": str(model_path), "weight_version": str(version),
-                                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        payload: dict[str, Any] = {
+            "model_path": str(model_path),
+            "weight_version": str(version),
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         if load_format is not None:
             payload["load_format"] = load_format
         for url in self.urls:
             self._post(url, "/update_weights_from_disk", payload)
         self.weight_version = version
 
-    def update_weights_from_tensor(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-                                   weight_version: int, *, serializer: Callable[[list], bytes] | None = None,
-                                   load_format: str | None = None, device: str | None = None) -> int:
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        weight_version: int,
+        *,
+        serializer: Callable[[list], bytes] | None = None,
+        load_format: str | None = None,
+        device: str | None = None,
+    ) -> int:
         """Bucketed POST /update_weights_from_tensor inside a weight-update session; one serialized payload
         per TP rank of each server (default: SGLang's flattened bucket; `serializer` + `load_format` for
         another). Tensors move to `device` first (colocated: the engine's GPU, so they travel as IPC
@@ -159,8 +178,9 @@ class WeightReceiver:
                 else:
                     raw, fmt = serializer(bucket), load_format
                 payloads = [base64.b64encode(raw).decode("ascii") for _ in range(self.payloads_per_bucket)]
-                self.apply_serialized_bucket(payloads, last=b == len(buckets) - 1, weight_version=weight_version,
-                                             load_format=fmt)
+                self.apply_serialized_bucket(
+                    payloads, last=b == len(buckets) - 1, weight_version=weight_version, load_format=fmt
+                )
         return len(buckets)
 
     @property
@@ -168,26 +188,51 @@ class WeightReceiver:
         """Ranks of the weight-update group: the trainer (rank 0) plus every TP rank of every server."""
         return 1 + sum(self.tp_sizes)
 
-    def init_weights_update_group(self, master_address: str, master_port: int, *, group_name: str = DEFAULT_GROUP,
-                                  backend: str = "nccl") -> list[cf.Future]:
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, *, group_name: str = DEFAULT_GROUP, backend: str = "nccl"
+    ) -> list[cf.Future]:
         """Ask every server to join the group (async: each call blocks until the trainer joins as rank 0).
         Server k's ranks start after rank 0 and the ranks of servers before it."""
         world_size = self.weight_group_world_size
         offsets = [1 + sum(self.tp_sizes[:k]) for k in range(len(self.urls))]
         pool = cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-group")
-        futures = [pool.submit(self._post, url, "/init_weights_update_group",
-                               {"master_address": master_address, "master_port": master_port, "rank_offset": off,
-                                "world_size": world_size, "group_name": group_name, "backend": backend})
-                   for url, off in zip(self.urls, offsets)]
+        futures = [
+            pool.submit(
+                self._post,
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": master_address,
+                    "master_port": master_port,
+                    "rank_offset": off,
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+            )
+            for url, off in zip(self.urls, offsets)
+        ]
         pool.shutdown(wait=False)
         return futures
 
-    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                                        *, group_name: str = DEFAULT_GROUP, weight_version: int | None = None,
-                                        flush_cache: bool = True) -> list[cf.Future]:
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = DEFAULT_GROUP,
+        weight_version: int | None = None,
+        flush_cache: bool = True,
+    ) -> list[cf.Future]:
         """The metadata of one bucket (async: each call returns once the broadcast has arrived)."""
-        payload: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                                   "group_name": group_name, "flush_cache": flush_cache}
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         pool = cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-dist")
@@ -201,14 +246,24 @@ class WeightReceiver:
         if self.weight_group == group_name:
             self.weight_group = None
 
-    def sync_weights_distributed(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], weight_version: int,
-                                 *, broadcast: Callable[[Any], None], join_group: Callable[[], Any] | None = None,
-                                 master_address: str = "127.0.0.1", master_port: int | None = None,
-                                 group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 600.0) -> int:
+    def sync_weights_distributed(
+        self,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        weight_version: int,
+        *,
+        broadcast: Callable[[Any], None],
+        join_group: Callable[[], Any] | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> int:
         """The trainer's side of the NCCL path, in SGLang's call order:
 
         1. (once, when `join_group` is given) POST /init_weights_update_group to every server while
-           `join_group()` makes the trainer rank 0 of the same group (e.g. `init_weight_group(...)`, tasks/sync/weight_group.py);
+           `join_group()` makes the trainer rank 0 of the same group (e.g. `init_weight_group(...)`,
+           tasks/sync/weight_group.py);
         2. inside a weight-update session, per bucket: POST /update_weights_from_distributed (names,
            dtypes, shapes) to every server while `broadcast(tensor)` sends each tensor of the bucket in
            the same order.
@@ -218,7 +273,9 @@ class WeightReceiver:
         if join_group is not None:
             if master_port is None:
                 raise ValueError("init of the weight group needs master_port")
-            futures = self.init_weights_update_group(master_address, master_port, group_name=group_name, backend=backend)
+            futures = self.init_weights_update_group(
+                master_address, master_port, group_name=group_name, backend=backend
+            )
             join_group()
             for fut in futures:
                 fut.result(timeout=timeout_s)
@@ -228,9 +285,13 @@ class WeightReceiver:
             for b, bucket in enumerate(buckets):
                 last = b == len(buckets) - 1
                 futures = self.update_weights_from_distributed(
-                    [n for n, _ in bucket], [torch_dtype_name(t.dtype) for _, t in bucket],
+                    [n for n, _ in bucket],
+                    [torch_dtype_name(t.dtype) for _, t in bucket],
                     [list(t.shape) for _, t in bucket],
-                    group_name=group_name, weight_version=version if last else None, flush_cache=last)
+                    group_name=group_name,
+                    weight_version=version if last else None,
+                    flush_cache=last,
+                )
                 for _, tensor in bucket:
                     broadcast(tensor)
                 for fut in futures:
@@ -245,19 +306,24 @@ class WeightReceiver:
         refcounts are per serialization, so no two ranks may share one)."""
         return sum(self.tp_sizes)
 
-    def apply_serialized_bucket(self, payloads: Sequence[str], *, last: bool, weight_version: int,
-                                load_format: str | None = None) -> None:
+    def apply_serialized_bucket(
+        self, payloads: Sequence[str], *, last: bool, weight_version: int, load_format: str | None = None
+    ) -> None:
         """One bucket of `/update_weights_from_tensor`, serialized `payloads_per_bucket` times (by the
         trainer: CUDA IPC handles of its own GPU tensors, tasks/sync/ipc.py); server k's ranks get the
         next tp_k payloads. The last bucket flushes the cache and sets the version."""
         if len(payloads) != self.payloads_per_bucket:
-            raise ValueError(f"{len(payloads)} serialized payloads for servers with tp sizes {self.tp_sizes}: "
-                             f"one per TP rank of every server ({self.payloads_per_bucket}) is needed")
+            raise ValueError(
+                f"{len(payloads)} serialized payloads for servers with tp sizes {self.tp_sizes}: "
+                f"one per TP rank of every server ({self.payloads_per_bucket}) is needed"
+            )
         version = self._target_version(weight_version) if last else None
         offset = 0
         for url, tp in zip(self.urls, self.tp_sizes):
-            payload: dict[str, Any] = {"serialized_named_tensors": list(payloads[offset:offset + tp]),
-                                       "flush_cache": last}
+            payload: dict[str, Any] = {
+                "serialized_named_tensors": list(payloads[offset : offset + tp]),
+                "flush_cache": last,
+            }
             offset += tp
             if load_format is not None:
                 payload["load_format"] = load_format
@@ -267,20 +333,39 @@ class WeightReceiver:
         if version is not None:
             self.weight_version = version
 
-    def join_weight_group(self, master_address: str, master_port: int, *, group_name: str = DEFAULT_GROUP,
-                          backend: str = "nccl", timeout_s: float = 600.0) -> None:
+    def join_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
         """Every server joins the trainer's group (returns once the trainer, rank 0, has joined too)."""
         for fut in self.init_weights_update_group(master_address, master_port, group_name=group_name, backend=backend):
             fut.result(timeout=timeout_s)
         self.weight_group = group_name
 
-    def receive_bucket(self, metas: Sequence[Mapping[str, Any]], *, last: bool, weight_version: int,
-                       group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0) -> None:
+    def receive_bucket(
+        self,
+        metas: Sequence[Mapping[str, Any]],
+        *,
+        last: bool,
+        weight_version: int,
+        group_name: str = DEFAULT_GROUP,
+        timeout_s: float = 600.0,
+    ) -> None:
         """Receive one bucket the trainer broadcasts (`metas`: name, dtype, shape in sending order)."""
         version = self._target_version(weight_version) if last else None
         futures = self.update_weights_from_distributed(
-            [m["name"] for m in metas], [m["dtype"] for m in metas], [list(m["shape"]) for m in metas],
-            group_name=group_name, weight_version=version, flush_cache=last)
+            [m["name"] for m in metas],
+            [m["dtype"] for m in metas],
+            [list(m["shape"]) for m in metas],
+            group_name=group_name,
+            weight_version=version,
+            flush_cache=last,
+        )
         for fut in futures:
             fut.result(timeout=timeout_s)
         if version is not None:

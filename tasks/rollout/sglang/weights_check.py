@@ -34,13 +34,17 @@ from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError
 
 PATH = "/weights_checker"
 ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
-MISSING_HINT = ("this SGLang has no /weights_checker (SGLang 0.5.23 has it): upgrade SGLang, or turn the "
-                "whole-tensor weight check off")
+MISSING_HINT = (
+    "this SGLang has no /weights_checker (SGLang 0.5.23 has it): upgrade SGLang, or turn the "
+    "whole-tensor weight check off"
+)
 
 # One line per differing tensor in WeightChecker._check_tensors (the message may join several DP
 # ranks' messages with " | "; the names never contain spaces).
-_MISMATCH = re.compile(r"name=(?P<name>\S+) max_abs_err=(?P<max>\S+) mean_abs_err=(?P<mean>\S+)"
-                       r"(?: num_exceed=(?P<exceed>-?\d+))?")
+_MISMATCH = re.compile(
+    r"name=(?P<name>\S+) max_abs_err=(?P<max>\S+) mean_abs_err=(?P<mean>\S+)"
+    r"(?: num_exceed=(?P<exceed>-?\d+))?"
+)
 
 
 class WeightsCheckerMissing(SGLangRequestError):
@@ -57,8 +61,14 @@ class WeightsCheckError(SGLangRequestError):
 # ----------------------------------------------------------------------------------------------
 
 
-def check_weights(engine, action: str, *, skip_tensor_list: Sequence[str] | None = None,
-                  allow_quant_error: bool | None = None, timeout: float | None = None) -> list[dict]:
+def check_weights(
+    engine,
+    action: str,
+    *,
+    skip_tensor_list: Sequence[str] | None = None,
+    allow_quant_error: bool | None = None,
+    timeout: float | None = None,
+) -> list[dict]:
     """POST /weights_checker {"action": action} to every server of `engine`; one response body per
     URL, in `engine.urls` order.
 
@@ -90,8 +100,9 @@ def _request(engine, url: str, payload: Mapping[str, Any], *, timeout: float | N
         engine._raise_if_died(url, during=f"{PATH} action={action}")
         raise SGLangRequestError(f"{url}{PATH} failed: {type(exc).__name__}: {exc}") from exc
     if r.status_code == 404:
-        raise WeightsCheckerMissing(f"{url}{PATH} (action={action}) answered 404: {MISSING_HINT}. "
-                                    f"SGLang said: {r.text[:300]}")
+        raise WeightsCheckerMissing(
+            f"{url}{PATH} (action={action}) answered 404: {MISSING_HINT}. SGLang said: {r.text[:300]}"
+        )
     try:
         body = r.json()
     except ValueError:
@@ -107,8 +118,10 @@ def _merge_list(body: Any) -> Any:
     success = all, message = ' | '.join, the checksum ranks concatenated."""
     if not (isinstance(body, list) and body and all(isinstance(b, dict) and "success" in b for b in body)):
         return body
-    merged: dict[str, Any] = {"success": all(bool(b["success"]) for b in body),
-                              "message": " | ".join(str(b.get("message", "")) for b in body)}
+    merged: dict[str, Any] = {
+        "success": all(bool(b["success"]) for b in body),
+        "message": " | ".join(str(b.get("message", "")) for b in body),
+    }
     ranks = [info for b in body for info in _rank_infos(b)]
     if ranks:
         merged["ranks"] = ranks
@@ -155,8 +168,10 @@ class ServerVerdict:
             shown = ", ".join(self.names[:8]) + (f" (+{more} more)" if more > 0 else "")
             return f"{self.url}: {len(self.mismatches)} tensor(s) differ from the snapshot: {shown}"
         if not self.message:
-            return (f"{self.url}: compare failed with an empty message (SGLang's bare assert: no snapshot to "
-                    "compare with; a passing compare consumes it)")
+            return (
+                f"{self.url}: compare failed with an empty message (SGLang's bare assert: no snapshot to "
+                "compare with; a passing compare consumes it)"
+            )
         return f"{self.url}: compare failed: {self.message[:500]}"
 
 
@@ -178,15 +193,23 @@ class OverwriteCheck:
 
     def summary(self) -> str:
         if self.ok:
-            return (f"whole-tensor weight check ok on {len(self.servers)} server(s): the update overwrote every "
-                    "engine tensor with the checkpoint's bytes")
+            return (
+                f"whole-tensor weight check ok on {len(self.servers)} server(s): the update overwrote every "
+                "engine tensor with the checkpoint's bytes"
+            )
         bad = [s for s in self.servers if not s.ok]
-        return (f"whole-tensor weight check FAILED on {len(bad)} of {len(self.servers)} server(s) (the engine now "
-                "holds random values where the update did not write): " + "; ".join(s.explain() for s in bad))
+        return (
+            f"whole-tensor weight check FAILED on {len(bad)} of {len(self.servers)} server(s) (the engine now "
+            "holds random values where the update did not write): " + "; ".join(s.explain() for s in bad)
+        )
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "mismatched": self.mismatched,
-                "servers": [dataclasses.asdict(s) for s in self.servers], "summary": self.summary()}
+        return {
+            "ok": self.ok,
+            "mismatched": self.mismatched,
+            "servers": [dataclasses.asdict(s) for s in self.servers],
+            "summary": self.summary(),
+        }
 
 
 def parse_mismatches(message: str) -> list[Mismatch]:
@@ -194,8 +217,9 @@ def parse_mismatches(message: str) -> list[Mismatch]:
     name (several ranks reporting the same name: the largest error is kept)."""
     out: dict[str, Mismatch] = {}
     for m in _MISMATCH.finditer(message or ""):
-        found = Mismatch(m["name"], _float(m["max"]), _float(m["mean"]),
-                         int(m["exceed"]) if m["exceed"] is not None else None)
+        found = Mismatch(
+            m["name"], _float(m["max"]), _float(m["mean"]), int(m["exceed"]) if m["exceed"] is not None else None
+        )
         prev = out.get(found.name)
         if prev is None or (found.max_abs_err or 0.0) > (prev.max_abs_err or 0.0):
             out[found.name] = found
@@ -213,12 +237,12 @@ def prepare_overwrite_check(engine, *, skip_tensor_list: Sequence[str] | None = 
     """Steps 1-2 on every server: snapshot, then reset_tensors (the engine then holds random values
     until the next weight update). Raises WeightsCheckError / WeightsCheckerMissing."""
     _require_success(engine, "snapshot", check_weights(engine, "snapshot", skip_tensor_list=skip_tensor_list))
-    _require_success(engine, "reset_tensors",
-                     check_weights(engine, "reset_tensors", skip_tensor_list=skip_tensor_list))
+    _require_success(engine, "reset_tensors", check_weights(engine, "reset_tensors", skip_tensor_list=skip_tensor_list))
 
 
-def finish_overwrite_check(engine, *, skip_tensor_list: Sequence[str] | None = None,
-                           allow_quant_error: bool | None = None) -> OverwriteCheck:
+def finish_overwrite_check(
+    engine, *, skip_tensor_list: Sequence[str] | None = None, allow_quant_error: bool | None = None
+) -> OverwriteCheck:
     """Step 4 on every server: compare with the snapshot. A mismatch is a result, not an exception."""
     bodies = check_weights(engine, "compare", skip_tensor_list=skip_tensor_list, allow_quant_error=allow_quant_error)
     verdicts = []
@@ -229,8 +253,13 @@ def finish_overwrite_check(engine, *, skip_tensor_list: Sequence[str] | None = N
     return OverwriteCheck(verdicts)
 
 
-def verify_update_overwrites_all(engine, push: Callable[[], None], *, skip_tensor_list: Sequence[str] | None = None,
-                                 allow_quant_error: bool | None = None) -> OverwriteCheck:
+def verify_update_overwrites_all(
+    engine,
+    push: Callable[[], None],
+    *,
+    skip_tensor_list: Sequence[str] | None = None,
+    allow_quant_error: bool | None = None,
+) -> OverwriteCheck:
     """snapshot -> reset_tensors -> `push()` -> compare, on every server of `engine`.
 
     `push` must send the weights the engine loaded (the trainer at its starting checkpoint), e.g.
@@ -242,8 +271,10 @@ def verify_update_overwrites_all(engine, push: Callable[[], None], *, skip_tenso
     try:
         push()
     except BaseException as exc:
-        exc.add_note(f"{PATH}: the engine's tensors were randomised by reset_tensors before this push failed; "
-                     "they hold garbage until a successful weight update or a restart")
+        exc.add_note(
+            f"{PATH}: the engine's tensors were randomised by reset_tensors before this push failed; "
+            "they hold garbage until a successful weight update or a restart"
+        )
         raise
     return finish_overwrite_check(engine, skip_tensor_list=skip_tensor_list, allow_quant_error=allow_quant_error)
 
@@ -268,8 +299,10 @@ def _rank_infos(body: Mapping[str, Any]) -> list[dict]:
 def _rank_key(info: Mapping[str, Any]) -> tuple:
     par = info.get("parallelism_info")
     if isinstance(par, list):
-        par = next((p for p in par if isinstance(p, dict) and p.get("role", "target") == "target"),
-                   par[0] if par and isinstance(par[0], dict) else {})
+        par = next(
+            (p for p in par if isinstance(p, dict) and p.get("role", "target") == "target"),
+            par[0] if par and isinstance(par[0], dict) else {},
+        )
     par = par if isinstance(par, dict) else {}
     return tuple(int(par.get(k, 0) or 0) for k in ("pp_rank", "dp_rank", "tp_rank", "rank"))
 
@@ -281,8 +314,10 @@ def checksums_of(body: Mapping[str, Any]) -> dict[str, str]:
     for info in sorted(_rank_infos(body), key=_rank_key):
         for name, digest in (info.get("checksums") or {}).items():
             per_name[name].append(str(digest))
-    return {name: digests[0] if len(digests) == 1 else hashlib.sha256("|".join(digests).encode()).hexdigest()
-            for name, digests in per_name.items()}
+    return {
+        name: digests[0] if len(digests) == 1 else hashlib.sha256("|".join(digests).encode()).hexdigest()
+        for name, digests in per_name.items()
+    }
 
 
 def engine_checksums(engine, *, skip_tensor_list: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
@@ -292,8 +327,10 @@ def engine_checksums(engine, *, skip_tensor_list: Sequence[str] | None = None) -
     out = {}
     for url, body in zip(engine.urls, bodies):
         if not _rank_infos(body):
-            raise WeightsCheckError(f"{url}{PATH} action=checksum answered no per-tensor checksums (neither "
-                                    f"'ranks' nor 'payload'): keys {sorted(body)}; this SGLang predates checksum")
+            raise WeightsCheckError(
+                f"{url}{PATH} action=checksum answered no per-tensor checksums (neither "
+                f"'ranks' nor 'payload'): keys {sorted(body)}; this SGLang predates checksum"
+            )
         out[url] = checksums_of(body)
     return out
 
@@ -328,10 +365,14 @@ class EnginesCheck:
     def summary(self) -> str:
         if self.ok:
             return f"engines agree: {len(self.urls)} server(s) hold identical {self.n_tensors} tensors"
-        parts = [f"{u}: {', '.join(names[:8])}" + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
-                 for u, names in self.by_url.items()]
-        return (f"engines DISAGREE on {len(self.differing)} tensor(s), {len(self.missing)} missing, of "
-                f"{self.n_tensors}: " + "; ".join(parts))
+        parts = [
+            f"{u}: {', '.join(names[:8])}" + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+            for u, names in self.by_url.items()
+        ]
+        return (
+            f"engines DISAGREE on {len(self.differing)} tensor(s), {len(self.missing)} missing, of "
+            f"{self.n_tensors}: " + "; ".join(parts)
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"ok": self.ok, "by_url": self.by_url, "summary": self.summary()}

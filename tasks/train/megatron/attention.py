@@ -67,9 +67,18 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
     class SDPACoreAttention(MegatronModule):
         """Drop-in for megatron's DotProductAttention: [s, b, np, hn] q/k/v -> [s, b, np * hn]."""
 
-        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
-                     attention_dropout: float | None = None, softmax_scale: float | None = None,
-                     cp_comm_type: str | None = None, pg_collection=None, **_unused):
+        def __init__(
+            self,
+            config,
+            layer_number: int,
+            attn_mask_type,
+            attention_type: str = "self",
+            attention_dropout: float | None = None,
+            softmax_scale: float | None = None,
+            cp_comm_type: str | None = None,
+            pg_collection=None,
+            **_unused,
+        ):
             super().__init__(config=config)
             self.cp_size = getattr(config, "context_parallel_size", 1)
             self._cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -104,14 +113,21 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                 ctx = sdpa_kernel(self._kernel, set_priority=True)
             with ctx:
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0,
-                    is_causal=True, scale=self.softmax_scale)
+                    q,
+                    k,
+                    v,
+                    attn_mask=None,
+                    dropout_p=self.dropout if self.training else 0.0,
+                    is_causal=True,
+                    scale=self.softmax_scale,
+                )
 
         def _attend(self, q, k, v, mask):
             """SDPA of [b, np, sq, hn] q and [b, ng, sk, hn] k / v under `mask` (a torch attention bias)."""
             k, v = self._expand_kv(q, k, v)
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale)
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale
+            )
 
         def _cp(self):
             """(group, rank) of the context-parallel group."""
@@ -130,8 +146,14 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                 s_local, b, heads, dim = query.shape
                 _positions, order = cpl.padded_layout(s_local * cp, cp, rank)
                 k, v = cpl.gather_context(torch.stack((key, value), dim=-1), order, group).unbind(-1)
-                out = cpl.chunk_attention(self._attend, query.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
-                                          v.permute(1, 2, 0, 3), cp=cp, rank=rank)
+                out = cpl.chunk_attention(
+                    self._attend,
+                    query.permute(1, 2, 0, 3),
+                    k.permute(1, 2, 0, 3),
+                    v.permute(1, 2, 0, 3),
+                    cp=cp,
+                    rank=rank,
+                )
                 return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * dim)
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r}; only 'thd'")
@@ -155,10 +177,20 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r}; only 'thd'")
             t, heads, dim = query.shape
-            if (self._varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-                    and not (self.training and self.dropout)):
-                out = self._varlen(query, key, value, packed_seq_params.cu_seqlens_q,
-                                   int(packed_seq_params.max_seqlen_q), self.softmax_scale)
+            if (
+                self._varlen is not None
+                and query.is_cuda
+                and query.dtype in (torch.float16, torch.bfloat16)
+                and not (self.training and self.dropout)
+            ):
+                out = self._varlen(
+                    query,
+                    key,
+                    value,
+                    packed_seq_params.cu_seqlens_q,
+                    int(packed_seq_params.max_seqlen_q),
+                    self.softmax_scale,
+                )
                 return out.reshape(t, heads * dim)
             bounds = getattr(packed_seq_params, "bounds", None) or packed_seq_params.cu_seqlens_q.tolist()
             pieces = []
@@ -168,8 +200,17 @@ def make_sdpa_core_attention(sdpa_backends: tuple[str, ...] = ()):
                     pieces.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [s, np, hn]
             return torch.cat(pieces, dim=0).reshape(t, heads * dim)
 
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **_unused):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask=None,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+            **_unused,
+        ):
             if attention_bias is not None:
                 raise ValueError("SDPACoreAttention: attention_bias is not supported")
             if self.cp_size > 1:

@@ -39,27 +39,39 @@ from rollflow.tasks.train.data_parallel import DataParallel, shard_rows, sum_sta
 from rollflow.tasks.train.megatron.build import build_gpt_model
 from rollflow.tasks.train.megatron.context_parallel import gather_context
 from rollflow.tasks.train.megatron.fused_ops import token_log_probs
-from rollflow.tasks.train.megatron.hf_weights import (chunk_weights, gather_shards, layer_groups, load_hf_weights,
-                                                      virtual_stage)
+from rollflow.tasks.train.megatron.hf_weights import (
+    chunk_weights,
+    gather_shards,
+    layer_groups,
+    load_hf_weights,
+    virtual_stage,
+)
 from rollflow.tasks.train.megatron.layers import resolve_layer_spec
 from rollflow.tasks.train.megatron.offload import offload_to_host, onload_from_host
 from rollflow.tasks.train.megatron.optimizer import MasterAdamW, build_megatron_optimizer, inner_optimizers
 from rollflow.tasks.train.megatron.process import cpu_shims, init_parallel_state, require_megatron
-from rollflow.tasks.train.megatron.schedule import (ModelInput, model_inputs, packed_model_inputs, run_schedule,
-                                                    schedule_loss_scale, split_context, token_budget_micro_batches,
-                                                    unpack_token_values)
+from rollflow.tasks.train.megatron.schedule import (
+    ModelInput,
+    model_inputs,
+    packed_model_inputs,
+    run_schedule,
+    schedule_loss_scale,
+    split_context,
+    token_budget_micro_batches,
+    unpack_token_values,
+)
 from rollflow.tasks.train.megatron.vocab_parallel import vocab_parallel_log_probs
 from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.torch_backend import split_rows
 
-
 # Written last by `MegatronBackend.save_distributed`: only a directory with it is a checkpoint.
 COMMIT_MARKER = "rollflow_commit.json"
 
 
-def _seq_first_logits(*, hidden_states, output_layer, output_weight=None, runtime_gather_output=None,
-                      scale_logits=None, **_unused):
+def _seq_first_logits(
+    *, hidden_states, output_layer, output_weight=None, runtime_gather_output=None, scale_logits=None, **_unused
+):
     """A GPTModel `output_processor` (megatron-core >= 0.19): the output layer's [s, b, V] logits as they are."""
     logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
     return scale_logits(logits) if scale_logits is not None else logits
@@ -75,9 +87,12 @@ def _accepts_output_processor(model) -> bool:
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(**{f.name: (v.to(device, non_blocking=True)
-                                  if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
-                         for f in dataclasses.fields(batch)})
+    return TrainBatch(
+        **{
+            f.name: (v.to(device, non_blocking=True) if isinstance(v := getattr(batch, f.name), torch.Tensor) else v)
+            for f in dataclasses.fields(batch)
+        }
+    )
 
 
 class MegatronBackend:
@@ -95,8 +110,16 @@ class MegatronBackend:
 
     name = "megatron"
 
-    def __init__(self, hf_config, hf_state: dict[str, torch.Tensor] | None, optim: OptimConfig, *,
-                 temperature: float = 1.0, keep_ref: bool = True, dp: DataParallel | None = None):
+    def __init__(
+        self,
+        hf_config,
+        hf_state: dict[str, torch.Tensor] | None,
+        optim: OptimConfig,
+        *,
+        temperature: float = 1.0,
+        keep_ref: bool = True,
+        dp: DataParallel | None = None,
+    ):
         require_megatron()
         from megatron.core import parallel_state as ps  # optional dependency: imported on use
 
@@ -111,20 +134,30 @@ class MegatronBackend:
         if self.optimizer_kind == "auto":
             self.optimizer_kind = "megatron" if self.device.type == "cuda" else "torch"
         s = self.settings
-        megatron_only = [name for name, on in (("use_distributed_optimizer", s.use_distributed_optimizer),
-                                               ("overlap_grad_reduce", s.overlap_grad_reduce),
-                                               ("lr_warmup_steps", s.lr_warmup_steps > 0),
-                                               ("lr_decay_style", s.lr_decay_style != "constant"),
-                                               ("max_tokens_per_gpu", s.max_tokens_per_gpu is not None)) if on]
+        megatron_only = [
+            name
+            for name, on in (
+                ("use_distributed_optimizer", s.use_distributed_optimizer),
+                ("overlap_grad_reduce", s.overlap_grad_reduce),
+                ("lr_warmup_steps", s.lr_warmup_steps > 0),
+                ("lr_decay_style", s.lr_decay_style != "constant"),
+                ("max_tokens_per_gpu", s.max_tokens_per_gpu is not None),
+            )
+            if on
+        ]
         if s.packing != "off":
             megatron_only.append("packing")
         if self.optimizer_kind == "torch" and megatron_only:
-            raise ValueError(f"train.megatron.{megatron_only[0]} needs optimizer='megatron' (Megatron's DDP, optimizer "
-                             "and scheduler); with optimizer='torch' it would do nothing")
+            raise ValueError(
+                f"train.megatron.{megatron_only[0]} needs optimizer='megatron' (Megatron's DDP, optimizer "
+                "and scheduler); with optimizer='torch' it would do nothing"
+            )
         world = dp.world_size if dp is not None else int(os.environ.get("WORLD_SIZE", 1))
         if self.optimizer_kind == "torch" and world > 1:
-            raise ValueError(f"train.megatron.optimizer='torch' runs one rank (got world size {world}): use "
-                             "optimizer='megatron' (Megatron's DDP, schedule and optimizer) for tp / pp / dp > 1")
+            raise ValueError(
+                f"train.megatron.optimizer='torch' runs one rank (got world size {world}): use "
+                "optimizer='megatron' (Megatron's DDP, schedule and optimizer) for tp / pp / dp > 1"
+            )
         init_parallel_state(self.device, optim.seed, settings=self.settings, dp=dp)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
@@ -132,14 +165,16 @@ class MegatronBackend:
         self.cp_rank = ps.get_context_parallel_rank()
         random_init = hf_state is None
         if self.device.type != "cuda" and resolve_layer_spec(self.settings.layer_spec) != "sdpa":
-            raise ValueError("on CPU the megatron backend runs only train.megatron.layer_spec='sdpa' (the local "
-                             "spec's attention forks Megatron's CUDA RNG tracker)")
+            raise ValueError(
+                "on CPU the megatron backend runs only train.megatron.layer_spec='sdpa' (the local "
+                "spec's attention forks Megatron's CUDA RNG tracker)"
+            )
         # One model chunk per virtual pipeline stage (vpp); one chunk otherwise. `self.model` is the first.
         self.chunks: list[torch.nn.Module] = []
-        for vp in ([None] if self.settings.vpp is None else range(self.settings.vpp)):
-            chunk, self.layout, self.layer_spec = build_gpt_model(hf_config, self.settings, dtype=self.dtype,
-                                                                  device=self.device, random_init=random_init,
-                                                                  vp_stage=vp)
+        for vp in [None] if self.settings.vpp is None else range(self.settings.vpp):
+            chunk, self.layout, self.layer_spec = build_gpt_model(
+                hf_config, self.settings, dtype=self.dtype, device=self.device, random_init=random_init, vp_stage=vp
+            )
             if hf_state is not None:
                 load_hf_weights(chunk, hf_state, self.layout, vp_stage=vp)
             self.chunks.append(chunk)
@@ -167,8 +202,9 @@ class MegatronBackend:
             return
         if self.optimizer_kind != "megatron":
             raise ValueError(f"train.megatron.optimizer={self.optimizer_kind!r}: expected auto, megatron or torch")
-        self.ddps, self.optimizer, self.scheduler = build_megatron_optimizer(self.chunks, self.settings,
-                                                                             self.optim_cfg, self.dtype)
+        self.ddps, self.optimizer, self.scheduler = build_megatron_optimizer(
+            self.chunks, self.settings, self.optim_cfg, self.dtype
+        )
         self.ddp = self.ddps[0]
         self.train_model = self.ddp
 
@@ -182,8 +218,12 @@ class MegatronBackend:
             return self.optimizer.step()
         # Megatron checks for inf only under fp16 loss scaling; bf16/fp32 would clip by a NaN norm and write NaN
         # weights, so look at the reduced grads first (one flag, agreed by every rank).
-        grads = [p.main_grad for chunk in self.chunks for p in chunk.parameters()
-                 if getattr(p, "main_grad", None) is not None]
+        grads = [
+            p.main_grad
+            for chunk in self.chunks
+            for p in chunk.parameters()
+            if getattr(p, "main_grad", None) is not None
+        ]
         bad = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else self.device)
         if grads and not bool(torch.stack([g.float().norm() for g in grads]).isfinite().all()):
             bad += 1
@@ -206,14 +246,20 @@ class MegatronBackend:
         """Teacher-forced log-prob (and entropy) of every next token, target aligned [B, L-1], fp32, on device."""
         tokens = micro.tokens.to(self.device, torch.long, non_blocking=True)
         position_ids = micro.position_ids.to(self.device, non_blocking=True)
-        kwargs = dict(temperature=self.temperature, vocab_size=self.layout.vocab_size,
-                      chunk=self.settings.log_prob_chunk, impl=self.settings.log_prob_impl, entropy_grad=entropy_grad)
+        kwargs = dict(
+            temperature=self.temperature,
+            vocab_size=self.layout.vocab_size,
+            chunk=self.settings.log_prob_chunk,
+            impl=self.settings.log_prob_impl,
+            entropy_grad=entropy_grad,
+        )
         with cpu_shims(self.device):
             if _accepts_output_processor(self.model):
                 # Sequence-first logits [L, B, V_pad] straight from the output layer: logits[:-1] is then a
                 # contiguous prefix, so no [B, L, V] transpose copy and no slice copy (forward or backward).
-                logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None,
-                               output_processor=_seq_first_logits)
+                logits = model(
+                    input_ids=tokens, position_ids=position_ids, attention_mask=None, output_processor=_seq_first_logits
+                )
                 lp, ent = token_log_probs(logits[:-1], tokens[:, 1:].t(), **kwargs)
                 return lp.t(), ent.t()
             logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)  # [B, L, V_pad]
@@ -226,8 +272,9 @@ class MegatronBackend:
         use = self.pp_size == 1 and _accepts_output_processor(self.model)
         return {"output_processor": _seq_first_logits} if use else {}
 
-    def _output_log_probs(self, item: ModelInput, logits: torch.Tensor, *, entropy_grad: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _output_log_probs(
+        self, item: ModelInput, logits: torch.Tensor, *, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs / entropy [rows, width - 1] of the real rows and columns of the last stage's logits."""
         n, width = item.n_real, item.width
         seq_first = bool(self._forward_kwargs())
@@ -243,8 +290,9 @@ class MegatronBackend:
         lp, ent = self._vocab_log_probs(logits, target, entropy_grad=entropy_grad)
         return (lp.t(), ent.t()) if seq_first else (lp, ent)
 
-    def _context_log_probs(self, item: ModelInput, logits: torch.Tensor, *, seq_first: bool, entropy_grad: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context_log_probs(
+        self, item: ModelInput, logits: torch.Tensor, *, seq_first: bool, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Context parallel: this rank's positions scored against their next tokens, then every cp rank's values
         gathered back into sequence order (context_parallel.py: each rank's backward keeps its own positions)."""
         from megatron.core import parallel_state as ps  # optional dependency: imported on use
@@ -256,26 +304,39 @@ class MegatronBackend:
         lp, ent = self._vocab_log_probs(logits, targets, entropy_grad=entropy_grad)
         if not seq_first and item.packed is None:  # [b, s] -> [s, b]: the gather runs along dim 0
             lp, ent = lp.t(), ent.t()
-        both = gather_context(torch.stack((lp, ent), dim=-1), item.cp_order, ps.get_context_parallel_group(),
-                              backward="slice")
+        both = gather_context(
+            torch.stack((lp, ent), dim=-1), item.cp_order, ps.get_context_parallel_group(), backward="slice"
+        )
         lp, ent = both.unbind(-1)
         if item.packed is not None:
             return unpack_token_values(lp[:-1], item), unpack_token_values(ent[:-1], item)
         return lp[: item.width - 1, : item.n_real].t(), ent[: item.width - 1, : item.n_real].t()
 
-    def _vocab_log_probs(self, logits: torch.Tensor, target: torch.Tensor, *, entropy_grad: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _vocab_log_probs(
+        self, logits: torch.Tensor, target: torch.Tensor, *, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) and entropy over the real vocabulary, reduced over the TP group when it is split."""
         if self.tp_size > 1:
             from megatron.core import parallel_state as ps  # optional dependency: imported on use
 
-            lp, ent = vocab_parallel_log_probs(logits, target, vocab_start=self.tp_rank * logits.shape[-1],
-                                               vocab_size=self.layout.vocab_size, temperature=self.temperature,
-                                               group=ps.get_tensor_model_parallel_group())
+            lp, ent = vocab_parallel_log_probs(
+                logits,
+                target,
+                vocab_start=self.tp_rank * logits.shape[-1],
+                vocab_size=self.layout.vocab_size,
+                temperature=self.temperature,
+                group=ps.get_tensor_model_parallel_group(),
+            )
         else:
-            lp, ent = token_log_probs(logits, target, temperature=self.temperature, vocab_size=self.layout.vocab_size,
-                                      chunk=self.settings.log_prob_chunk, impl=self.settings.log_prob_impl,
-                                      entropy_grad=entropy_grad)
+            lp, ent = token_log_probs(
+                logits,
+                target,
+                temperature=self.temperature,
+                vocab_size=self.layout.vocab_size,
+                chunk=self.settings.log_prob_chunk,
+                impl=self.settings.log_prob_impl,
+                entropy_grad=entropy_grad,
+            )
         return lp, ent
 
     def _model_inputs(self, batch: TrainBatch, micros: list[TrainBatch]) -> list[ModelInput]:
@@ -293,17 +354,26 @@ class MegatronBackend:
             if len(self.chunks) > 1 and len(micros) < self.pp_size:
                 micros = list(micros or [empty]) + [empty] * (self.pp_size - max(len(micros), 1))
             multiple = math.lcm(multiple, self.settings.pack_multiple)
-            return packed_model_inputs(micros, width_multiple=multiple, device=self.device, empty=empty,
-                                       same_length=self.pp_size > 1, row_multiple=2 * cp if cp > 1 else 1)
+            return packed_model_inputs(
+                micros,
+                width_multiple=multiple,
+                device=self.device,
+                empty=empty,
+                same_length=self.pp_size > 1,
+                row_multiple=2 * cp if cp > 1 else 1,
+            )
         if self.pp_size == 1:  # no activations between stages: each micro-batch keeps its own rows and width
-            return [item for m in (micros or [empty])
-                    for item in model_inputs([m], rows=max(m.size, 1), device=self.device, empty=m,
-                                             width_multiple=multiple)]
+            return [
+                item
+                for m in (micros or [empty])
+                for item in model_inputs([m], rows=max(m.size, 1), device=self.device, empty=m, width_multiple=multiple)
+            ]
         if len(self.chunks) > 1 and len(micros) < self.pp_size:
             # The interleaved schedule needs at least pp micro-batches: all-padding ones fill up (loss 0).
             micros = list(micros or [empty]) + [empty] * (self.pp_size - max(len(micros), 1))
-        return model_inputs(micros, rows=self.optim_cfg.micro_batch_size, device=self.device, empty=empty,
-                            width_multiple=multiple)
+        return model_inputs(
+            micros, rows=self.optim_cfg.micro_batch_size, device=self.device, empty=empty, width_multiple=multiple
+        )
 
     @property
     def _reports_stats(self) -> bool:
@@ -320,14 +390,19 @@ class MegatronBackend:
             return logits.new_zeros(()), {"log_probs": lp.float().cpu()}
 
         with cpu_shims(self.device):
-            data = run_schedule(self.chunks, self._model_inputs(mine, micros), loss_fn, forward_only=True,
-                                forward_kwargs=self._forward_kwargs())
+            data = run_schedule(
+                self.chunks,
+                self._model_inputs(mine, micros),
+                loss_fn,
+                forward_only=True,
+                forward_kwargs=self._forward_kwargs(),
+            )
         out = torch.zeros((batch.size, batch.tokens.shape[1] - 1), dtype=torch.float32)
         if self._reports_stats and mine.size:
             row = rows.start
             for d in data:  # micro-batches in order; token-budget ones are narrower than the batch
                 lp = d["log_probs"]
-                out[row:row + lp.shape[0], : lp.shape[1]] = lp
+                out[row : row + lp.shape[0], : lp.shape[1]] = lp
                 row += lp.shape[0]
         # Every rank gets every row: the sum of the reporting ranks' disjoint rows (zeros elsewhere) is exact.
         flat = out.to(self._collective_device())
@@ -361,8 +436,13 @@ class MegatronBackend:
                 lp = self._schedule_log_probs(batch)
             else:
                 # Same micro-batch split as the training forward: numerics then match bit for bit.
-                lp = torch.cat([self._log_probs(self.model, mb, entropy_grad=False)[0].cpu()
-                                for mb in split_rows(batch, self.optim_cfg.micro_batch_size)], dim=0)
+                lp = torch.cat(
+                    [
+                        self._log_probs(self.model, mb, entropy_grad=False)[0].cpu()
+                        for mb in split_rows(batch, self.optim_cfg.micro_batch_size)
+                    ],
+                    dim=0,
+                )
             for chunk in self.chunks:
                 chunk.train(was_training)
         return lp
@@ -404,8 +484,9 @@ class MegatronBackend:
         size = self.optim_cfg.micro_batch_size
         return [rows.select(slice(i, i + size)) for i in range(0, rows.size, size)]
 
-    def _schedule_micro_batches(self, batch: TrainBatch, micros: list[TrainBatch], algo: AlgoConfig,
-                                denom: Denominators) -> dict[str, float]:
+    def _schedule_micro_batches(
+        self, batch: TrainBatch, micros: list[TrainBatch], algo: AlgoConfig, denom: Denominators
+    ) -> dict[str, float]:
         """This rank's micro-batches of one mini-batch through Megatron's schedule; summed statistics."""
         if self.settings.max_tokens_per_gpu is not None:  # minibatch_steps handed the rank's rows as one
             micros = [m for rows in micros for m in self._micro_batches(rows)]
@@ -418,8 +499,13 @@ class MegatronBackend:
             return loss * schedule_loss_scale(num_microbatches, self.dp_size), stats
 
         with cpu_shims(self.device):
-            data = run_schedule(self.ddps, self._model_inputs(batch, micros), loss_fn, forward_only=False,
-                                forward_kwargs=self._forward_kwargs())
+            data = run_schedule(
+                self.ddps,
+                self._model_inputs(batch, micros),
+                loss_fn,
+                forward_only=False,
+                forward_kwargs=self._forward_kwargs(),
+            )
         acc: dict[str, float] = {}
         if self._reports_stats:
             for stats in data:
@@ -435,19 +521,29 @@ class MegatronBackend:
         for chunk in self.chunks:
             chunk.train()
         if self.ddp is None:
-            return minibatch_steps(batch, self.optim_cfg.num_steps_per_rollout, self.optim_cfg.micro_batch_size,
-                                   zero_grad=self._zero_grad,
-                                   micro_step=lambda micro, denom: self.micro_step(micro, algo, denom),
-                                   optimizer_step=self._optimizer_step, on_step=on_step)
+            return minibatch_steps(
+                batch,
+                self.optim_cfg.num_steps_per_rollout,
+                self.optim_cfg.micro_batch_size,
+                zero_grad=self._zero_grad,
+                micro_step=lambda micro, denom: self.micro_step(micro, algo, denom),
+                optimizer_step=self._optimizer_step,
+                on_step=on_step,
+            )
         names = STAT_NAMES + tuple(k for k in ("kl_loss",) if k not in STAT_NAMES)
         rows_per_micro = self.optim_cfg.micro_batch_size if self.settings.max_tokens_per_gpu is None else batch.size
         return minibatch_steps(
-            batch, self.optim_cfg.num_steps_per_rollout, rows_per_micro,
-            zero_grad=self._zero_grad, micro_step=None, optimizer_step=self._optimizer_step,
+            batch,
+            self.optim_cfg.num_steps_per_rollout,
+            rows_per_micro,
+            zero_grad=self._zero_grad,
+            micro_step=None,
+            optimizer_step=self._optimizer_step,
             local_rows=lambda n: shard_rows(n, self.dp_rank, self.dp_size),
             sum_stats=lambda stats: sum_stats(stats, None, names),
             run_micro_batches=lambda micros, denom: self._schedule_micro_batches(batch, micros, algo, denom),
-            on_step=on_step)
+            on_step=on_step,
+        )
 
     # -- colocated placement: free the GPU while the engine generates -----------------------------------
 
@@ -458,17 +554,26 @@ class MegatronBackend:
         if self.device.type != "cuda" or self._host_weights is not None:
             return
         if self.ddp is None:
-            raise NotImplementedError("offload needs train.megatron.optimizer='megatron' (Megatron's grad buffers "
-                                      "and optimizer state know how to move); optimizer='torch' keeps its state")
+            raise NotImplementedError(
+                "offload needs train.megatron.optimizer='megatron' (Megatron's grad buffers "
+                "and optimizer state know how to move); optimizer='torch' keeps its state"
+            )
         self._host_weights, self._offloaded_opt_params = offload_to_host(
-            self.chunks, self.ddps, inner_optimizers(self.optimizer), self.device)
+            self.chunks, self.ddps, inner_optimizers(self.optimizer), self.device
+        )
 
     def onload(self) -> None:
         """Undo `offload`: weights, (zeroed) grad buffers and optimizer state back on the GPU."""
         if self._host_weights is None:
             return
-        onload_from_host(self.chunks, self.ddps, inner_optimizers(self.optimizer), self._host_weights,
-                         self._offloaded_opt_params, self.device)
+        onload_from_host(
+            self.chunks,
+            self.ddps,
+            inner_optimizers(self.optimizer),
+            self._host_weights,
+            self._offloaded_opt_params,
+            self.device,
+        )
         self._host_weights = None
         self._offloaded_opt_params = {}
 
@@ -480,8 +585,9 @@ class MegatronBackend:
         collective when the model is sharded)."""
         return {name: t.to("cpu", copy=True) for bucket in self.export_buckets(1 << 30) for name, t in bucket}
 
-    def export_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None
-                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The whole model's HF-named tensors on this rank's device, about `bucket_bytes` (in `dtype`, when given)
         at a time, for the sync paths: no whole-model copy and no host round trip.
 
@@ -513,8 +619,9 @@ class MegatronBackend:
                 for name, tensor in mn.export_stage_to_hf(shards, self.layout, index).items():
                     yield name, tensor if dtype is None else tensor.to(dtype)
 
-    def _share_bucket(self, bucket: list[tuple[str, torch.Tensor]] | None, stage: int
-                      ) -> list[tuple[str, torch.Tensor]] | None:
+    def _share_bucket(
+        self, bucket: list[tuple[str, torch.Tensor]] | None, stage: int
+    ) -> list[tuple[str, torch.Tensor]] | None:
         """`stage`'s bucket on every rank of the pipeline group (None from the stage: its end)."""
         if self.pp_size == 1:
             return bucket
@@ -523,14 +630,17 @@ class MegatronBackend:
         group = ps.get_pipeline_model_parallel_group()
         src = torch.distributed.get_global_rank(group, stage)
         owner = stage == self.pp_rank
-        meta: list = [None if not owner or bucket is None
-                      else [(name, tuple(t.shape), t.dtype) for name, t in bucket]]
-        torch.distributed.broadcast_object_list(meta, src=src, group=group,
-                                                device=self.device if self.device.type == "cuda" else None)
+        meta: list = [None if not owner or bucket is None else [(name, tuple(t.shape), t.dtype) for name, t in bucket]]
+        torch.distributed.broadcast_object_list(
+            meta, src=src, group=group, device=self.device if self.device.type == "cuda" else None
+        )
         if meta[0] is None:
             return None
-        tensors = [t.contiguous() for _, t in bucket] if owner else \
-            [torch.empty(shape, dtype=dt, device=self.device) for _, shape, dt in meta[0]]
+        tensors = (
+            [t.contiguous() for _, t in bucket]
+            if owner
+            else [torch.empty(shape, dtype=dt, device=self.device) for _, shape, dt in meta[0]]
+        )
         for tensor in tensors:
             torch.distributed.broadcast(tensor, src=src, group=group)
         return [(name, tensor) for (name, _, _), tensor in zip(meta[0], tensors)]
@@ -554,8 +664,11 @@ class MegatronBackend:
         dist_checkpointing.save(self._sharded_state(), path)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
-            meta = {"format": "rollflow-megatron-dist-1", "optimizer_kind": self.optimizer_kind,
-                    "layout": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size}}
+            meta = {
+                "format": "rollflow-megatron-dist-1",
+                "optimizer_kind": self.optimizer_kind,
+                "layout": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size},
+            }
             with open(os.path.join(path, COMMIT_MARKER), "w") as fh:
                 json.dump(meta, fh)
         torch.distributed.barrier()
@@ -567,20 +680,24 @@ class MegatronBackend:
         path = os.path.abspath(directory)
         marker = os.path.join(path, COMMIT_MARKER)
         if not os.path.exists(marker):
-            raise FileNotFoundError(f"{path} has no {COMMIT_MARKER}: not a committed megatron checkpoint (an "
-                                    "interrupted save, or another format)")
+            raise FileNotFoundError(
+                f"{path} has no {COMMIT_MARKER}: not a committed megatron checkpoint (an "
+                "interrupted save, or another format)"
+            )
         with open(marker) as fh:
             meta = json.load(fh)
         if meta.get("optimizer_kind") != self.optimizer_kind:
-            raise ValueError(f"checkpoint optimizer {meta.get('optimizer_kind')!r} != this backend's "
-                             f"{self.optimizer_kind!r}")
+            raise ValueError(
+                f"checkpoint optimizer {meta.get('optimizer_kind')!r} != this backend's {self.optimizer_kind!r}"
+            )
         loaded = dist_checkpointing.load(self._sharded_state(loading=True), path)
         for key, chunk in self._chunk_keys():
             missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
             missing = [k for k in missing if not k.endswith("_extra_state")]
             if missing or unexpected:
-                raise ValueError(f"checkpoint does not fit the model: missing {missing[:4]}, "
-                                 f"unexpected {unexpected[:4]}")
+                raise ValueError(
+                    f"checkpoint does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}"
+                )
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
         if self.scheduler is not None and "scheduler" in loaded:
@@ -590,8 +707,11 @@ class MegatronBackend:
     def sharded(self) -> bool:
         """True when no rank holds the whole state (tp / pp / cp > 1, virtual stages, or optimizer state sharded over
         DP): checkpoints are then `save_distributed` on every rank, and reading the weights is a collective."""
-        return (self.settings.model_parallel_size > 1 or len(self.chunks) > 1
-                or (self.settings.use_distributed_optimizer and self.dp_size > 1))
+        return (
+            self.settings.model_parallel_size > 1
+            or len(self.chunks) > 1
+            or (self.settings.use_distributed_optimizer and self.dp_size > 1)
+        )
 
     def all_ranks_finite(self) -> bool:
         """Whether every rank's weight shards are free of NaN / inf (a collective: call it on every rank)."""
@@ -621,20 +741,29 @@ class MegatronBackend:
             raise NotImplementedError("virtual pipeline stages checkpoint through save_distributed only")
         buf = io.BytesIO()
         model_state = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        torch.save({"format": "rollflow-megatron-1", "model": model_state,
-                    "optimizer_kind": self.optimizer_kind, "optimizer": self.optimizer.state_dict(),
-                    "rng": torch.get_rng_state()}, buf)
+        torch.save(
+            {
+                "format": "rollflow-megatron-1",
+                "model": model_state,
+                "optimizer_kind": self.optimizer_kind,
+                "optimizer": self.optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+            },
+            buf,
+        )
         return buf.getvalue()
 
     def load_checkpoint_bytes(self, data: bytes) -> None:
         # weights_only: a checkpoint is data, never code.
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if state.get("format") != "rollflow-megatron-1":
-            raise ValueError("not a megatron-backend checkpoint (format tag missing); was it written by train.backend="
-                             "'torch'?")
+            raise ValueError(
+                "not a megatron-backend checkpoint (format tag missing); was it written by train.backend='torch'?"
+            )
         if state["optimizer_kind"] != self.optimizer_kind:
-            raise ValueError(f"checkpoint optimizer {state['optimizer_kind']!r} != this backend's "
-                             f"{self.optimizer_kind!r}")
+            raise ValueError(
+                f"checkpoint optimizer {state['optimizer_kind']!r} != this backend's {self.optimizer_kind!r}"
+            )
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -643,9 +772,9 @@ class MegatronBackend:
         torch.set_rng_state(state["rng"])
 
 
-
-def build_megatron_backend(model_dir, optim: OptimConfig, *, temperature: float,
-                           dp: DataParallel | None = None) -> MegatronBackend:
+def build_megatron_backend(
+    model_dir, optim: OptimConfig, *, temperature: float, dp: DataParallel | None = None
+) -> MegatronBackend:
     """From a local HF model directory (config.json + safetensors); `dp`: this rank's place in the trainer."""
     require_megatron()
     hf_model = load_model(model_dir)

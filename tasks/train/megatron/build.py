@@ -24,16 +24,20 @@ def _rope(hf_config) -> dict[str, Any]:
     if rope_type in (None, "default"):
         return out
     if rope_type == "llama3":
-        if (params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0),
-                params.get("original_max_position_embeddings", 8192)) != (1.0, 4.0, 8192):
+        if (
+            params.get("low_freq_factor", 1.0),
+            params.get("high_freq_factor", 4.0),
+            params.get("original_max_position_embeddings", 8192),
+        ) != (1.0, 4.0, 8192):
             raise NotImplementedError(f"llama3 rope scaling with non-default parameters {params} is not mapped")
         out.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
         return out
     raise NotImplementedError(f"rope_type={rope_type!r} is not mapped to Megatron (default and llama3 are)")
 
 
-def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: torch.dtype, device: torch.device,
-                             random_init: bool):
+def build_transformer_config(
+    hf_config, settings: MegatronSettings, *, dtype: torch.dtype, device: torch.device, random_init: bool
+):
     # optional dependency: imported on use
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -94,8 +98,15 @@ def build_transformer_config(hf_config, settings: MegatronSettings, *, dtype: to
     return TransformerConfig(**kwargs), spec
 
 
-def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype, device: torch.device,
-                    random_init: bool = False, vp_stage: int | None = None):
+def build_gpt_model(
+    hf_config,
+    settings: MegatronSettings,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    random_init: bool = False,
+    vp_stage: int | None = None,
+):
     """This rank's megatron-core GPTModel (its TP shard of its pipeline stage; with vpp, of its virtual stage
     `vp_stage`) for an HF Llama / Qwen2 / Qwen3 config; returns (model, layout, spec). The layout's pipeline
     stages are the virtual ones (pp * vpp, `virtual_stage`). Parallel state must be initialised."""
@@ -103,19 +114,27 @@ def build_gpt_model(hf_config, settings: MegatronSettings, *, dtype: torch.dtype
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    settings.check_model(hf_config.num_hidden_layers,
-                         getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+    settings.check_model(
+        hf_config.num_hidden_layers, getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    )
     config, spec = build_transformer_config(hf_config, settings, dtype=dtype, device=device, random_init=random_init)
     if spec == "local" and settings.cp > 1:
-        raise ValueError("train.megatron.cp > 1 needs layer_spec 'sdpa' or 'te': Megatron's local attention refuses "
-                         "context parallelism")
-    layout = mn.MegatronLayout.from_hf_config(hf_config, spec="te" if spec == "te" else "local", tp_size=settings.tp,
-                                              pp_size=settings.pp * (settings.vpp or 1),
-                                              make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by)
+        raise ValueError(
+            "train.megatron.cp > 1 needs layer_spec 'sdpa' or 'te': Megatron's local attention refuses "
+            "context parallelism"
+        )
+    layout = mn.MegatronLayout.from_hf_config(
+        hf_config,
+        spec="te" if spec == "te" else "local",
+        tp_size=settings.tp,
+        pp_size=settings.pp * (settings.vpp or 1),
+        make_vocab_size_divisible_by=settings.make_vocab_size_divisible_by,
+    )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_block_spec(spec, settings, config, qk_layernorm=layout.qk_layernorm,
-                                                vp_stage=vp_stage),
+        transformer_layer_spec=build_block_spec(
+            spec, settings, config, qk_layernorm=layout.qk_layernorm, vp_stage=vp_stage
+        ),
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),

@@ -35,8 +35,9 @@ def _check(length: int, cp: int) -> int:
 def zigzag_positions(length: int, cp: int, rank: int) -> torch.Tensor:
     """Indices (into a sequence of `length`) of the tokens cp rank `rank` holds, in its local order."""
     m = _check(length, cp)
-    return torch.cat([torch.arange(rank * m, (rank + 1) * m),
-                      torch.arange((2 * cp - 1 - rank) * m, (2 * cp - rank) * m)])
+    return torch.cat(
+        [torch.arange(rank * m, (rank + 1) * m), torch.arange((2 * cp - 1 - rank) * m, (2 * cp - rank) * m)]
+    )
 
 
 def packed_zigzag_positions(bounds: tuple[int, ...], cp: int, rank: int) -> torch.Tensor:
@@ -90,7 +91,7 @@ class _GatherContext(torch.autograd.Function):
             mine = grad.new_empty((n,) + tuple(grad.shape[1:]))
             torch.distributed.reduce_scatter_tensor(mine, grad, group=ctx.group)
             return mine, None, None
-        return grad[rank * n:(rank + 1) * n].clone(), None, None
+        return grad[rank * n : (rank + 1) * n].clone(), None, None
 
 
 def gather_context(local: torch.Tensor, order: torch.Tensor, group, *, backward: str = "sum") -> torch.Tensor:
@@ -113,6 +114,7 @@ def chunk_attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     outs = []
     for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         end = (chunk + 1) * m
-        outs.append(attend(q[..., half * m:(half + 1) * m, :], k[..., :end, :], v[..., :end, :],
-                           causal_lower_right(m, end)))
+        outs.append(
+            attend(q[..., half * m : (half + 1) * m, :], k[..., :end, :], v[..., :end, :], causal_lower_right(m, end))
+        )
     return torch.cat(outs, dim=-2)

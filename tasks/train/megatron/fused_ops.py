@@ -30,8 +30,17 @@ def _lp_forward(logits: torch.Tensor, target: torch.Tensor, inv_t: float, vocab:
     return zt - lse, lse - ez, lse, ez
 
 
-def _lp_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, ez: torch.Tensor,
-                 g_lp: torch.Tensor, g_ent: torch.Tensor, inv_t: float, vocab: int, with_entropy: bool):
+def _lp_backward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ez: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor,
+    inv_t: float,
+    vocab: int,
+    with_entropy: bool,
+):
     z = logits[:, :vocab].to(lse.dtype) * inv_t
     p = torch.exp(z - lse.unsqueeze(-1))
     coeff = g_lp.unsqueeze(-1)
@@ -90,8 +99,17 @@ class _TokenLogProbs(torch.autograd.Function):
             grad_ent = torch.zeros(n, dtype=lse.dtype, device=logits.device)
         grad = torch.zeros_like(logits) if vocab < logits.shape[1] else torch.empty_like(logits)
         if impl == "compiled":
-            grad[:, :vocab] = _compiled("backward")(logits, target, lse, ez, grad_lp.contiguous(),
-                                                   grad_ent.contiguous(), 1.0 / temperature, vocab, with_entropy)
+            grad[:, :vocab] = _compiled("backward")(
+                logits,
+                target,
+                lse,
+                ez,
+                grad_lp.contiguous(),
+                grad_ent.contiguous(),
+                1.0 / temperature,
+                vocab,
+                with_entropy,
+            )
             return grad, None, None, None, None, None, None
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
@@ -112,9 +130,16 @@ class _TokenLogProbs(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
-                    vocab_size: int | None = None, chunk: int = 2048, impl: str = "chunked",
-                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def token_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk: int = 2048,
+    impl: str = "chunked",
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V_pad], target [...] -> (log_probs, entropy) of softmax(logits[..., :vocab_size] / T).
 
     Columns past `vocab_size` (Megatron's vocab padding) are ignored and get zero gradient. The entropy's
@@ -123,8 +148,9 @@ def token_log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: 
     shape = target.shape
     flat = logits.reshape(-1, logits.shape[-1])  # a view for a contiguous prefix (seq-first logits[:-1])
     vocab = int(vocab_size or logits.shape[-1])
-    lp, ent = _TokenLogProbs.apply(flat, target.reshape(-1), float(temperature), vocab, int(chunk), impl,
-                                   bool(entropy_grad))
+    lp, ent = _TokenLogProbs.apply(
+        flat, target.reshape(-1), float(temperature), vocab, int(chunk), impl, bool(entropy_grad)
+    )
     if not entropy_grad:
         ent = ent.detach()
     return lp.view(shape), ent.view(shape)
@@ -163,16 +189,23 @@ class _RoPE(torch.autograd.Function):
         return _compiled_rope()(grad.contiguous().detach(), freqs.detach(), -1.0), None
 
 
-def rope_sbhd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
-              interleaved: bool = False) -> torch.Tensor:
+def rope_sbhd(
+    t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False, interleaved: bool = False
+) -> torch.Tensor:
     """Megatron's `fused_apply_rotary_pos_emb` signature (sbhd layout, rotate-half, no interleave)."""
     if interleaved:
         raise NotImplementedError("rope_sbhd: interleaved RoPE is not implemented")
     return _RoPE.apply(t, freqs)
 
 
-def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
-             interleaved: bool = False) -> torch.Tensor:
+def rope_thd(
+    t: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    freqs: torch.Tensor,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    interleaved: bool = False,
+) -> torch.Tensor:
     """Megatron's `fused_apply_rotary_pos_emb_thd` signature: RoPE of packed rows [t, h, d], each row from position 0.
 
     Each token's position is found on the device (its row from `cu_seqlens` by searchsorted), so nothing is
@@ -201,8 +234,9 @@ def _thd_positions(cu_seqlens: torch.Tensor, n: int, cp_size: int, cp_rank: int)
     if cp_size > 1:
         chunk = torch.div(cu_seqlens[row + 1] - cu_seqlens[row], 2 * cp_size, rounding_mode="floor").long()
         first = positions < chunk
-        positions = torch.where(first, cp_rank * chunk + positions,
-                                (2 * cp_size - 1 - cp_rank) * chunk + positions - chunk)
+        positions = torch.where(
+            first, cp_rank * chunk + positions, (2 * cp_size - 1 - cp_rank) * chunk + positions - chunk
+        )
     cu_seqlens._rollflow_rope_positions = (key, positions)
     return positions
 

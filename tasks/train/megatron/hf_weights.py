@@ -16,8 +16,9 @@ def virtual_stage(pp_rank: int, pp_size: int, vp_stage: int | None) -> int:
     return pp_rank if vp_stage is None else vp_stage * pp_size + pp_rank
 
 
-def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], layout: mn.MegatronLayout,
-                    vp_stage: int | None = None) -> None:
+def load_hf_weights(
+    model: torch.nn.Module, hf_state: dict[str, torch.Tensor], layout: mn.MegatronLayout, vp_stage: int | None = None
+) -> None:
     """Copy an HF state dict into this rank's Megatron model (its tp shard of its pp stage) through the
     converter; strict on names (and the converter is strict on HF tensors it does not map)."""
     from megatron.core import parallel_state  # optional dependency: imported on use
@@ -25,21 +26,26 @@ def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], l
     if layout.tp_size * layout.pp_size == 1:
         converted = mn.hf_to_megatron(hf_state, layout)
     else:
-        stage = virtual_stage(parallel_state.get_pipeline_model_parallel_rank(),
-                              parallel_state.get_pipeline_model_parallel_world_size(), vp_stage)
+        stage = virtual_stage(
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            vp_stage,
+        )
         converted = mn.to_megatron_shards(hf_state, layout)[(stage, parallel_state.get_tensor_model_parallel_rank())]
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing = sorted(set(own) - set(converted))
     unexpected = sorted(set(converted) - set(own))
     if missing or unexpected:
-        raise mn.ConversionError(f"HF -> Megatron names do not match the model: missing {missing[:4]}, "
-                                 f"unexpected {unexpected[:4]}")
+        raise mn.ConversionError(
+            f"HF -> Megatron names do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     with torch.no_grad():
         for name, target in own.items():
             source = converted[name]
             if tuple(source.shape) != tuple(target.shape):
-                raise mn.ConversionError(f"{name}: converted shape {tuple(source.shape)} != model's "
-                                         f"{tuple(target.shape)}")
+                raise mn.ConversionError(
+                    f"{name}: converted shape {tuple(source.shape)} != model's {tuple(target.shape)}"
+                )
             target.copy_(source.to(dtype=target.dtype))
 
 

@@ -1,11 +1,11 @@
 """Layer specs of the megatron backend (`MegatronSettings.layer_spec`) and the torch norms they build.
 
-  - "te": Transformer Engine spec (fused layernorm-linear, TE attention). Needs transformer-engine.
-  - "local": megatron-core's own modules; its core attention is unfused (scores materialised).
-  - "sdpa": the local spec with core attention replaced by `SDPACoreAttention` (attention.py: torch's
-    scaled_dot_product_attention: flash / cuDNN / memory-efficient kernels), Megatron's documented
-    extension point (a layer spec's `core_attention` submodule). Flash attention without TE.
-  - "auto": "te" when transformer_engine imports, else "sdpa".
+- "te": Transformer Engine spec (fused layernorm-linear, TE attention). Needs transformer-engine.
+- "local": megatron-core's own modules; its core attention is unfused (scores materialised).
+- "sdpa": the local spec with core attention replaced by `SDPACoreAttention` (attention.py: torch's
+  scaled_dot_product_attention: flash / cuDNN / memory-efficient kernels), Megatron's documented
+  extension point (a layer spec's `core_attention` submodule). Flash attention without TE.
+- "auto": "te" when transformer_engine imports, else "sdpa".
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ def resolve_layer_spec(name: str) -> str:
     if name == "auto":
         return "te" if have_transformer_engine() else "sdpa"
     if name == "te" and not have_transformer_engine():
-        raise ImportError("train.megatron.layer_spec='te' needs transformer-engine (pip install 'rollflow[te]'); "
-                          "use 'sdpa' (torch SDPA core attention) or 'local'")
+        raise ImportError(
+            "train.megatron.layer_spec='te' needs transformer-engine (pip install 'rollflow[te]'); "
+            "use 'sdpa' (torch SDPA core attention) or 'local'"
+        )
     return name
 
 
@@ -46,8 +48,9 @@ def build_layer_spec(spec: str, settings: MegatronSettings, *, qk_layernorm: boo
     return layer
 
 
-def build_block_spec(spec: str, settings: MegatronSettings, config, *, qk_layernorm: bool = False,
-                     vp_stage: int | None = None):
+def build_block_spec(
+    spec: str, settings: MegatronSettings, config, *, qk_layernorm: bool = False, vp_stage: int | None = None
+):
     """The layer spec, or for the torch specs the whole block's (its layers and the final norm: Megatron
     would build that one with its own torch norm, which refuses sequence parallelism)."""
     layer = build_layer_spec(spec, settings, qk_layernorm=qk_layernorm)
@@ -57,8 +60,9 @@ def build_block_spec(spec: str, settings: MegatronSettings, config, *, qk_layern
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    count = get_num_layers_to_build(config, vp_stage=vp_stage,
-                                    pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    count = get_num_layers_to_build(
+        config, vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank()
+    )
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelRMSNorm)
 
 

@@ -18,14 +18,19 @@ from rollflow.tasks.train.pinned import pinned_copy
 HostCopy = dict[tuple, torch.Tensor]
 
 
-def offload_to_host(chunks: list[torch.nn.Module], ddps: list, inners: list, device: torch.device
-                    ) -> tuple[HostCopy, HostCopy]:
+def offload_to_host(
+    chunks: list[torch.nn.Module], ddps: list, inners: list, device: torch.device
+) -> tuple[HostCopy, HostCopy]:
     """Move `chunks` (wrapped by Megatron's `ddps`) and the state of the torch optimizers `inners` to the host:
     (host copies by key, the optimizer's own params whose device storage was released). CUDA only."""
     torch.cuda.synchronize()
     buffers = [b for ddp in ddps for b in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", []))]
-    owned = {t.untyped_storage().data_ptr() for b in buffers for t in (b.param_data, b.grad_data)
-             if t is not None and t.untyped_storage().size() > 0}
+    owned = {
+        t.untyped_storage().data_ptr()
+        for b in buffers
+        for t in (b.param_data, b.grad_data)
+        if t is not None and t.untyped_storage().size() > 0
+    }
     host: dict[tuple, torch.Tensor] = {}
 
     def stash(key: tuple, tensor: torch.Tensor) -> None:
@@ -53,7 +58,7 @@ def offload_to_host(chunks: list[torch.nn.Module], ddps: list, inners: list, dev
     for key, param in params.items():
         if ("param",) + key in host:
             param.data = torch.empty(0, dtype=param.dtype, device=device)
-    for key, p in extra.items():
+    for p in extra.values():
         p.data = torch.empty(0, dtype=p.dtype, device=device)
     for o, inner in enumerate(inners):
         for j, state in enumerate(inner.state.values()):
@@ -64,8 +69,9 @@ def offload_to_host(chunks: list[torch.nn.Module], ddps: list, inners: list, dev
     return host, extra
 
 
-def onload_from_host(chunks: list[torch.nn.Module], ddps: list, inners: list, host: HostCopy, extra: HostCopy,
-                     device: torch.device) -> None:
+def onload_from_host(
+    chunks: list[torch.nn.Module], ddps: list, inners: list, host: HostCopy, extra: HostCopy, device: torch.device
+) -> None:
     """Undo `offload_to_host`: weights, (zeroed) grad buffers and optimizer state back on `device`."""
     for ddp in ddps:
         for buffer in ddp.buffers + list(getattr(ddp, "expert_parallel_buffers", [])):

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.settings import MegatronSettings
 
-MISSING_MESSAGE = ("train.backend='megatron' needs megatron-core: pip install 'rollflow[megatron]' "
-                   "(Python >= 3.12 for megatron-core >= 0.17; 0.16.1 on 3.11)")
+MISSING_MESSAGE = (
+    "train.backend='megatron' needs megatron-core: pip install 'rollflow[megatron]' "
+    "(Python >= 3.12 for megatron-core >= 0.17; 0.16.1 on 3.11)"
+)
 
 
 class MegatronMissing(ImportError):
@@ -70,8 +72,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel_state(device: torch.device, seed: int, *, settings: MegatronSettings | None = None,
-                        dp: DataParallel | None = None) -> None:
+def init_parallel_state(
+    device: torch.device, seed: int, *, settings: MegatronSettings | None = None, dp: DataParallel | None = None
+) -> None:
     """torch.distributed (this rank's place from `dp`; one process without it) + Megatron's parallel groups
     (tp / pp / cp from `settings`, data parallel = world / (tp * pp * cp)). Idempotent."""
     from megatron.core import parallel_state, tensor_parallel  # optional dependency: imported on use
@@ -82,20 +85,23 @@ def init_parallel_state(device: torch.device, seed: int, *, settings: MegatronSe
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if dp is not None:
-            dist.init_process_group(backend=backend, init_method=dp.init_method, rank=dp.rank,
-                                    world_size=dp.world_size)
+            dist.init_process_group(backend=backend, init_method=dp.init_method, rank=dp.rank, world_size=dp.world_size)
         elif int(os.environ.get("WORLD_SIZE", 1)) > 1:  # launched by torchrun: its env rendezvous
             dist.init_process_group(backend=backend)
         else:
             # One process: a fresh port every time. A MASTER_PORT inherited from the environment (e.g. set by an
             # earlier backend in the process that started this one) may be in use by now.
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                    world_size=1)
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
     settings.data_parallel_size(dist.get_world_size())  # one clear error before any group is built
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=settings.tp, pipeline_model_parallel_size=settings.pp,
-            virtual_pipeline_model_parallel_size=settings.vpp, context_parallel_size=settings.cp)
+            tensor_model_parallel_size=settings.tp,
+            pipeline_model_parallel_size=settings.pp,
+            virtual_pipeline_model_parallel_size=settings.vpp,
+            context_parallel_size=settings.cp,
+        )
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

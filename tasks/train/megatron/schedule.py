@@ -41,8 +41,9 @@ from rollflow.tasks.train.megatron import context_parallel as cpl
 def schedule_loss_scale(num_microbatches: int, data_parallel_size: int) -> float:
     """Factor on a micro-batch's loss share that undoes Megatron's mean over micro-batches and DP ranks."""
     if num_microbatches < 1 or data_parallel_size < 1:
-        raise ValueError(f"num_microbatches={num_microbatches} and data_parallel_size={data_parallel_size} "
-                         "must be >= 1")
+        raise ValueError(
+            f"num_microbatches={num_microbatches} and data_parallel_size={data_parallel_size} must be >= 1"
+        )
     return float(num_microbatches * data_parallel_size)
 
 
@@ -104,8 +105,9 @@ def token_budget_micro_batches(batch: TrainBatch, max_tokens: int, *, packed: bo
     return [trim_width(batch.select(slice(a, b)), max(w, 2)) for a, b, w in groups]
 
 
-def model_inputs(micros: list[TrainBatch], *, rows: int, width_multiple: int, device: torch.device,
-                 empty: TrainBatch) -> list[ModelInput]:
+def model_inputs(
+    micros: list[TrainBatch], *, rows: int, width_multiple: int, device: torch.device, empty: TrainBatch
+) -> list[ModelInput]:
     """Pad every micro-batch to `rows` rows and a width that is a multiple of `width_multiple`.
 
     `empty` (a 0-row TrainBatch of the right width) stands in when this rank has no rows at all: the
@@ -139,8 +141,15 @@ def packed_rows_class():
     return PackedRows
 
 
-def packed_model_inputs(micros: list[TrainBatch], *, width_multiple: int, device: torch.device,
-                        empty: TrainBatch, same_length: bool, row_multiple: int = 1) -> list[ModelInput]:
+def packed_model_inputs(
+    micros: list[TrainBatch],
+    *,
+    width_multiple: int,
+    device: torch.device,
+    empty: TrainBatch,
+    same_length: bool,
+    row_multiple: int = 1,
+) -> list[ModelInput]:
     """Each micro-batch's real tokens packed end to end into [1, T] (THD), with the row bounds.
 
     `same_length`: every micro-batch gets the same T (pipeline stages exchange fixed-shape activations).
@@ -165,18 +174,33 @@ def packed_model_inputs(micros: list[TrainBatch], *, width_multiple: int, device
             positions[0, :size] = micro.position_ids[keep]
         else:
             for row, (start, length, seg) in enumerate(zip(bounds, lengths.tolist(), segment.tolist())):
-                tokens[0, start:start + length] = micro.tokens[row, :length]
-                positions[0, start:start + seg] = torch.arange(seg) + int(micro.position_ids[row, 0])
+                tokens[0, start : start + length] = micro.tokens[row, :length]
+                positions[0, start : start + seg] = torch.arange(seg) + int(micro.position_ids[row, 0])
         if total > size:  # the padding: one more segment, attending only to itself
             positions[0, size:] = torch.arange(total - size)
             bounds.append(total)
         cu = torch.tensor(bounds, dtype=torch.int32, device=device)
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        packed = PackedRows(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                            max_seqlen_kv=longest, bounds=tuple(bounds))
+        packed = PackedRows(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+            bounds=tuple(bounds),
+        )
         starts = torch.tensor(bounds[: micro.size], dtype=torch.long)
-        out.append(ModelInput(tokens.to(device), positions.to(device), micro, micro.tokens.shape[1], packed,
-                              starts.to(device), lengths.to(device)))
+        out.append(
+            ModelInput(
+                tokens.to(device),
+                positions.to(device),
+                micro,
+                micro.tokens.shape[1],
+                packed,
+                starts.to(device),
+                lengths.to(device),
+            )
+        )
     return out
 
 
@@ -193,8 +217,15 @@ def split_context(item: ModelInput, cp: int, rank: int) -> ModelInput:
         positions, order = by_rank[rank], cpl.gather_order(by_rank)
     index, order = positions.to(tokens.device), order.to(tokens.device)
     packed = None if item.packed is None else dataclasses.replace(item.packed, cp_order=order)
-    return dataclasses.replace(item, tokens=tokens[:, index], position_ids=item.position_ids[:, index],
-                               packed=packed, cp_targets=following[:, index], cp_order=order, cp=cp)
+    return dataclasses.replace(
+        item,
+        tokens=tokens[:, index],
+        position_ids=item.position_ids[:, index],
+        packed=packed,
+        cp_targets=following[:, index],
+        cp_order=order,
+        cp=cp,
+    )
 
 
 def unpack_token_values(values: torch.Tensor, item: ModelInput) -> torch.Tensor:
@@ -206,9 +237,14 @@ def unpack_token_values(values: torch.Tensor, item: ModelInput) -> torch.Tensor:
     return torch.where(inside, values[index], values.new_zeros(()))
 
 
-def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
-                 loss_fn: Callable[[ModelInput, torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]], *,
-                 forward_only: bool, forward_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def run_schedule(
+    model_chunks: list[torch.nn.Module],
+    inputs: list[ModelInput],
+    loss_fn: Callable[[ModelInput, torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]],
+    *,
+    forward_only: bool,
+    forward_kwargs: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """Forward (and backward) of `inputs` through Megatron's schedule for this parallel layout.
 
     `loss_fn(item, output, num_microbatches) -> (loss, data)` runs on the last pipeline stage on the
@@ -223,8 +259,7 @@ def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
     def forward_step(data_iterator, model):
         item = next(data_iterator)
         packed = {"packed_seq_params": item.packed} if item.packed is not None else {}
-        output = model(input_ids=item.tokens, position_ids=item.position_ids, attention_mask=None, **packed,
-                       **extra)
+        output = model(input_ids=item.tokens, position_ids=item.position_ids, attention_mask=None, **packed, **extra)
 
         def loss_func(output_tensor):
             return loss_fn(item, output_tensor, num_microbatches)
@@ -235,5 +270,11 @@ def run_schedule(model_chunks: list[torch.nn.Module], inputs: list[ModelInput],
     # Interleaved stages: one iterator per model chunk, each over the same micro-batches.
     data = iter(inputs) if len(model_chunks) == 1 else [iter(inputs) for _ in model_chunks]
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=model_chunks,
-        num_microbatches=num_microbatches, seq_length=width, micro_batch_size=rows, forward_only=forward_only)
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=width,
+        micro_batch_size=rows,
+        forward_only=forward_only,
+    )

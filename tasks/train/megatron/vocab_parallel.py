@@ -21,8 +21,7 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _scaled(logits: torch.Tensor, start: int, vocab_size: int, temperature: float
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled(logits: torch.Tensor, start: int, vocab_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits / T, and the mask of this slice's columns that are real tokens (not vocab padding)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     z = logits.to(dtype) / temperature
@@ -31,7 +30,6 @@ def _scaled(logits: torch.Tensor, start: int, vocab_size: int, temperature: floa
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, logits, target, start: int, vocab_size: int, temperature: float, group):
         z, real = _scaled(logits, start, vocab_size, temperature)
@@ -39,8 +37,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         row_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
         local = target - start
         mine = (local >= 0) & (local < logits.shape[-1])
-        zt = torch.where(mine, z.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1),
-                         torch.zeros_like(row_max))
+        zt = torch.where(
+            mine,
+            z.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1),
+            torch.zeros_like(row_max),
+        )
         sums = _all_reduce(torch.stack([(z - row_max.unsqueeze(-1)).exp().sum(dim=-1), zt]), dist.ReduceOp.SUM, group)
         lse = row_max + sums[0].log()
         p = (z - lse.unsqueeze(-1)).exp()  # 0 on padding columns
@@ -65,8 +66,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None, None
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int,
-                             temperature: float = 1.0, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and the entropy of softmax(logits / T) over the real vocabulary, fp32, shaped as `target`.
 
     `logits` [..., V_slice] is this rank's slice starting at global column `vocab_start`; columns at or
@@ -74,6 +82,12 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, voca
     token ids. Every rank of `group` must call this with the same rows.
     """
     shape = target.shape
-    lp, ent = _VocabParallelLogProbs.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), int(vocab_start),
-                                           int(vocab_size), float(temperature), group)
+    lp, ent = _VocabParallelLogProbs.apply(
+        logits.reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        int(vocab_start),
+        int(vocab_size),
+        float(temperature),
+        group,
+    )
     return lp.reshape(shape), ent.reshape(shape)
