@@ -14,8 +14,8 @@ from rollflow.tasks.rollout.prompts import PromptItem
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from rollflow.tasks.sync.probe import ProbeSpec
 
-# Fixed plain-text prompts for runs whose data only their rollout function can render.
-PLAIN_PROMPTS = ("12+34=", "The weights after this update", "probe: 0 1 2 3", "a b c d e f")
+# Fixed prompts for runs whose data only their rollout function can render.
+PLAIN_PROMPTS = ("12+34=", "507+219=", "0+0=", "999+1=")  # digits: any tokenizer, the char one too
 
 
 def probe_params(rollout: RolloutConfig, spec: ProbeSpec, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
