@@ -96,8 +96,9 @@ class WorkerGroup:
     def for_run(cls, cfg: RunConfig) -> WorkerGroup:
         plan = None
         if uses_placement(cfg):
-            plan = plan_placement(cfg.placement, cfg.resources, train=not cfg.debug.rollout_only,
-                                  rollout=not cfg.debug.train_only)
+            plan = plan_placement(
+                cfg.placement, cfg.resources, train=not cfg.debug.rollout_only, rollout=not cfg.debug.train_only
+            )
             plan = None if plan.empty else plan
         return cls(cfg, plan)
 
@@ -114,8 +115,10 @@ class WorkerGroup:
         if missing and world == 1:
             raise missing_actor_error(self.run, TRAINER)
         if missing:
-            raise RuntimeError(f"trainer ranks {missing} of run {self.run!r} are not running: start the run's workers "
-                               "first (rl_train does); a lost rank means restarting the run from its checkpoint")
+            raise RuntimeError(
+                f"trainer ranks {missing} of run {self.run!r} are not running: start the run's workers "
+                "first (rl_train does); a lost rank means restarting the run from its checkpoint"
+            )
         return TrainerClient(ranks)
 
     def critic(self) -> CriticClient:
@@ -163,8 +166,9 @@ class WorkerGroup:
         stale = self.placement_group()
         if stale is not None:
             ray.util.remove_placement_group(stale)
-        return create_placement_group(self.plan, name=placement_group_name(self.cfg),
-                                      gpu_resource=self.cfg.resources.gpu_resource)
+        return create_placement_group(
+            self.plan, name=placement_group_name(self.cfg), gpu_resource=self.cfg.resources.gpu_resource
+        )
 
     def stop_placement(self) -> None:
         import ray
@@ -204,9 +208,11 @@ class WorkerGroup:
             return None
         nodes = {node for node, _ in located}
         if len(nodes) > 1:
-            raise RuntimeError(f"engine {index}'s {len(located)} GPUs landed on {len(nodes)} nodes ({sorted(nodes)}): "
-                               "an SGLang engine's tensor parallel group must be on one node; use "
-                               "resources.gpus_per_engine <= GPUs per node")
+            raise RuntimeError(
+                f"engine {index}'s {len(located)} GPUs landed on {len(nodes)} nodes ({sorted(nodes)}): "
+                "an SGLang engine's tensor parallel group must be on one node; use "
+                "resources.gpus_per_engine <= GPUs per node"
+            )
         return [gpu for _, gpu in located]
 
     def _rendezvous(self) -> tuple[str, int]:
@@ -226,24 +232,43 @@ class WorkerGroup:
         for k in range(cfg.resources.num_engines):
             gpu_ids = self.engine_gpu_ids(k)
             options = self.placement_options(ENGINE, k)
-            servers.append(ServerClient(start_actor(
-                cfg.run, server_role(k), SGLangServerWorker, cfg.model.path, cfg.rollout, index=k, gpu_ids=gpu_ids,
-                base_gpu_id=None if gpu_ids else self.engine_base_gpu_id(k), weight_version=weight_version,
-                wait=False, **({"options": options} if options else {}))))
+            servers.append(
+                ServerClient(
+                    start_actor(
+                        cfg.run,
+                        server_role(k),
+                        SGLangServerWorker,
+                        cfg.model.path,
+                        cfg.rollout,
+                        index=k,
+                        gpu_ids=gpu_ids,
+                        base_gpu_id=None if gpu_ids else self.engine_base_gpu_id(k),
+                        weight_version=weight_version,
+                        wait=False,
+                        **({"options": options} if options else {}),
+                    )
+                )
+            )
         try:
             urls = ServerClient.wait_started(servers)
         except BaseException:
             self.stop_servers()
             raise
-        return [RemoteServer(s.actor, url, name=actor_name(cfg.run, server_role(k)))
-                for k, (s, url) in enumerate(zip(servers, urls))]
+        return [
+            RemoteServer(s.actor, url, name=actor_name(cfg.run, server_role(k)))
+            for k, (s, url) in enumerate(zip(servers, urls))
+        ]
 
     def stop_servers(self) -> None:
         for k in range(self.cfg.resources.num_engines):
             stop_actor(self.run, server_role(k))
 
-    def start_engine(self, resume_iteration: int | None, *,
-                     weights: Pending[dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None) -> EngineClient:
+    def start_engine(
+        self,
+        resume_iteration: int | None,
+        *,
+        weights: Pending[dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
+    ) -> EngineClient:
         """The engine on the model's weights, a checkpoint's, or given ones (e.g. `trainer.named_weights()`).
 
         hf: one rollout worker in engine 0's bundle (the model runs in it). SGLang: one server actor per
@@ -267,8 +292,19 @@ class WorkerGroup:
         if cfg.rollout.logprobs == "teacher_forced":
             extra["scoring"] = cfg.scoring_layout()  # the engine rescoring like the trainer (bitwise log-probs)
         worker_cls = StaleServingWorker if cfg.debug.serve_stale else RolloutWorker  # a fault drill (docs/checks.md)
-        return EngineClient(start_actor(cfg.run, ENGINE, worker_cls, cfg.model.path, cfg.rollout, cfg.data,
-                                        weights=named, weight_version=resume_iteration or 0, **extra))
+        return EngineClient(
+            start_actor(
+                cfg.run,
+                ENGINE,
+                worker_cls,
+                cfg.model.path,
+                cfg.rollout,
+                cfg.data,
+                weights=named,
+                weight_version=resume_iteration or 0,
+                **extra,
+            )
+        )
 
     def ensure_engine(self, weight_version: int) -> EngineClient:
         """The live engine, or a restarted one at `weight_version` (how a task retry heals a dead actor).
@@ -313,8 +349,10 @@ class WorkerGroup:
         if world > 1:
             address, port = self._rendezvous()
             backend = "nccl" if cfg.train.device.startswith("cuda") else "gloo"
-            dps = [DataParallel(rank=r, world_size=world, master_addr=address, master_port=port, backend=backend)
-                   for r in range(world)]
+            dps = [
+                DataParallel(rank=r, world_size=world, master_addr=address, master_port=port, backend=backend)
+                for r in range(world)
+            ]
         ranks = []
         worker_cls = SlowTrainWorker if cfg.debug.slow_train_s else TrainWorker  # a fault drill (docs/checks.md)
         for rank, dp in enumerate(dps):
@@ -324,9 +362,22 @@ class WorkerGroup:
                 extra["dp"] = dp
             if cfg.debug.slow_train_s:
                 extra["slow_train_s"] = cfg.debug.slow_train_s
-            ranks.append(start_actor(cfg.run, trainer_role(rank), worker_cls, cfg.model.path, cfg.train, cfg.algo,
-                                     store_root=cfg.store.root, run=cfg.run, temperature=cfg.rollout.temperature or 1.0,
-                                     resume_iteration=resume_iteration or None, wait=False, **extra))
+            ranks.append(
+                start_actor(
+                    cfg.run,
+                    trainer_role(rank),
+                    worker_cls,
+                    cfg.model.path,
+                    cfg.train,
+                    cfg.algo,
+                    store_root=cfg.store.root,
+                    run=cfg.run,
+                    temperature=cfg.rollout.temperature or 1.0,
+                    resume_iteration=resume_iteration or None,
+                    wait=False,
+                    **extra,
+                )
+            )
         trainer = TrainerClient(ranks)
         try:
             trainer.wait_started()  # constructor errors (and the rendezvous) surface here
@@ -347,9 +398,19 @@ class WorkerGroup:
         if not has_critic(self.cfg):
             return None
         cfg = self.cfg
-        return CriticClient(start_actor(cfg.run, CRITIC, CriticWorker, cfg.model.path, cfg.train, cfg.algo,
-                                        store_root=cfg.store.root, run=cfg.run,
-                                        resume_iteration=resume_iteration or None))
+        return CriticClient(
+            start_actor(
+                cfg.run,
+                CRITIC,
+                CriticWorker,
+                cfg.model.path,
+                cfg.train,
+                cfg.algo,
+                store_root=cfg.store.root,
+                run=cfg.run,
+                resume_iteration=resume_iteration or None,
+            )
+        )
 
     # -- all -----------------------------------------------------------------------------------------
     def stop_all(self) -> None:

@@ -45,10 +45,18 @@ BUCKET = "rollflow"
 RESULTS_BLOCK = "remote-file-system/rollflow-s3"
 PORTS = {"postgres": 5432, "prefect": 4200, "s3": 5555, "ray": 6379, "dashboard": 8265}
 # moto accepts any key; a real cluster gives its nodes real credentials (or a role) the same way
-S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "rollflow-test", "AWS_SECRET_ACCESS_KEY": "rollflow-test",
-                  "AWS_DEFAULT_REGION": "us-east-1"}
-OFFLINE = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false", "RAY_AUTH_MODE": "disabled"}
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "rollflow-test",
+    "AWS_SECRET_ACCESS_KEY": "rollflow-test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+OFFLINE = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "RAY_AUTH_MODE": "disabled",
+}
 PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin",)
 STATE_FILE = "cluster.json"
 
@@ -109,14 +117,24 @@ class Cluster:
 
     def run_params(self, **overrides: Any) -> dict[str, Any]:
         """RunConfig sections that point a run at this cluster (S3 store + results, the Ray head)."""
-        return {"store": {"root": self.store_root, "results": RESULTS_BLOCK}, "ray": {"address": self.ray_address},
-                **overrides}
+        return {
+            "store": {"root": self.store_root, "results": RESULTS_BLOCK},
+            "ray": {"address": self.ray_address},
+            **overrides,
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "prefect_api": self.prefect_api, "s3_endpoint": self.s3_endpoint,
-                "database_url": self.database_url, "ray_address": self.ray_address,
-                "dashboard_url": self.dashboard_url, "store_root": self.store_root, "pool": POOL,
-                "results_block": RESULTS_BLOCK}
+        return {
+            **asdict(self),
+            "prefect_api": self.prefect_api,
+            "s3_endpoint": self.s3_endpoint,
+            "database_url": self.database_url,
+            "ray_address": self.ray_address,
+            "dashboard_url": self.dashboard_url,
+            "store_root": self.store_root,
+            "pool": POOL,
+            "results_block": RESULTS_BLOCK,
+        }
 
     @classmethod
     def load(cls, state_dir: str | Path) -> "Cluster":
@@ -222,16 +240,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _spawn(cluster: Cluster, name: str, host: str, argv: list[str], env: dict[str, str],
-           cwd: str | None = None) -> int:
+def _spawn(cluster: Cluster, name: str, host: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> int:
     """Start `argv` on `host` (inside its namespace), in a session of its own; records its pid."""
     log_path = Path(cluster.state_dir) / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ns = cluster.namespace(host)
     full = (["ip", "netns", "exec", ns] if ns else []) + argv  # `ip netns exec` execs: the pid is argv's
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **OFFLINE, **env}, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            full,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **OFFLINE, **env},
+            cwd=cwd,
+            start_new_session=True,
+        )
     cluster.pids[name] = proc.pid
     cluster.save()
     return proc.pid
@@ -293,8 +317,10 @@ def make_network(cluster: Cluster) -> None:
     """A bridge with the gateway address, and per host a namespace joined to it by a veth pair."""
     existing = {f"{PREFIX}-{h}" for h in HOSTS} & _namespaces()
     if existing:
-        raise ClusterError(f"namespaces {sorted(existing)} exist: a cluster is up (or was not torn down); run "
-                           "`python -m rollflow.infra.cluster down` first")
+        raise ClusterError(
+            f"namespaces {sorted(existing)} exist: a cluster is up (or was not torn down); run "
+            "`python -m rollflow.infra.cluster down` first"
+        )
     _sh("ip", "link", "add", BRIDGE, "type", "bridge")
     _sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
     _sh("ip", "link", "set", BRIDGE, "up")
@@ -347,16 +373,33 @@ def start_postgres(cluster: Cluster) -> None:
         shutil.chown(data, "postgres", "postgres")
         as_user = [shutil.which("setpriv") or "setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
     os.chmod(data, 0o700)
-    _sh(*as_user, pg_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8",
-        timeout=120)
+    _sh(
+        *as_user,
+        pg_bin("initdb"),
+        "-D",
+        str(data),
+        "-A",
+        "trust",
+        "-U",
+        "postgres",
+        "--no-sync",
+        "-E",
+        "UTF8",
+        timeout=120,
+    )
     host = cluster.hosts["ctl"]
     subnet = host.rsplit(".", 1)[0] + ".0/24"
     with open(data / "pg_hba.conf", "a") as hba:  # the cluster's hosts (and its gateway) may connect
         hba.write(f"host all all {subnet} trust\n")
     pid = _spawn(cluster, "postgres", "ctl", _postgres_argv(cluster), {})
     ready = [pg_bin("pg_isready"), "-h", host, "-p", str(PORTS["postgres"]), "-U", "postgres"]
-    _wait(lambda: subprocess.run(ready, capture_output=True).returncode == 0, "PostgreSQL", 60,
-          log_path(cluster, "postgres"), pid)
+    _wait(
+        lambda: subprocess.run(ready, capture_output=True).returncode == 0,
+        "PostgreSQL",
+        60,
+        log_path(cluster, "postgres"),
+        pid,
+    )
     psql = [pg_bin("psql"), "-h", host, "-p", str(PORTS["postgres"]), "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-q"]
     _sh(*psql, "-d", "postgres", "-c", "create database prefect")
     _sh(*psql, "-d", "prefect", "-c", "create extension if not exists pg_trgm")
@@ -365,10 +408,25 @@ def start_postgres(cluster: Cluster) -> None:
 
 def _postgres_argv(cluster: Cluster) -> list[str]:
     data = str(Path(cluster.pg_dir) / "data")
-    as_user = ([shutil.which("setpriv") or "setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
-               if os.geteuid() == 0 else [])
-    return [*as_user, pg_bin("postgres"), "-D", data, "-p", str(PORTS["postgres"]), "-k", data, "-c",
-            f"listen_addresses={cluster.hosts['ctl']}", "-c", "max_connections=200"]
+    as_user = (
+        [shutil.which("setpriv") or "setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+        if os.geteuid() == 0
+        else []
+    )
+    return [
+        *as_user,
+        pg_bin("postgres"),
+        "-D",
+        data,
+        "-p",
+        str(PORTS["postgres"]),
+        "-k",
+        data,
+        "-c",
+        f"listen_addresses={cluster.hosts['ctl']}",
+        "-c",
+        "max_connections=200",
+    ]
 
 
 def restart_postgres(cluster: Cluster, down_s: float = 5.0) -> None:
@@ -382,8 +440,13 @@ def restart_postgres(cluster: Cluster, down_s: float = 5.0) -> None:
     time.sleep(down_s)
     new = _spawn(cluster, "postgres", "ctl", _postgres_argv(cluster), {})
     ready = [pg_bin("pg_isready"), "-h", cluster.hosts["ctl"], "-p", str(PORTS["postgres"]), "-U", "postgres"]
-    _wait(lambda: subprocess.run(ready, capture_output=True).returncode == 0, "PostgreSQL (restarted)", 60,
-          log_path(cluster, "postgres"), new)
+    _wait(
+        lambda: subprocess.run(ready, capture_output=True).returncode == 0,
+        "PostgreSQL (restarted)",
+        60,
+        log_path(cluster, "postgres"),
+        new,
+    )
 
 
 def start_prefect_server(cluster: Cluster) -> None:
@@ -391,12 +454,26 @@ def start_prefect_server(cluster: Cluster) -> None:
     home = Path(cluster.state_dir) / "prefect-server"
     home.mkdir(parents=True, exist_ok=True)
     host = cluster.hosts["ctl"]
-    env = {"PREFECT_HOME": str(home), "PREFECT_API_DATABASE_CONNECTION_URL": cluster.database_url,
-           "PREFECT_UI_API_URL": cluster.prefect_api, "PREFECT_API_URL": cluster.prefect_api}
-    pid = _spawn(cluster, "prefect-server", "ctl", [_bin("prefect"), "server", "start", "--host", host, "--port",
-                                                    str(PORTS["prefect"])], env)
-    _wait(lambda: _healthy(cluster.prefect_api + "/health"), "Prefect server", 120,
-          log_path(cluster, "prefect-server"), pid)
+    env = {
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": cluster.database_url,
+        "PREFECT_UI_API_URL": cluster.prefect_api,
+        "PREFECT_API_URL": cluster.prefect_api,
+    }
+    pid = _spawn(
+        cluster,
+        "prefect-server",
+        "ctl",
+        [_bin("prefect"), "server", "start", "--host", host, "--port", str(PORTS["prefect"])],
+        env,
+    )
+    _wait(
+        lambda: _healthy(cluster.prefect_api + "/health"),
+        "Prefect server",
+        120,
+        log_path(cluster, "prefect-server"),
+        pid,
+    )
     cluster.timings["prefect_server_s"] = round(time.monotonic() - t0, 2)
 
 
@@ -404,8 +481,7 @@ def start_s3(cluster: Cluster) -> None:
     t0 = time.monotonic()
     host = cluster.hosts["ctl"]
     pid = _spawn(cluster, "s3", "ctl", [_bin("moto_server"), "-H", host, "-p", str(PORTS["s3"])], {})
-    _wait(lambda: _healthy(cluster.s3_endpoint + "/moto-api/"), "S3 endpoint (moto)", 60, log_path(cluster, "s3"),
-          pid)
+    _wait(lambda: _healthy(cluster.s3_endpoint + "/moto-api/"), "S3 endpoint (moto)", 60, log_path(cluster, "s3"), pid)
     make_bucket(cluster)
     cluster.timings["s3_s"] = round(time.monotonic() - t0, 2)
 
@@ -413,8 +489,11 @@ def start_s3(cluster: Cluster) -> None:
 def make_bucket(cluster: Cluster) -> None:
     import s3fs
 
-    fs = s3fs.S3FileSystem(key=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-                           client_kwargs={"endpoint_url": cluster.s3_endpoint})
+    fs = s3fs.S3FileSystem(
+        key=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        secret=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": cluster.s3_endpoint},
+    )
     if not fs.exists(BUCKET):
         fs.mkdir(BUCKET)
 
@@ -433,17 +512,37 @@ def start_ray(cluster: Cluster) -> None:
     # GCS's TCP connection to it sits in retransmission backoff and is reset, which cost the 5th check in the
     # link drill; a node declared dead stops its raylet for good. 10 checks tolerate an outage of ~2 min.
     head_env = {**env, "RAY_health_check_failure_threshold": str(RAY_HEALTH_CHECKS)}
-    head_pid = _spawn(cluster, "ray-head", "head", [
-        ray, "start", "--head", *RAY_COMMON, f"--node-ip-address={head}", f"--port={PORTS['ray']}",
-        f"--temp-dir={cluster.ray_dir}", "--num-cpus=1", "--num-gpus=0",
-        "--resources=" + json.dumps({"head": 1}), "--include-dashboard=true", f"--dashboard-host={head}",
-        f"--dashboard-port={PORTS['dashboard']}"], head_env)
+    head_pid = _spawn(
+        cluster,
+        "ray-head",
+        "head",
+        [
+            ray,
+            "start",
+            "--head",
+            *RAY_COMMON,
+            f"--node-ip-address={head}",
+            f"--port={PORTS['ray']}",
+            f"--temp-dir={cluster.ray_dir}",
+            "--num-cpus=1",
+            "--num-gpus=0",
+            "--resources=" + json.dumps({"head": 1}),
+            "--include-dashboard=true",
+            f"--dashboard-host={head}",
+            f"--dashboard-port={PORTS['dashboard']}",
+        ],
+        head_env,
+    )
     _wait(lambda: _started(cluster, "ray-head"), "Ray head", 120, log_path(cluster, "ray-head"), head_pid)
     # one node at a time: on a small machine, raylets registering while the head's dashboard starts time out
     for node in WORKER_NODES:
         start_node(cluster, node, wait_alive=False)
-    _wait(lambda: _alive_nodes(cluster) >= 1 + len(WORKER_NODES), "Ray nodes in the state API", 60,
-          log_path(cluster, "ray-head"))
+    _wait(
+        lambda: _alive_nodes(cluster) >= 1 + len(WORKER_NODES),
+        "Ray nodes in the state API",
+        60,
+        log_path(cluster, "ray-head"),
+    )
     cluster.timings["ray_s"] = round(time.monotonic() - t0, 2)
 
 
@@ -460,14 +559,31 @@ def start_node(cluster: Cluster, node: str, *, wait_alive: bool = True) -> int:
     log = log_path(cluster, name)
     offset = log.stat().st_size if log.exists() else 0
     env = {**cluster.s3_env(), "RAY_AUTH_MODE": "disabled"}
-    pid = _spawn(cluster, name, node, [
-        _bin("ray"), "start", f"--address={cluster.ray_address}", *RAY_COMMON,
-        f"--node-ip-address={cluster.hosts[node]}", "--num-cpus=2", "--num-gpus=0",
-        "--resources=" + json.dumps({GPU_RESOURCE: 1, node: 1})], env)
+    pid = _spawn(
+        cluster,
+        name,
+        node,
+        [
+            _bin("ray"),
+            "start",
+            f"--address={cluster.ray_address}",
+            *RAY_COMMON,
+            f"--node-ip-address={cluster.hosts[node]}",
+            "--num-cpus=2",
+            "--num-gpus=0",
+            "--resources=" + json.dumps({GPU_RESOURCE: 1, node: 1}),
+        ],
+        env,
+    )
     _wait(lambda: _started(cluster, name, offset), f"Ray node {node}", 120, log, pid)
     if wait_alive:
-        _wait(lambda: cluster.hosts[node] in {n["node_ip"] for n in _nodes_or_none(cluster)},
-              f"Ray node {node} in the state API", 60, log, pid)
+        _wait(
+            lambda: cluster.hosts[node] in {n["node_ip"] for n in _nodes_or_none(cluster)},
+            f"Ray node {node} in the state API",
+            60,
+            log,
+            pid,
+        )
     return pid
 
 
@@ -513,9 +629,16 @@ def ray_nodes(cluster: Cluster) -> list[dict[str, Any]]:
 
     # raise_on_missing_output=False: once a node has died, the state API counts it in its total but the ALIVE
     # filter drops it, and the default (True) then raises "data truncation" on every call
-    return [n if isinstance(n, dict) else n.__dict__ for n in
-            list_nodes(address=cluster.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, limit=1000,
-                       raise_on_missing_output=False)]
+    return [
+        n if isinstance(n, dict) else n.__dict__
+        for n in list_nodes(
+            address=cluster.dashboard_url,
+            filters=[("state", "=", "ALIVE")],
+            detail=True,
+            limit=1000,
+            raise_on_missing_output=False,
+        )
+    ]
 
 
 def register_pool(cluster: Cluster) -> None:
@@ -534,17 +657,31 @@ def start_worker(cluster: Cluster) -> None:
     t0 = time.monotonic()
     cwd = Path(cluster.state_dir) / "worker"
     cwd.mkdir(parents=True, exist_ok=True)
-    env = {**cluster.client_env(), "PREFECT_HOME": str(Path(cluster.state_dir) / "prefect-worker"),
-           "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}
-    pid = _spawn(cluster, "prefect-worker", "head", [_bin("prefect"), "worker", "start", "--pool", POOL, "--type",
-                                                     "process", "--name", "head"], env, cwd=str(cwd))
+    env = {
+        **cluster.client_env(),
+        "PREFECT_HOME": str(Path(cluster.state_dir) / "prefect-worker"),
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+    }
+    pid = _spawn(
+        cluster,
+        "prefect-worker",
+        "head",
+        [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process", "--name", "head"],
+        env,
+        cwd=str(cwd),
+    )
     _wait(lambda: _worker_online(cluster), "Prefect worker", 90, log_path(cluster, "prefect-worker"), pid)
     cluster.timings["worker_s"] = round(time.monotonic() - t0, 2)
 
 
 def _worker_online(cluster: Cluster) -> bool:
-    req = urllib.request.Request(f"{cluster.prefect_api}/work_pools/{POOL}/workers/filter", data=b"{}",
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{cluster.prefect_api}/work_pools/{POOL}/workers/filter",
+        data=b"{}",
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(req, timeout=3) as resp:  # noqa: S310
             return any(w.get("status") == "ONLINE" for w in json.loads(resp.read()))
@@ -560,8 +697,10 @@ def up(state_dir: str | Path | None = None, *, mode: str | None = None) -> Clust
     t0 = time.monotonic()
     state = Path(state_dir or default_state_dir()).resolve()
     if (state / STATE_FILE).exists():
-        raise ClusterError(f"{state / STATE_FILE} exists: a cluster is up; run `python -m rollflow.infra.cluster "
-                           f"down --state-dir {state}` first")
+        raise ClusterError(
+            f"{state / STATE_FILE} exists: a cluster is up; run `python -m rollflow.infra.cluster "
+            f"down --state-dir {state}` first"
+        )
     state.mkdir(parents=True, exist_ok=True)
     mode = mode or ("netns" if netns_available() else "loopback")
     base = SUBNET if mode == "netns" else LOOPBACK_SUBNET
@@ -614,22 +753,31 @@ def status(state_dir: str | Path | None = None) -> dict[str, Any]:
     if not (state / STATE_FILE).exists():
         return {"up": False, "state_dir": str(state)}
     cluster = Cluster.load(state)
-    return {"up": True, **cluster.to_json(),
-            "alive": {name: _alive(pid) for name, pid in cluster.pids.items()},
-            "prefect_healthy": _healthy(cluster.prefect_api + "/health"),
-            "ray_nodes_alive": _alive_nodes(cluster)}
+    return {
+        "up": True,
+        **cluster.to_json(),
+        "alive": {name: _alive(pid) for name, pid in cluster.pids.items()},
+        "prefect_healthy": _healthy(cluster.prefect_api + "/health"),
+        "ray_nodes_alive": _alive_nodes(cluster),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollflow.infra.cluster",
-                                     description="A Prefect + PostgreSQL + S3 + multi-node Ray cluster on one machine "
-                                                 "(network namespaces as hosts; loopback addresses without root).")
+    parser = argparse.ArgumentParser(
+        prog="python -m rollflow.infra.cluster",
+        description="A Prefect + PostgreSQL + S3 + multi-node Ray cluster on one machine "
+        "(network namespaces as hosts; loopback addresses without root).",
+    )
     parser.add_argument("action", choices=("up", "down", "status"))
-    parser.add_argument("--state-dir", default=None, help=f"where cluster.json and logs go (default "
-                                                          f"{default_state_dir()})")
-    parser.add_argument("--mode", choices=("netns", "loopback"), default=None,
-                        help="hosts as network namespaces (needs root) or loopback addresses (default: netns when "
-                             "possible)")
+    parser.add_argument(
+        "--state-dir", default=None, help=f"where cluster.json and logs go (default {default_state_dir()})"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("netns", "loopback"),
+        default=None,
+        help="hosts as network namespaces (needs root) or loopback addresses (default: netns when possible)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.action == "up":

@@ -16,8 +16,10 @@ d. the S3 endpoint frozen ~20 s (SIGSTOP/SIGCONT: moto keeps its objects in memo
    lost, the run Completed;
 c. the link of the node hosting the engine cut ~30 s mid-generate: the stall watchdog fails the call within a
    bounded time naming the engine's node, and the task retry after the link returns completes the run;
-a. the raylet of the node hosting the engine killed (by pid) mid-generate: the run fails naming the dead node
-   within a bound (see the test for what is left out).
+a. the raylet of the node hosting the engine killed (by pid) right after checkpoint 1: the run fails within a
+   bound naming the dead node (or, when Ray reports ActorUnavailableError first, the engine's actor id); the node
+   is started again, the UI's Retry resumes the same flow run from its last checkpoint, no committed rollout is
+   regenerated, and the final weights equal an uninterrupted run's.
 
 All of it shares ONE cluster: `make test` hands whole files to xdist workers (`--dist loadfile`), and a second
 module bringing up the same `rf-*` namespaces at the same time would fail. One cluster per module (~2 min to
@@ -48,12 +50,19 @@ from tests.test_fault_drills import assert_nothing_half_visible
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
-SMALL = {"data": {"prompts_per_rollout": 8}, "rollout": {"n_samples_per_prompt": 2, "threads": 1},
-         "train": {"threads": 1}}
-DISAGGREGATED = {"num_gpus": 2, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1,
-                 "gpu_resource": cl.GPU_RESOURCE}
-COLOCATED = {"num_gpus": 1, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1,
-             "gpu_resource": cl.GPU_RESOURCE}
+SMALL = {
+    "data": {"prompts_per_rollout": 8},
+    "rollout": {"n_samples_per_prompt": 2, "threads": 1},
+    "train": {"threads": 1},
+}
+DISAGGREGATED = {
+    "num_gpus": 2,
+    "trainer_gpus": 1,
+    "num_engines": 1,
+    "gpus_per_engine": 1,
+    "gpu_resource": cl.GPU_RESOURCE,
+}
+COLOCATED = {"num_gpus": 1, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1, "gpu_resource": cl.GPU_RESOURCE}
 
 
 def _missing_prerequisite() -> str | None:
@@ -142,8 +151,13 @@ def _actor_nodes(cluster: cl.Cluster, run: str) -> dict[str, set[str]]:
     from ray.util.state import list_actors
 
     out: dict[str, set[str]] = {}
-    for actor in list_actors(address=cluster.dashboard_url, filters=[("ray_namespace", "=", "rollflow")],
-                             detail=True, limit=10000, raise_on_missing_output=False):
+    for actor in list_actors(
+        address=cluster.dashboard_url,
+        filters=[("ray_namespace", "=", "rollflow")],
+        detail=True,
+        limit=10000,
+        raise_on_missing_output=False,
+    ):
         actor = actor if isinstance(actor, dict) else actor.__dict__
         name = actor.get("name") or ""
         if name.startswith(f"{run}:"):
@@ -169,8 +183,16 @@ def _s3_ls(path: str) -> list[str]:
 
 
 def _train_params(cluster: cl.Cluster, run: str, resources: dict, placement: str, iterations: int) -> dict:
-    return {"params": {"run": run, "iterations": iterations, **cluster.run_params(), "placement": placement,
-                       "resources": resources, **SMALL}}
+    return {
+        "params": {
+            "run": run,
+            "iterations": iterations,
+            **cluster.run_params(),
+            "placement": placement,
+            "resources": resources,
+            **SMALL,
+        }
+    }
 
 
 def test_topology_is_up(cluster, api):
@@ -212,11 +234,19 @@ def test_local_store_root_refused_from_the_cli_in_one_line(cluster, tmp_path):
     root = tmp_path / "runs"
     ns = cluster.namespace("head")
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
-        str(Path(sys.executable).with_name("rollflow")), "train", "--set", f"ray.address={cluster.ray_address}",
-        "--set", f"store.root={root}", "--set", "iterations=1"]
+        str(Path(sys.executable).with_name("rollflow")),
+        "train",
+        "--set",
+        f"ray.address={cluster.ray_address}",
+        "--set",
+        f"store.root={root}",
+        "--set",
+        "iterations=1",
+    ]
     t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **cluster.client_env(), "COLUMNS": "400"})
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=180, env={**os.environ, **cluster.client_env(), "COLUMNS": "400"}
+    )
     took = time.monotonic() - t0
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -240,8 +270,7 @@ def test_local_store_root_refused_in_a_pool_run_before_any_worker(cluster, api, 
 
 def test_unsatisfiable_placement_fails_in_seconds_naming_what_is_missing(cluster, api):
     resources = {**DISAGGREGATED, "cpus_per_bundle": 4}  # nodes have 2 CPUs each: the totals suffice, no node does
-    run = _run_from_pool("rl_train", _train_params(cluster, "cluster-big", resources, "disaggregated", 1),
-                         timeout=180)
+    run = _run_from_pool("rl_train", _train_params(cluster, "cluster-big", resources, "disaggregated", 1), timeout=180)
     assert run.state.name == "Failed"
     logs = _logs(run.id)
     assert "cannot be placed" in logs and "no node has CPU 4" in logs, logs
@@ -254,10 +283,11 @@ def test_unsatisfiable_placement_fails_in_seconds_naming_what_is_missing(cluster
 # tests see an untouched cluster, and drill a (a raylet killed) is the last of all.
 
 # a generate long enough (a few seconds of the tiny model) that a fault lands inside it
-LONG_GENERATE = {"data": {"prompts_per_rollout": 64}, "rollout": {"n_samples_per_prompt": 4, "threads": 1,
-                                                                 "max_new_tokens": 16},
-                 "train": {"threads": 1}}
-
+LONG_GENERATE = {
+    "data": {"prompts_per_rollout": 64},
+    "rollout": {"n_samples_per_prompt": 4, "threads": 1, "max_new_tokens": 16},
+    "train": {"threads": 1},
+}
 
 
 def _unique(stem: str) -> str:
@@ -297,8 +327,9 @@ def _iteration_tasks(run: str, rollout_id: int) -> dict[str, list]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
 
     with get_client(sync_client=True) as client:
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            name=FlowRunFilterName(any_=[f"{run}/iter-{rollout_id:04d}"])))
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"{run}/iter-{rollout_id:04d}"]))
+        )
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[c.id for c in children])))
     out: dict[str, list] = {}
     for t in sorted(tasks, key=lambda t: t.start_time or t.expected_start_time):
@@ -344,8 +375,12 @@ def _wait_actor(cluster: cl.Cluster, run: str, role: str, timeout: float = 180) 
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for actor in list_actors(address=cluster.dashboard_url, filters=[("name", "=", f"{run}:{role}")],
-                                 detail=True, raise_on_missing_output=False):
+        for actor in list_actors(
+            address=cluster.dashboard_url,
+            filters=[("name", "=", f"{run}:{role}")],
+            detail=True,
+            raise_on_missing_output=False,
+        ):
             actor = actor if isinstance(actor, dict) else actor.__dict__
             if actor.get("state") == "ALIVE":
                 return actor
@@ -374,8 +409,9 @@ def _wait_task_running(cluster: cl.Cluster, actor_id: str, method: str, timeout:
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for task in list_tasks(address=cluster.dashboard_url, filters=[("actor_id", "=", actor_id)],
-                               raise_on_missing_output=False):
+        for task in list_tasks(
+            address=cluster.dashboard_url, filters=[("actor_id", "=", actor_id)], raise_on_missing_output=False
+        ):
             task = task if isinstance(task, dict) else task.__dict__
             if task.get("name", "").endswith(f".{method}") and task.get("state") == "RUNNING":
                 return
@@ -417,8 +453,9 @@ def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cl
         # rollout 1 is not committed yet (the last request of that check: a prefix listing) -> its generate starts
         # (a second or more, no S3 request) -> the endpoint is frozen -> its persist starts against the frozen
         # endpoint (a persist is over in ~0.1 s: too short to aim at from outside)
-        line = requests.wait_for(rf"GET /{cl.BUCKET}\?list-type=2&prefix=runs/{run}/rollouts/train/000001/manifest",
-                                 300)
+        line = requests.wait_for(
+            rf"GET /{cl.BUCKET}\?list-type=2&prefix=runs/{run}/rollouts/train/000001/manifest", 300
+        )
         assert line, _logs(flow_run_id)
         os.kill(s3_pid, signal.SIGSTOP)
         frozen["at"] = time.monotonic()
