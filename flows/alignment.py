@@ -210,6 +210,7 @@ def nightly_deployment(
     memory_budget_mb: float | None = None,
     thresholds: AlignmentThresholds | None = None,
     timezone: str = "UTC",
+    reproducibility: bool = False,
 ):
     """The `nightly-alignment` deployment with a cron schedule (a RunnerDeployment): the same one `rollflow
     worker` serves next to the other flows (flows/prefect_ops/deployments.py), so the two commands never disagree."""
@@ -220,7 +221,7 @@ def nightly_deployment(
         name=NIGHTLY,
         entrypoint_type=EntrypointType.MODULE_PATH,
         schedules=[Cron(cron, timezone=timezone)],
-        parameters=nightly_parameters(cfg, memory_budget_mb, thresholds),
+        parameters=nightly_parameters(cfg, memory_budget_mb, thresholds, reproducibility),
         description="Nightly precision-alignment check (coherence, step-1 log-prob equality, train/rollout "
         "mismatch, one-step update, weight-sync parity, step-2 load and peak memory).",
         tags=["rollflow", "alignment", "nightly"],
@@ -233,11 +234,14 @@ def serve_nightly(
     *,
     memory_budget_mb: float | None = None,
     thresholds: AlignmentThresholds | None = None,
+    reproducibility: bool = False,
 ) -> None:
     """Register the nightly deployment and execute its scheduled runs in this process (blocks)."""
     from prefect import serve
 
-    deployment = nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds)
+    deployment = nightly_deployment(
+        cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds, reproducibility=reproducibility
+    )
     apply_with_alert(deployment)  # the alert on Failed/Crashed/Late nightly runs exists before any run
     serve(deployment)
 
@@ -248,9 +252,12 @@ def register_nightly(
     *,
     memory_budget_mb: float | None = None,
     thresholds: AlignmentThresholds | None = None,
+    reproducibility: bool = False,
 ) -> UUID:
     """Register (create or update) the nightly deployment and its schedule with the current API; returns
     its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed).
     Also creates (idempotently) the automation that fires on a Failed, Crashed or Late nightly run."""
-    deployment = nightly_deployment(cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds)
+    deployment = nightly_deployment(
+        cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds, reproducibility=reproducibility
+    )
     return apply_with_alert(deployment)[0]

@@ -52,6 +52,21 @@ def test_each_flow_has_a_form_of_what_it_reads():
     assert "debug" not in PARAMS_MODELS["alignment_check"].model_fields
 
 
+def test_nightly_deployment_carries_the_reproducibility_option_into_its_form():
+    """`rollflow serve --repro`: the scheduled runs' parameters switch the gate on, and Prefect's own schema of
+    alignment_check validates them (the UI form accepts what the schedule sends)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from rollflow.flows.alignment import alignment_check, nightly_deployment
+
+    schema = parameter_schema(alignment_check.fn).model_dump()
+    assert schema["properties"]["reproducibility"]["default"] is False
+    for repro in (False, True):
+        params = nightly_deployment(reproducibility=repro).parameters
+        assert params["reproducibility"] is repro
+        assert alignment_check.validate_parameters(params)["reproducibility"] is repro
+
+
 def test_prefect_yaml_and_worker_use_distinct_names():
     import yaml
     from prefect.flows import load_flow_from_entrypoint

@@ -99,6 +99,9 @@ def register(app: typer.Typer) -> None:
         config: Optional[str] = config_opt,
         sets: Optional[List[str]] = set_opt,
         memory_budget_mb: Optional[float] = typer.Option(None, "--memory-budget-mb"),
+        repro: bool = typer.Option(
+            False, "--repro", help="the nightly run also runs the bitwise reproducibility gate (docs/checks.md)"
+        ),
     ) -> None:
         """Serve the `nightly-alignment` deployment (alignment_check on a cron schedule); blocks."""
 
@@ -110,11 +113,11 @@ def register(app: typer.Typer) -> None:
         from rollflow.flows.alignment import FLOW_NAME, NIGHTLY, register_nightly, serve_nightly
 
         if register_only:
-            dep_id = register_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)
+            dep_id = register_nightly(cron, cfg, memory_budget_mb=memory_budget_mb, reproducibility=repro)
             console.print(
                 f"registered {FLOW_NAME}/{NIGHTLY} ({dep_id}), cron {cron!r} UTC, run {cfg.run!r}; "
                 f"runs execute while `rollflow serve` runs. UI: {api.removesuffix('/api')}"
             )
             return
         console.print(f"serving {FLOW_NAME}/{NIGHTLY}, cron {cron!r} UTC, run {cfg.run!r} (Ctrl-C stops)")
-        serve_nightly(cron, cfg, memory_budget_mb=memory_budget_mb)
+        serve_nightly(cron, cfg, memory_budget_mb=memory_budget_mb, reproducibility=repro)
