@@ -14,6 +14,7 @@ from rollflow.flows.params import TrainParams
 from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
+from rollflow.tasks.debug.resume_bug import with_resume_bug
 from rollflow.tasks.rollout.dataset import check_resume, data_state
 from rollflow.tasks.train.checkpoint import CheckpointError, checkpoint_status, load_checkpoint_meta
 
@@ -58,6 +59,8 @@ def resume_point(cfg: RunConfig, store: RolloutStore) -> int:
 @task(name="start-workers", cache_policy=NO_CACHE)
 def start_workers_task(cfg: RunConfig, start: int) -> None:
     """Placement, trainer (+ critic for ppo) and engine (the ~10 s of start-up, its own task in the UI)."""
+    # No-op unless the kill-and-resume drill injects its resume bug (tasks/debug/resume_bug.py).
+    cfg = cfg.model_copy(update={"data": with_resume_bug(cfg.data, start)})
     group = WorkerGroup.for_run(cfg)
     group.start_placement()
     group.start_trainer(start)

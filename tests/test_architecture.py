@@ -645,6 +645,8 @@ LOCAL_IMPORT_ALLOWED: frozenset[tuple[str, str]] = frozenset(
         ("rollflow.flows.cli.root", "rollflow.flows.progress"),
         ("rollflow.flows.cli.root", "rollflow.flows.reporting"),
         ("rollflow.flows.cli.root", "rollflow.flows.cli.stage"),
+    ("rollflow.flows.cli.drill", "rollflow.flows.preflight"),
+    ("rollflow.flows.cli.drill", "rollflow.flows.resume_drill"),
         ("rollflow.flows.cli.root", "rollflow.flows.train"),
         ("rollflow.flows.cli.root", "rollflow.tasks.recipes.sft"),
         ("rollflow.flows.cli.services", "rollflow.flows.prefect_ops.deployments"),

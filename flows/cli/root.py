@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from rollflow.flows.cli import align, bench, bisect, services, tools
+from rollflow.flows.cli import align, bench, bisect, drill, services, tools
 from rollflow.flows.cli.common import (
     ConfigOpt,
     SetOpt,
@@ -352,6 +352,7 @@ tools.register(app)
 align.register(app)
 bisect.register(app)
 bench.register(app)
+drill.register(app)
 
 
 def main() -> None:
