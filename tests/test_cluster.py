@@ -244,9 +244,9 @@ def test_local_store_root_refused_from_the_cli_in_one_line(cluster, tmp_path):
         "iterations=1",
     ]
     t0 = time.monotonic()
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=180, env={**os.environ, **cluster.client_env(), "COLUMNS": "400"}
-    )
+    env = {**os.environ, **cluster.client_env(), "COLUMNS": "400"}
+    env.pop("ROLLFLOW_TRACEBACK", None)  # an in-process CLI test with --traceback in this worker may have set it
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=env)
     took = time.monotonic() - t0
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

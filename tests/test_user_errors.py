@@ -205,6 +205,9 @@ def test_ids_and_source_run_checked_first(cli, tmp_path):
 
 
 def test_full_trace_goes_to_log_file_and_traceback_flag(cli, tmp_path, monkeypatch):
+    # --traceback sets ROLLFLOW_TRACEBACK in this process: monkeypatch restores it (absent) after the test, so later
+    # tests in this worker (and the CLI processes they start) do not inherit it.
+    monkeypatch.setenv("ROLLFLOW_TRACEBACK", "0")
     res = run(cli, "train", "--set", "store.root=/proc/self/x")
     line = one_error_line(res)
     log = Path(line.split("full trace: ", 1)[1].split(" ", 1)[0].rstrip("]"))
