@@ -8,12 +8,14 @@ Failed when any check fails.
     rollflow align                     # once, prints the report; exit code 1 on a failed check
     rollflow serve                     # nightly at 02:00 UTC (serves the deployment, blocks)
     rollflow serve --register-only     # register the deployment + schedule, run nothing
+    rollflow serve --repro --drill-resume   # nightly, with the reproducibility gate and the kill-and-resume drill
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import posixpath
+import subprocess
 from typing import Any, Callable, Optional
 from uuid import UUID
 
@@ -29,9 +31,10 @@ from rollflow.flows.prefect_ops.cancellation import actors_running
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.repro_gate import run_repro_gate
+from rollflow.flows.resume_drill import DRILL, drill_markdown, run_resume_drill
 from rollflow.infra.automations import apply_with_alert
 from rollflow.tasks.debug.alignment import run_alignment
-from rollflow.tasks.debug.checks import AlignmentReport, AlignmentThresholds
+from rollflow.tasks.debug.checks import FAIL, AlignmentReport, AlignmentThresholds, CheckResult
 from rollflow.tasks.debug.faults import AlignmentFaults
 
 NIGHTLY = "nightly-alignment"
@@ -83,6 +86,49 @@ def check_task(check: dict) -> dict:
     return check
 
 
+class DrillFailed(RuntimeError):
+    """The kill-and-resume drill failed (its task ends Failed); `check` is its CheckResult dict."""
+
+    def __init__(self, message: str, check: dict):
+        super().__init__(message)
+        self.check = check
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.check))
+
+
+def resume_drill_task(cfg: RunConfig) -> CheckResult:
+    """The kill-and-resume drill (flows/resume_drill.py) as the `resume-drill` task: red when the resumed run
+    differs from the uninterrupted one or a leg of the drill did not finish; its report is the
+    `{run}-resume-drill` markdown artifact either way."""
+    from prefect.artifacts import create_markdown_artifact
+
+    reporting.stage("resume-drill")
+
+    def body() -> dict:
+        try:
+            check = run_resume_drill(cfg).check
+        except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
+            # a leg that crashed or never reached its checkpoint: still a verdict, with the reason, in the artifact
+            check = CheckResult(DRILL, FAIL, {}, f"the drill did not finish: {exc}")
+        create_markdown_artifact(
+            key=reporting.artifact_key(cfg.run, "resume-drill"),
+            markdown=drill_markdown(cfg, check),
+            description=f"Kill-and-resume drill of run `{cfg.run}`: {check.status.upper()}"[:500],
+        )
+        if check.failed:
+            raise DrillFailed(f"{DRILL}: {check.message}", check.to_dict())
+        return check.to_dict()
+
+    state = task(name="resume-drill", cache_policy=NO_CACHE, retries=0)(body)(return_state=True)
+    if state.is_completed():
+        return CheckResult.from_dict(state.result())
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, DrillFailed):
+        return CheckResult.from_dict(exc.check)
+    return CheckResult(DRILL, FAIL, {}, f"the drill task ended {state.type.value}: {exc}")
+
+
 def report_path(cfg: RunConfig, stamp: str) -> tuple[Any, str]:
     fs, path = reporting.run_file(cfg, posixpath.join("alignment", f"{stamp}.json"))
     return fs, path
@@ -125,13 +171,16 @@ def alignment_check(
     thresholds: Optional[AlignmentThresholds] = None,
     faults: Optional[AlignmentFaults] = None,
     reproducibility: bool = False,
+    resume_drill: bool = False,
 ) -> dict:
     """Precision alignment check of engine and trainer (slime's debug.md step 1 / step 2), on fresh actors.
 
     Fails (after publishing the report) when any check fails. `params`: the RunConfig sections it reads, or a
     whole RunConfig (flows/params.py); `memory_budget_mb` bounds the largest worker peak (host RSS or CUDA);
     `faults` injects known failures, to see what they look like; `reproducibility` adds the bitwise
-    reproducibility gate and the group-diversity guard (the config run twice in fresh workers: flows/repro_gate.py).
+    reproducibility gate and the group-diversity guard (the config run twice in fresh workers: flows/repro_gate.py);
+    `resume_drill` the kill-and-resume drill (the config run straight through, then killed after a committed
+    checkpoint and resumed: flows/resume_drill.py), its own `resume-drill` task.
     """
     cfg = params.run_config()
     if faults is not None and faults.repro_only and not reproducibility:
@@ -170,6 +219,8 @@ def alignment_check(
         report.checks.extend(run_repro_gate(cfg, faults))
     for check in report.checks:  # one task per check: a failed check is a red task in the UI, not only the flow
         check_task.with_options(name=f"check-{check.name}")(check.to_dict(), return_state=True)
+    if resume_drill:  # after the checks' tasks: the drill's own task already shows its verdict
+        report.checks.append(resume_drill_task(cfg))
     path = write_report_json(cfg, report)
     publish_report(cfg, report, path)
     out = report.to_dict() | {"json_path": path}
@@ -189,14 +240,17 @@ def nightly_parameters(
     memory_budget_mb: float | None = None,
     thresholds: AlignmentThresholds | None = None,
     reproducibility: bool = False,
+    resume_drill: bool = False,
 ) -> dict[str, Any]:
     """The nightly deployment's parameters: the alignment form (only the sections the check reads);
-    `reproducibility`: the nightly run also runs the bitwise reproducibility gate (twice the config's iterations)."""
+    `reproducibility`: the nightly run also runs the bitwise reproducibility gate (twice the config's iterations);
+    `resume_drill`: and the kill-and-resume drill (twice the config's iterations, three process launches)."""
     cfg = cfg or RunConfig(run="nightly")
     params: dict[str, Any] = {
         "params": params_of(FLOW_NAME, cfg),
         "memory_budget_mb": memory_budget_mb,
         "reproducibility": reproducibility,
+        "resume_drill": resume_drill,
     }
     if thresholds is not None:
         params["thresholds"] = thresholds.model_dump(mode="json")
@@ -211,6 +265,7 @@ def nightly_deployment(
     thresholds: AlignmentThresholds | None = None,
     timezone: str = "UTC",
     reproducibility: bool = False,
+    resume_drill: bool = False,
 ):
     """The `nightly-alignment` deployment with a cron schedule (a RunnerDeployment): the same one `rollflow
     worker` serves next to the other flows (flows/prefect_ops/deployments.py), so the two commands never disagree."""
@@ -221,7 +276,7 @@ def nightly_deployment(
         name=NIGHTLY,
         entrypoint_type=EntrypointType.MODULE_PATH,
         schedules=[Cron(cron, timezone=timezone)],
-        parameters=nightly_parameters(cfg, memory_budget_mb, thresholds, reproducibility),
+        parameters=nightly_parameters(cfg, memory_budget_mb, thresholds, reproducibility, resume_drill),
         description="Nightly precision-alignment check (coherence, step-1 log-prob equality, train/rollout "
         "mismatch, one-step update, weight-sync parity, step-2 load and peak memory).",
         tags=["rollflow", "alignment", "nightly"],
@@ -235,12 +290,18 @@ def serve_nightly(
     memory_budget_mb: float | None = None,
     thresholds: AlignmentThresholds | None = None,
     reproducibility: bool = False,
+    resume_drill: bool = False,
 ) -> None:
     """Register the nightly deployment and execute its scheduled runs in this process (blocks)."""
     from prefect import serve
 
     deployment = nightly_deployment(
-        cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds, reproducibility=reproducibility
+        cron,
+        cfg,
+        memory_budget_mb=memory_budget_mb,
+        thresholds=thresholds,
+        reproducibility=reproducibility,
+        resume_drill=resume_drill,
     )
     apply_with_alert(deployment)  # the alert on Failed/Crashed/Late nightly runs exists before any run
     serve(deployment)
@@ -253,11 +314,17 @@ def register_nightly(
     memory_budget_mb: float | None = None,
     thresholds: AlignmentThresholds | None = None,
     reproducibility: bool = False,
+    resume_drill: bool = False,
 ) -> UUID:
     """Register (create or update) the nightly deployment and its schedule with the current API; returns
     its id. Scheduled runs execute while `serve_nightly` / `rollflow serve` runs (no work pool needed).
     Also creates (idempotently) the automation that fires on a Failed, Crashed or Late nightly run."""
     deployment = nightly_deployment(
-        cron, cfg, memory_budget_mb=memory_budget_mb, thresholds=thresholds, reproducibility=reproducibility
+        cron,
+        cfg,
+        memory_budget_mb=memory_budget_mb,
+        thresholds=thresholds,
+        reproducibility=reproducibility,
+        resume_drill=resume_drill,
     )
     return apply_with_alert(deployment)[0]

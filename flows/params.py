@@ -40,7 +40,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     ),  # retries: the deployment's own (UI Retry resumes)
     "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
-    "alignment_check": (*_COMMON, "data", "rollout", "algo", "train"),
+    # iterations: the length of the reproducibility gate's and the kill-and-resume drill's runs
+    "alignment_check": (*_COMMON, "iterations", "data", "rollout", "algo", "train"),
     "ima_bisect": ("run", "model", "store", "data", "rollout", "tracking"),
 }
 

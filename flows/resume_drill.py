@@ -101,6 +101,24 @@ def cursor_difference(a: RunConfig, b: RunConfig) -> str | None:
     return None
 
 
+def drill_markdown(cfg: RunConfig, check: CheckResult) -> str:
+    """The drill's report as markdown (the nightly flow's `{run}-resume-drill` artifact)."""
+    lines = [
+        f"# Kill-and-resume drill: run `{cfg.run}`",
+        "",
+        f"**Result: {check.status.upper()}** — {check.message}",
+        "",
+        f"Legs: `{drill_config(cfg, 'ref').run}` (straight through), `{drill_config(cfg, 'drill').run}` (SIGKILL "
+        f"after a committed checkpoint, then resumed); {cfg.iterations} iterations, store `{cfg.store.root}`.",
+    ]
+    figures = {k: v for k, v in check.figures.items() if not isinstance(v, (dict, list))}
+    if figures:
+        lines += ["", "| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in figures.items())]
+    if check.causes:
+        lines += ["", "Likely causes: " + "; ".join(check.causes)]
+    return "\n".join(lines) + "\n"
+
+
 def run_resume_drill(
     cfg: RunConfig, *, seed: int = 0, inject_resume_bug: bool = False, reuse_reference: bool = False
 ) -> DrillReport:

@@ -128,6 +128,7 @@ def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
         [
             "serve",
             "--register-only",
+            "--drill-resume",
             "--cron",
             "30 3 * * *",
             "--set",
@@ -140,3 +141,4 @@ def test_cli_serve_register_only(tmp_path, prefect_api, monkeypatch):
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("alignment_check/nightly-alignment")
     assert dep.schedules[0].schedule.cron == "30 3 * * *" and dep.parameters["params"]["run"] == "cli-nightly"
+    assert dep.parameters["resume_drill"] is True and dep.parameters["reproducibility"] is False

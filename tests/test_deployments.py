@@ -52,7 +52,7 @@ def test_each_flow_has_a_form_of_what_it_reads():
     assert "debug" not in PARAMS_MODELS["alignment_check"].model_fields
 
 
-def test_nightly_deployment_carries_the_reproducibility_option_into_its_form():
+def test_nightly_deployment_carries_the_reproducibility_and_drill_options_into_its_form():
     """`rollflow serve --repro`: the scheduled runs' parameters switch the gate on, and Prefect's own schema of
     alignment_check validates them (the UI form accepts what the schedule sends)."""
     from prefect.utilities.callables import parameter_schema
@@ -65,6 +65,11 @@ def test_nightly_deployment_carries_the_reproducibility_option_into_its_form():
         params = nightly_deployment(reproducibility=repro).parameters
         assert params["reproducibility"] is repro
         assert alignment_check.validate_parameters(params)["reproducibility"] is repro
+    assert schema["properties"]["resume_drill"]["default"] is False
+    for drill in (False, True):  # `rollflow serve --drill-resume`
+        params = nightly_deployment(resume_drill=drill).parameters
+        assert params["resume_drill"] is drill
+        assert alignment_check.validate_parameters(params)["resume_drill"] is drill
 
 
 def test_prefect_yaml_and_worker_use_distinct_names():

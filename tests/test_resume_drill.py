@@ -57,3 +57,56 @@ def test_drill_passes_on_the_default_and_catches_a_cursor_reset(tmp_path, prefec
     assert not bad.ok
     # the first value that differs: the resumed iteration's sampled tokens (other prompts)
     assert f"iteration {bad.resumed_from + 1}, token ids" in bad.check.message, bad.check.message
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks if t.state is not None}
+
+
+@pytest.mark.slow
+def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
+    tmp_path, prefect_api, ray_local, monkeypatch
+):
+    """`rollflow serve --drill-resume`: the scheduled run's parameters (JSON, as a schedule sends them) run the
+    drill as the `resume-drill` task, green with a PASS artifact; with the resume bug injected into the
+    environment the flow runs in (what the drill's `rollflow train` processes inherit), that task and the flow
+    fail and the artifact names the first differing value."""
+    from prefect.artifacts import Artifact
+
+    from rollflow.flows.alignment import AlignmentFailed, alignment_check, nightly_parameters
+    from tests.conftest import small_config
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # the drill's `rollflow train` processes report here
+    monkeypatch.delenv("ROLLFLOW_FAULT", raising=False)
+    cfg = small_config(tmp_path, run="nightly-drill", iterations=2, data={"prompts_per_rollout": 8})
+    params = nightly_parameters(cfg, resume_drill=True)
+    assert params["params"]["iterations"] == 2  # the nightly form carries the drill's length
+
+    state = alignment_check(**params, return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    drill = {c["name"]: c for c in state.result()["checks"]}["kill_and_resume"]
+    assert drill["status"] == "pass" and drill["figures"]["kill_after"] == kill_point(2, 0), drill
+    tasks = _task_states(state.state_details.flow_run_id)
+    assert tasks["resume-drill"] == "Completed"
+    assert "check-kill_and_resume" not in tasks  # the drill's own task is its verdict
+    artifact = Artifact.get("nightly-drill-resume-drill")
+    assert artifact is not None and "**Result: PASS**" in artifact.data
+
+    monkeypatch.setenv("ROLLFLOW_FAULT", "resume-resets-data-cursor")
+    state = alignment_check(**params, return_state=True)
+    assert state.is_failed()
+    exc = state.result(raise_on_failure=False)
+    assert isinstance(exc, AlignmentFailed) and "kill_and_resume" in str(exc), exc
+    tasks = _task_states(state.state_details.flow_run_id)
+    assert tasks["resume-drill"] == "Failed"
+    # the alignment checks themselves still pass: only the drill is red
+    assert {name: s for name, s in tasks.items() if name.startswith("check-")} and all(
+        s == "Completed" for name, s in tasks.items() if name.startswith("check-")
+    ), tasks
+    artifact = Artifact.get("nightly-drill-resume-drill")
+    assert "**Result: FAIL**" in artifact.data and "iteration 2, token ids" in artifact.data, artifact.data

@@ -102,6 +102,11 @@ def register(app: typer.Typer) -> None:
         repro: bool = typer.Option(
             False, "--repro", help="the nightly run also runs the bitwise reproducibility gate (docs/checks.md)"
         ),
+        drill_resume: bool = typer.Option(
+            False,
+            "--drill-resume",
+            help="the nightly run also runs the kill-and-resume drill (docs/checks.md; keep iterations short)",
+        ),
     ) -> None:
         """Serve the `nightly-alignment` deployment (alignment_check on a cron schedule); blocks."""
 
@@ -113,11 +118,13 @@ def register(app: typer.Typer) -> None:
         from rollflow.flows.alignment import FLOW_NAME, NIGHTLY, register_nightly, serve_nightly
 
         if register_only:
-            dep_id = register_nightly(cron, cfg, memory_budget_mb=memory_budget_mb, reproducibility=repro)
+            dep_id = register_nightly(
+                cron, cfg, memory_budget_mb=memory_budget_mb, reproducibility=repro, resume_drill=drill_resume
+            )
             console.print(
                 f"registered {FLOW_NAME}/{NIGHTLY} ({dep_id}), cron {cron!r} UTC, run {cfg.run!r}; "
                 f"runs execute while `rollflow serve` runs. UI: {api.removesuffix('/api')}"
             )
             return
         console.print(f"serving {FLOW_NAME}/{NIGHTLY}, cron {cron!r} UTC, run {cfg.run!r} (Ctrl-C stops)")
-        serve_nightly(cron, cfg, memory_budget_mb=memory_budget_mb, reproducibility=repro)
+        serve_nightly(cron, cfg, memory_budget_mb=memory_budget_mb, reproducibility=repro, resume_drill=drill_resume)
