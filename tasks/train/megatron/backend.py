@@ -32,6 +32,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync import megatron_names as mn
 from rollflow.tasks.sync.buckets import buckets_by_bytes
 from rollflow.tasks.train.batch import TrainBatch
@@ -126,6 +127,7 @@ class MegatronBackend:
         torch.set_num_threads(optim.threads)
         torch.manual_seed(optim.seed)
         self.optim_cfg = optim
+        self.progress = Progress()  # micro-batch forwards (train and scoring): a stall deadline's sign of life
         self.device = torch.device(optim.device)
         self.settings = optim.megatron.resolved(self.device.type)
         self.temperature = temperature if temperature > 0 else 1.0
@@ -244,6 +246,7 @@ class MegatronBackend:
 
     def _log_probs(self, model, micro: TrainBatch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced log-prob (and entropy) of every next token, target aligned [B, L-1], fp32, on device."""
+        self.progress.tick()
         tokens = micro.tokens.to(self.device, torch.long, non_blocking=True)
         position_ids = micro.position_ids.to(self.device, non_blocking=True)
         kwargs = dict(
@@ -396,6 +399,7 @@ class MegatronBackend:
                 loss_fn,
                 forward_only=True,
                 forward_kwargs=self._forward_kwargs(),
+                on_micro_batch=self.progress.tick,
             )
         out = torch.zeros((batch.size, batch.tokens.shape[1] - 1), dtype=torch.float32)
         if self._reports_stats and mine.size:
@@ -505,6 +509,7 @@ class MegatronBackend:
                 loss_fn,
                 forward_only=False,
                 forward_kwargs=self._forward_kwargs(),
+                on_micro_batch=self.progress.tick,
             )
         acc: dict[str, float] = {}
         if self._reports_stats:

@@ -244,12 +244,15 @@ def run_schedule(
     *,
     forward_only: bool,
     forward_kwargs: dict[str, Any] | None = None,
+    on_micro_batch: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Forward (and backward) of `inputs` through Megatron's schedule for this parallel layout.
 
     `loss_fn(item, output, num_microbatches) -> (loss, data)` runs on the last pipeline stage on the
     model's output (logits); `data` of each micro-batch is returned there, in order ([] elsewhere).
     `forward_kwargs` go to every model call (e.g. megatron-core 0.19's `output_processor`).
+    `on_micro_batch()` runs once per micro-batch, at its forward through the first model chunk (the
+    backend's progress tick: a pipeline step can run for minutes and must still show signs of life).
     """
     extra = dict(forward_kwargs or {})
     from megatron.core.pipeline_parallel import get_forward_backward_func  # optional dependency: imported on use
@@ -258,6 +261,8 @@ def run_schedule(
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
+        if on_micro_batch is not None and model is model_chunks[0]:  # interleaved: each chunk sees every item
+            on_micro_batch()
         packed = {"packed_seq_params": item.packed} if item.packed is not None else {}
         output = model(input_ids=item.tokens, position_ids=item.position_ids, attention_mask=None, **packed, **extra)
 
