@@ -23,6 +23,7 @@ SUITES = {
     "sync": "benchmarks.suite_sync",
     "replay": "benchmarks.suite_replay",
     "async": "benchmarks.suite_async",
+    "watchdog": "benchmarks.watchdog_cost",
 }
 ALIASES = {
     "1": "orchestration",
@@ -32,6 +33,8 @@ ALIASES = {
     "5": "sync",
     "6": "replay",
     "7": "async",
+    "8": "watchdog",
+    "watchdog_cost": "watchdog",
     "artifacts": "artifact_io",
     "io": "artifact_io",
     "artifact-io": "artifact_io",
@@ -49,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="NAME",
         help=f"suite to run (repeatable; default: all on CPU, {', '.join(GPU_SUITES)} on CUDA): "
-        f"{', '.join(SUITES)} or 1-7",
+        f"{', '.join(SUITES)} or 1-8",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer repeats (a smoke run)")
     ap.add_argument(
@@ -77,7 +80,7 @@ def resolve_suites(names: list[str] | None, device: str) -> list[str]:
         for name in raw.split(","):
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in SUITES:
-                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-7)")
+                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-8)")
             if key not in chosen:
                 chosen.append(key)
     if "replay" in chosen and "orchestration" in chosen:  # replay quotes orchestration's iteration

@@ -28,10 +28,11 @@ def test_figure_summary_and_goals():
 
 
 def test_suite_selection_aliases_and_order():
-    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 7
+    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 8
     assert resolve_suites(None, "cuda") == ["rollout", "train", "sync"]
     assert resolve_suites(["3,io"], "cpu") == ["rollout", "artifact_io"]
     assert resolve_suites(["replay", "1"], "cpu") == ["orchestration", "replay"]
+    assert resolve_suites(["8"], "cpu") == resolve_suites(["watchdog_cost"], "cpu") == ["watchdog"]
     with pytest.raises(SystemExit):
         resolve_suites(["nope"], "cpu")
 
@@ -77,3 +78,49 @@ def test_quick_run_writes_every_figure(tmp_path, capsys):
     for name in ratio_names:  # every ratio is printed
         assert name in printed
     print_report(report)
+
+
+def test_watchdog_cost_counts_what_the_deadline_does_and_prices_it(ray_local, tmp_path):
+    """The direct-cost figure of benchmarks/watchdog_cost.py counts the real deadline's operations (a watched wait,
+    its lookup of the awaited actor, one poll per slice; nothing without a watch) and prices each on a live actor."""
+    from benchmarks.watchdog_cost import Counts, counting, direct_fraction, summarise, unit_costs
+    from rollflow.infra import deadline
+    from rollflow.infra.deadline import StallWatch, stacks_uri, watching
+    from rollflow.infra.workers import start_actor, stop_actor
+    from tests.test_watchdog import Plodder
+
+    run = "wd-cost"
+    actor = start_actor(run, "engine", Plodder)
+    counts = Counts()
+    watch = StallWatch(run, "generate", 1, 600.0, stacks_uri(str(tmp_path), run, 1, "generate"), poll_s=0.2)
+    try:
+        with counting(counts):
+            # through the module attribute, as the typed clients call it (infra/clients.py)
+            assert deadline.wait(actor.work.remote(1, 0.0)) == 1
+            assert counts.take() == {}  # no watch: a plain ray.get
+            with watching(watch):
+                assert deadline.wait(actor.work.remote(10, 0.1)) == 10  # about 1 s: several 0.2 s slices
+            seen = counts.take()
+        assert seen["watched_waits"] == 1 and seen["lookups"] == 1 and 3 <= seen["polls"] <= 8, seen
+        units = unit_costs(run, repeats=1)
+    finally:
+        stop_actor(run, "engine")
+    assert set(units) == {"tick", "poll_driver", "poll_actor", "lookup", "watched_wait"}
+    assert all(v >= 0 for v in units.values()) and units["poll_driver"] > units["tick"] > 0, units
+    row = {"wall": 2.0, "ticks": 10, "polls": 3, "lookups": 1, "watched_waits": 4}
+    expected = (10 * units["tick"] + 3 * (units["poll_driver"] + units["poll_actor"]) + units["lookup"]) / 2.0
+    assert direct_fraction(row, units) == pytest.approx(expected + 4 * units["watched_wait"] / 2.0)
+
+    def it(pair: int, on: bool, wall: float) -> dict:
+        return {**(row if on else {}), "pair": pair, "watchdog": on, "wall": wall, "cpu": wall}
+
+    raw = {
+        "prompts": 8,
+        "pairs": 2,
+        "unit_cpu_s": units,
+        "iterations": [it(0, True, 9.0), it(0, False, 1.0), it(1, False, 2.0), it(1, True, 2.2), it(2, True, 1.0)]
+        + [it(2, False, 1.0)],
+    }
+    figures = {f.name: f for f in summarise(raw, SuiteResult("watchdog", "t")).figures}
+    assert figures["paired iteration time, on / off"].values == pytest.approx([1.1, 1.0])  # warm-up pair left out
+    assert figures["polls per watched iteration"].values == [3, 3]
