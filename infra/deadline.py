@@ -22,7 +22,7 @@ import time
 from typing import Any, Iterator
 
 from rollflow.artifacts.storage import open_fs
-from rollflow.infra.stacks import ProcessStacks, dump_pid, own_stacks
+from rollflow.infra.stacks import REMOTE_DUMP_TIMEOUT_S, ProcessStacks, collect_dump, dump_pid, own_stacks, submit_dump
 from rollflow.infra.workers import CONTROL, NAMESPACE
 
 PING_TIMEOUT_S = 5.0  # how long an actor of the run may take to answer a ping when a stall is being blamed
@@ -241,7 +241,7 @@ def _stall(watch: StallWatch, stalled: list[_Watched], now: float) -> StallError
         f"blamed and killed: {blamed_name}",
         "",
     ]
-    stacks = [_dump_row(row) for row in rows] + [own_stacks()]
+    stacks = dump_rows(rows, ray.get_runtime_context().get_node_id()) + [own_stacks()]
     text = "\n".join(header) + "\n" + "\n".join(s.render() for s in stacks)
     stack_file = _write(watch, text)
     killed = True
@@ -261,17 +261,20 @@ def _node_of(rows: list[dict[str, Any]], name: str) -> str:
     return f"{address.get('IPAddress', '?')} ({address['NodeID']})"
 
 
-def _dump_row(row: dict[str, Any]) -> ProcessStacks:
-    import ray
-
-    if row["Address"]["NodeID"] != ray.get_runtime_context().get_node_id():
-        return ProcessStacks(
-            row["Name"],
-            int(row["Pid"]),
-            "not captured",
-            f"on node {row['Address']['NodeID']} (py-spy runs on the flow's node only)",
-        )
-    return dump_pid(int(row["Pid"]), row["Name"])
+def dump_rows(rows: list[dict[str, Any]], here: str) -> list[ProcessStacks]:
+    """Stacks of the actors of `rows`, in order: py-spy in this process for those on node `here`, a task pinned to
+    its node for each of the others (started together first, so a dead node costs one timeout, not one each)."""
+    remote = {
+        i: submit_dump(int(row["Pid"]), row["Name"], row["Address"]["NodeID"])
+        for i, row in enumerate(rows)
+        if row["Address"]["NodeID"] != here
+    }
+    out = [dump_pid(int(row["Pid"]), row["Name"]) if i not in remote else None for i, row in enumerate(rows)]
+    until = time.monotonic() + REMOTE_DUMP_TIMEOUT_S
+    for i, ref in remote.items():
+        row = rows[i]
+        out[i] = collect_dump(ref, int(row["Pid"]), row["Name"], row["Address"]["NodeID"], until - time.monotonic())
+    return [s for s in out if s is not None]
 
 
 def _write(watch: StallWatch, text: str) -> str:

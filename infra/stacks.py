@@ -2,7 +2,8 @@
 
 py-spy pauses its target while it reads the stacks, which a stopped (SIGSTOP) process refuses ("Failed to suspend
 process"); `--nonblocking` reads them without pausing, so it is the fallback. The flow process falls back to its
-own `sys._current_frames()` when py-spy is missing.
+own `sys._current_frames()` when py-spy is missing. py-spy reads only processes of its own machine: an actor on
+another node of a Ray cluster is dumped there, by a Ray task pinned to that node (`submit_dump`, `collect_dump`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import Any
 
 DUMP_TIMEOUT_S = 15.0
+# dump_pid's three py-spy attempts on the node, plus the task's scheduling and a worker start there
+REMOTE_DUMP_TIMEOUT_S = 3 * DUMP_TIMEOUT_S + 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +79,31 @@ def own_stacks(label: str = "flow process") -> ProcessStacks:
         for tid, frame in sys._current_frames().items()
     ]
     return ProcessStacks(label, os.getpid(), f"traceback ({captured.text.splitlines()[-1]})", "\n".join(parts))
+
+
+def submit_dump(pid: int, label: str, node_id: str) -> Any:
+    """Start `dump_pid(pid, label)` on node `node_id` (a Ray task pinned there, no CPU reserved, so a node whose
+    CPUs the run's actors hold still runs it); returns its ref for `collect_dump`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pinned = NodeAffinitySchedulingStrategy(node_id, soft=False)  # soft: it would dump a pid of another node
+    task = ray.remote(num_cpus=0, max_retries=0, scheduling_strategy=pinned)(dump_pid)
+    return task.remote(pid, label)
+
+
+def collect_dump(ref: Any, pid: int, label: str, node_id: str, timeout: float) -> ProcessStacks:
+    """The stacks a `submit_dump` task read on its node, or why there are none (a dead node, a cut link, a timeout:
+    the reasons an actor there stalled in the first place)."""
+    import ray
+
+    try:
+        stacks = ray.get(ref, timeout=max(timeout, 0.1))
+    except Exception as exc:  # noqa: BLE001 - any failure of the dump is reported in its place, never raised
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - already finished or its node is gone
+            pass
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ProcessStacks(label, pid, "not captured", f"dump task on node {node_id}: {type(exc).__name__}: {reason}")
+    return dataclasses.replace(stacks, how=f"{stacks.how} on node {node_id}")

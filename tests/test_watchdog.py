@@ -303,3 +303,36 @@ def test_e2e_trainer_stopped_resumes_from_checkpoint(tmp_path, prefect_api):
     assert (tmp_path / run / "stalls" / "2-train.txt").exists()
     metrics = [line for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) == 3
+
+
+def test_stacks_of_an_actor_on_another_node_are_read_on_that_node(ray_local):
+    """On a cluster py-spy must run where the stalled actor runs: a Ray task pinned to the actor's node dumps it.
+    One node here, so the route is forced by naming another node as the flow's; the stacks still show the busy
+    actor's own frame. On the flow's own node the dump stays local."""
+    from rollflow.infra.deadline import _run_actors, dump_rows
+
+    run = "wd-remote"
+    actor = start_actor(run, "engine", Plodder)
+    try:
+        actor.work.remote(400, 0.05)
+        time.sleep(0.5)
+        (row,) = _run_actors(run)
+        node = row["Address"]["NodeID"]
+        (remote,) = dump_rows([row], here="another-node")
+        assert remote.how.startswith("py-spy") and remote.how.endswith(f"on node {node}"), remote
+        assert remote.pid == int(row["Pid"]) and "work (" in remote.text and "test_watchdog.py" in remote.text
+        (local,) = dump_rows([row], here=node)
+        assert local.how.startswith("py-spy") and "on node" not in local.how
+    finally:
+        stop_actor(run, "engine")
+
+
+def test_a_dump_on_a_node_that_is_gone_says_why(ray_local):
+    """A dead node (or a cut link) answers no dump: the stack file then says why, and the stall still fails."""
+    from rollflow.infra.stacks import collect_dump, submit_dump
+
+    gone = "ab" * 28  # a well-formed node id of no node
+    started = time.monotonic()
+    stacks = collect_dump(submit_dump(os.getpid(), "x", gone), os.getpid(), "x", gone, timeout=20)
+    assert stacks.how == "not captured" and stacks.text.startswith(f"dump task on node {gone}: "), stacks
+    assert time.monotonic() - started < 15  # refused at once: no wait for the timeout
