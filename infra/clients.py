@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from rollflow.tasks.train.critic import CriticEstimate
 
 __all__ = [
+    "ActorUnavailable",
     "BroadcastBucket",
     "CriticClient",
     "EngineChecks",
@@ -60,9 +61,43 @@ WeightSyncMode = Literal["object_store", "disk", "tensor", "distributed"]
 ALIVE_TIMEOUT_S = 60.0
 
 
+class ActorUnavailable(RuntimeError):
+    """An awaited actor's connection dropped mid-call: its process, its raylet or its whole node went away.
+
+    Ray's own ActorUnavailableError names only the actor id; on a cluster the node is what the operator needs
+    (a raylet killed, a host down), so this names the actor and its node and keeps Ray's error as the cause."""
+
+    def __init__(self, actor: str, node: str, detail: str):
+        self.actor, self.node, self.detail = actor, node, detail
+        where = f" on node {node}" if node else ""
+        super().__init__(
+            f"actor {actor}{where} became unavailable mid-call (its process, its raylet or its node went away; "
+            f"the call may or may not have run): {detail}"
+        )
+
+    def __reduce__(self):  # Prefect and Ray pickle exceptions: rebuild from the fields
+        return (ActorUnavailable, (self.actor, self.node, self.detail))
+
+
 def _get(ref: Any, timeout: float | None = None) -> Any:
     # Every wait on an actor call: under a task's stall watch it fails a stuck call (infra/deadline.py).
-    return deadline.wait(ref, timeout)
+    import ray
+
+    try:
+        return deadline.wait(ref, timeout)
+    except ray.exceptions.ActorUnavailableError as exc:
+        raise _unavailable(ref, exc) from exc
+
+
+def _unavailable(refs: Any, exc: Exception) -> ActorUnavailable:
+    """The actor of `refs` named in `exc` (or the first one with an actor), with its node from the GCS table."""
+    detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    ids = [r.task_id().actor_id() for r in (refs if isinstance(refs, list) else [refs])]
+    ids = [a.hex() for a in ids if not a.is_nil()]
+    actor_id = next((a for a in ids if a in str(exc)), ids[0] if ids else "")
+    rows = deadline.actor_table(actor_id) if actor_id else []
+    name = str(rows[0].get("Name") or actor_id) if rows else actor_id or "?"
+    return ActorUnavailable(name, deadline.node_of(rows, rows[0].get("Name")) if rows else "", detail)
 
 
 @dataclasses.dataclass(frozen=True)

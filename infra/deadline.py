@@ -115,7 +115,7 @@ class _Watched:
         self.probe = self.handle.progress.options(concurrency_group=CONTROL).remote()
 
 
-def _actor_table(actor_id: str | None = None) -> list[dict[str, Any]]:
+def actor_table(actor_id: str | None = None) -> list[dict[str, Any]]:
     # The GCS actor table (names, pids, nodes, states); the state API would need the dashboard.
     from ray._private import state
 
@@ -133,7 +133,7 @@ def _watched(refs: list[Any], now: float) -> list[_Watched]:
         actor_id = ref.task_id().actor_id()
         if actor_id.is_nil() or actor_id.hex() in out:
             continue
-        rows = _actor_table(actor_id.hex())
+        rows = actor_table(actor_id.hex())
         if not rows or not rows[0].get("Name"):
             continue
         row = rows[0]
@@ -147,7 +147,7 @@ def _watched(refs: list[Any], now: float) -> list[_Watched]:
 
 def _starting(actor: _Watched) -> bool:
     """Still in its constructor (or restarting): its progress() cannot run yet, which is no stall."""
-    rows = _actor_table(actor.actor_id)
+    rows = actor_table(actor.actor_id)
     return bool(rows) and rows[0]["State"] != "ALIVE"
 
 
@@ -190,7 +190,7 @@ def wait(refs: Any, timeout: float | None = None) -> Any:
 
 def _run_actors(run: str) -> list[dict[str, Any]]:
     prefix = f"{run}:"
-    return [r for r in _actor_table() if r.get("State") == "ALIVE" and str(r.get("Name") or "").startswith(prefix)]
+    return [r for r in actor_table() if r.get("State") == "ALIVE" and str(r.get("Name") or "").startswith(prefix)]
 
 
 def _frozen(rows: list[dict[str, Any]]) -> set[str]:
@@ -249,10 +249,10 @@ def _stall(watch: StallWatch, stalled: list[_Watched], now: float) -> StallError
         ray.kill(ray.get_actor(blamed_name, namespace=NAMESPACE), no_restart=True)
     except ValueError:
         killed = False
-    return StallError(watch.task, blamed_name, seconds, stack_file, killed=killed, node=_node_of(rows, blamed_name))
+    return StallError(watch.task, blamed_name, seconds, stack_file, killed=killed, node=node_of(rows, blamed_name))
 
 
-def _node_of(rows: list[dict[str, Any]], name: str) -> str:
+def node_of(rows: list[dict[str, Any]], name: str) -> str:
     """'<ip> (<node id>)' of the actor `name`, '' when the table has no such row."""
     row = next((r for r in rows if r.get("Name") == name), None)
     address = (row or {}).get("Address") or {}

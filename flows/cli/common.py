@@ -166,7 +166,7 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def _actor_died(exc: BaseException) -> bool:
     return any(
-        base.__name__ in ("RayActorError", "ActorDiedError", "WorkerDiedError", "ActorDied")
+        base.__name__ in ("RayActorError", "ActorDiedError", "WorkerDiedError", "ActorDied", "ActorUnavailable")
         for base in type(exc).__mro__
     )
 
