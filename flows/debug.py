@@ -214,9 +214,15 @@ def replay_result_storage(cfg: RunConfig):
     if not value:
         return None
     if "/" in value and not value.startswith(("/", ".", "~")) and "://" not in value:
+        from prefect.blocks.core import Block
         from prefect.filesystems import WritableFileSystem
 
-        return WritableFileSystem.load(value)
+        # "type-slug/name": Block.load finds the block type from the slug (WritableFileSystem.load would look
+        # for a block type named "writablefilesystem" and miss every saved filesystem block)
+        block = Block.load(value)
+        if not isinstance(block, WritableFileSystem):
+            raise ValueError(f"store.results={value!r} is a {type(block).__name__} block, not a writable filesystem")
+        return block
     from pathlib import Path
 
     return Path(value).expanduser()
