@@ -1,13 +1,17 @@
 """The five flows as `<flow>/pool` deployments on the test cluster's process work pool (infra/cluster.py runs
 `python -m rollflow.flows.cluster_pool STATE_DIR` against the cluster's Prefect API): the pool, the S3 result
-block and deployments whose default parameters point at the cluster's S3 store and Ray head."""
+block and deployments whose default parameters point at the cluster's S3 store and Ray head; plus the nightly
+alignment deployment on the same pool with its Failed/Crashed/Late alert automation."""
 
 from __future__ import annotations
 
 import sys
 
+from rollflow.flows.alignment import nightly_deployment
+from rollflow.flows.config import RunConfig
 from rollflow.flows.prefect_ops.deployments import POOL as DEPLOYMENT
 from rollflow.flows.prefect_ops.deployments import default_parameters, entry_flows
+from rollflow.infra.automations import apply_with_alert
 from rollflow.infra.cluster import POOL as CLUSTER_POOL
 from rollflow.infra.cluster import RESULTS_BLOCK, Cluster
 
@@ -44,6 +48,20 @@ def register_deployments(cl: Cluster) -> None:
             work_pool_name=CLUSTER_POOL,
             tags=["rollflow", name],
         ).apply(work_pool_name=CLUSTER_POOL)
+    register_nightly_on_pool(cl)
+
+
+def register_nightly_on_pool(cl: Cluster) -> None:
+    """`alignment_check/nightly-alignment` on the pool (what `prefect deploy` of infra/prefect.yaml's nightly entry
+    makes), pointing at the cluster, and its alert automation."""
+    cfg = RunConfig.model_validate({"run": "nightly", **cl.run_params()})
+    deployment = nightly_deployment(cfg=cfg)
+    deployment.work_pool_name = CLUSTER_POOL
+    # The test cluster keeps the cron schedule but not active: a CI run at 02:00 UTC would otherwise get a
+    # scheduled nightly run in the middle of its drills. A real pool keeps it active.
+    for schedule in deployment.schedules:
+        schedule.active = False
+    apply_with_alert(deployment)
 
 
 def main(argv: list[str] | None = None) -> int:

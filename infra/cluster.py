@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,16 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rollflow.infra.processes import (  # noqa: F401 - ClusterError, stop_pid: the cluster's API
+    ClusterError,
+    alive,
+    healthy,
+    port_open,
+    sh,
+    stop_pid,
+    wait_until,
+)
 
 PREFIX = "rf"  # namespaces rf-ctl, rf-head, rf-node1, rf-node2; bridge rfbr0; veths rfv-<host>
 BRIDGE = f"{PREFIX}br0"
@@ -57,12 +66,14 @@ OFFLINE = {
     "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     "RAY_AUTH_MODE": "disabled",
 }
+# While its database refuses connections (a restart, a failover) the Prefect server answers 500, not 503: asyncpg's
+# ConnectionRefusedError is not one of the errors it maps to "retryable". Without 500 in the retry codes a flow
+# run gives up on the first state change in that window and its process exits, leaving the run Running for ever
+# (drill b). Prefect's client backs off 2, 4, 8, 16, 32 s (5 retries): a restart of up to ~a minute is absorbed.
+CLIENT_RETRIES = {"PREFECT_CLIENT_RETRY_EXTRA_CODES": "500"}
 PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin",)
 STATE_FILE = "cluster.json"
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not be brought up (the message names the service and its log)."""
+DEFAULT_QUEUE = "default"  # the queue every deployment of the pool sends its runs to
 
 
 @dataclass
@@ -110,7 +121,7 @@ class Cluster:
 
     def client_env(self) -> dict[str, str]:
         """What a process outside the cluster (a test, a CLI) needs to talk to it."""
-        return {**OFFLINE, **self.s3_env(), "PREFECT_API_URL": self.prefect_api}
+        return {**OFFLINE, **CLIENT_RETRIES, **self.s3_env(), "PREFECT_API_URL": self.prefect_api}
 
     def namespace(self, host: str) -> str | None:
         return f"{PREFIX}-{host}" if self.mode == "netns" else None
@@ -168,14 +179,6 @@ def netns_available() -> bool:
     return ok
 
 
-def _sh(*argv: str, check: bool = True, env: dict[str, str] | None = None, timeout: float = 60) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=timeout)
-    if check and proc.returncode != 0:
-        why = proc.stderr.strip() or proc.stdout.strip()
-        raise ClusterError(f"`{' '.join(argv)}` failed ({proc.returncode}): {why}")
-    return proc.stdout
-
-
 def _bin(name: str) -> str:
     here = Path(sys.executable).with_name(name)
     if here.exists():
@@ -195,49 +198,6 @@ def pg_bin(name: str) -> str:
     if found is None:
         raise ClusterError(f"PostgreSQL's {name} is not installed (Debian/Ubuntu: apt-get install postgresql-15)")
     return found
-
-
-def _healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - our own addresses
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex((host, port)) == 0
-
-
-def _wait(check, what: str, timeout: float, log: Path | None = None, pid: int | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if pid is not None and not _alive(pid):
-            break
-        time.sleep(0.3)
-    tail = ""
-    if log is not None and log.exists():
-        tail = "; last log lines: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-5:])
-    state = "exited" if pid is not None and not _alive(pid) else f"not ready after {timeout:.0f}s"
-    raise ClusterError(f"{what} {state} (log {log}){tail}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _spawn(cluster: Cluster, name: str, host: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> int:
@@ -265,51 +225,11 @@ def log_path(cluster: Cluster, name: str) -> Path:
     return Path(cluster.state_dir) / "logs" / f"{name}.log"
 
 
-def _descendants(pid: int) -> list[int]:
-    try:
-        import psutil
-
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except Exception:  # noqa: BLE001 - psutil missing or the process gone
-        return []
-
-
-def stop_pid(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM a process we started, its process group and its descendants; SIGKILL what is left after `grace`."""
-    targets = [pid, *_descendants(pid)]
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in targets:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in targets):
-        time.sleep(0.2)
-    for p in targets:
-        if _alive(p):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:  # reap it if it is our child
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
 # ----------------------------------------------------------------------------- network
 
 
 def _namespaces() -> set[str]:
-    out = _sh("ip", "netns", "list", check=False)
+    out = sh("ip", "netns", "list", check=False)
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
@@ -321,39 +241,39 @@ def make_network(cluster: Cluster) -> None:
             f"namespaces {sorted(existing)} exist: a cluster is up (or was not torn down); run "
             "`python -m rollflow.infra.cluster down` first"
         )
-    _sh("ip", "link", "add", BRIDGE, "type", "bridge")
-    _sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
-    _sh("ip", "link", "set", BRIDGE, "up")
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
     for host, octet in HOSTS.items():
         ns, outer, inner = f"{PREFIX}-{host}", f"{PREFIX}v-{host}", f"{PREFIX}p-{host}"
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-        _sh("ip", "link", "set", outer, "master", BRIDGE)
-        _sh("ip", "link", "set", outer, "up")
-        _sh("ip", "link", "set", inner, "netns", ns)
-        _sh("ip", "-n", ns, "link", "set", inner, "name", "eth0")
-        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{octet}/24", "dev", "eth0")
-        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        sh("ip", "link", "set", outer, "master", BRIDGE)
+        sh("ip", "link", "set", outer, "up")
+        sh("ip", "link", "set", inner, "netns", ns)
+        sh("ip", "-n", ns, "link", "set", inner, "name", "eth0")
+        sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{octet}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
         # a default route, so that "which of my addresses reaches the world" (Ray's node IP) answers eth0;
         # nothing is forwarded beyond the bridge
-        _sh("ip", "-n", ns, "route", "add", "default", "via", GATEWAY)
+        sh("ip", "-n", ns, "route", "add", "default", "via", GATEWAY)
 
 
 def delete_network() -> None:
     for host in HOSTS:
         ns = f"{PREFIX}-{host}"
         if ns in _namespaces():
-            for pid in _sh("ip", "netns", "pids", ns, check=False).split():
+            for pid in sh("ip", "netns", "pids", ns, check=False).split():
                 stop_pid(int(pid), grace=3)
-            _sh("ip", "netns", "del", ns, check=False)
-        _sh("ip", "link", "del", f"{PREFIX}v-{host}", check=False)
-    _sh("ip", "link", "del", BRIDGE, check=False)
+            sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "link", "del", f"{PREFIX}v-{host}", check=False)
+    sh("ip", "link", "del", BRIDGE, check=False)
 
 
 def set_link(host: str, up: bool) -> None:
     """Cut (or restore) `host`'s only link: its veth end on the bridge (netns mode only)."""
-    _sh("ip", "link", "set", f"{PREFIX}v-{host}", "up" if up else "down")
+    sh("ip", "link", "set", f"{PREFIX}v-{host}", "up" if up else "down")
 
 
 # ----------------------------------------------------------------------------- services
@@ -373,7 +293,7 @@ def start_postgres(cluster: Cluster) -> None:
         shutil.chown(data, "postgres", "postgres")
         as_user = [shutil.which("setpriv") or "setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
     os.chmod(data, 0o700)
-    _sh(
+    sh(
         *as_user,
         pg_bin("initdb"),
         "-D",
@@ -393,7 +313,7 @@ def start_postgres(cluster: Cluster) -> None:
         hba.write(f"host all all {subnet} trust\n")
     pid = _spawn(cluster, "postgres", "ctl", _postgres_argv(cluster), {})
     ready = [pg_bin("pg_isready"), "-h", host, "-p", str(PORTS["postgres"]), "-U", "postgres"]
-    _wait(
+    wait_until(
         lambda: subprocess.run(ready, capture_output=True).returncode == 0,
         "PostgreSQL",
         60,
@@ -401,8 +321,8 @@ def start_postgres(cluster: Cluster) -> None:
         pid,
     )
     psql = [pg_bin("psql"), "-h", host, "-p", str(PORTS["postgres"]), "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-q"]
-    _sh(*psql, "-d", "postgres", "-c", "create database prefect")
-    _sh(*psql, "-d", "prefect", "-c", "create extension if not exists pg_trgm")
+    sh(*psql, "-d", "postgres", "-c", "create database prefect")
+    sh(*psql, "-d", "prefect", "-c", "create extension if not exists pg_trgm")
     cluster.timings["postgres_s"] = round(time.monotonic() - t0, 2)
 
 
@@ -436,11 +356,11 @@ def restart_postgres(cluster: Cluster, down_s: float = 5.0) -> None:
         os.kill(pid, signal.SIGINT)
     except ProcessLookupError:
         pass
-    _wait(lambda: not _alive(pid), "PostgreSQL shutdown", 60)
+    wait_until(lambda: not alive(pid), "PostgreSQL shutdown", 60)
     time.sleep(down_s)
     new = _spawn(cluster, "postgres", "ctl", _postgres_argv(cluster), {})
     ready = [pg_bin("pg_isready"), "-h", cluster.hosts["ctl"], "-p", str(PORTS["postgres"]), "-U", "postgres"]
-    _wait(
+    wait_until(
         lambda: subprocess.run(ready, capture_output=True).returncode == 0,
         "PostgreSQL (restarted)",
         60,
@@ -467,8 +387,8 @@ def start_prefect_server(cluster: Cluster) -> None:
         [_bin("prefect"), "server", "start", "--host", host, "--port", str(PORTS["prefect"])],
         env,
     )
-    _wait(
-        lambda: _healthy(cluster.prefect_api + "/health"),
+    wait_until(
+        lambda: healthy(cluster.prefect_api + "/health"),
         "Prefect server",
         120,
         log_path(cluster, "prefect-server"),
@@ -481,7 +401,9 @@ def start_s3(cluster: Cluster) -> None:
     t0 = time.monotonic()
     host = cluster.hosts["ctl"]
     pid = _spawn(cluster, "s3", "ctl", [_bin("moto_server"), "-H", host, "-p", str(PORTS["s3"])], {})
-    _wait(lambda: _healthy(cluster.s3_endpoint + "/moto-api/"), "S3 endpoint (moto)", 60, log_path(cluster, "s3"), pid)
+    wait_until(
+        lambda: healthy(cluster.s3_endpoint + "/moto-api/"), "S3 endpoint (moto)", 60, log_path(cluster, "s3"), pid
+    )
     make_bucket(cluster)
     cluster.timings["s3_s"] = round(time.monotonic() - t0, 2)
 
@@ -533,11 +455,11 @@ def start_ray(cluster: Cluster) -> None:
         ],
         head_env,
     )
-    _wait(lambda: _started(cluster, "ray-head"), "Ray head", 120, log_path(cluster, "ray-head"), head_pid)
+    wait_until(lambda: _started(cluster, "ray-head"), "Ray head", 120, log_path(cluster, "ray-head"), head_pid)
     # one node at a time: on a small machine, raylets registering while the head's dashboard starts time out
     for node in WORKER_NODES:
         start_node(cluster, node, wait_alive=False)
-    _wait(
+    wait_until(
         lambda: _alive_nodes(cluster) >= 1 + len(WORKER_NODES),
         "Ray nodes in the state API",
         60,
@@ -554,7 +476,7 @@ def start_node(cluster: Cluster, node: str, *, wait_alive: bool = True) -> int:
     """`ray start --address=head` on worker host `node` (also what an operator does to bring a lost node back:
     it joins as a new node id with the same resources)."""
     name = f"ray-{node}"
-    if name in cluster.pids and _alive(cluster.pids[name]):
+    if name in cluster.pids and alive(cluster.pids[name]):
         stop_pid(cluster.pids[name])
     log = log_path(cluster, name)
     offset = log.stat().st_size if log.exists() else 0
@@ -575,9 +497,9 @@ def start_node(cluster: Cluster, node: str, *, wait_alive: bool = True) -> int:
         ],
         env,
     )
-    _wait(lambda: _started(cluster, name, offset), f"Ray node {node}", 120, log, pid)
+    wait_until(lambda: _started(cluster, name, offset), f"Ray node {node}", 120, log, pid)
     if wait_alive:
-        _wait(
+        wait_until(
             lambda: cluster.hosts[node] in {n["node_ip"] for n in _nodes_or_none(cluster)},
             f"Ray node {node} in the state API",
             60,
@@ -647,35 +569,34 @@ def register_pool(cluster: Cluster) -> None:
     t0 = time.monotonic()
     env = {**os.environ, **cluster.client_env(), "PREFECT_HOME": str(Path(cluster.state_dir) / "prefect-client")}
     # the deployments are flows/' business (infra never imports flows/): a process against the cluster's API
-    _sh(sys.executable, "-m", "rollflow.flows.cluster_pool", cluster.state_dir, env=env, timeout=180)
+    sh(sys.executable, "-m", "rollflow.flows.cluster_pool", cluster.state_dir, env=env, timeout=180)
     cluster.timings["pool_s"] = round(time.monotonic() - t0, 2)
 
 
-def start_worker(cluster: Cluster) -> None:
-    """`prefect worker start --pool` on the Ray head: each flow run is a process there, a Ray driver on the
-    head node (docs/cluster.md)."""
+def start_worker(cluster: Cluster, host: str = "head", queue: str = DEFAULT_QUEUE) -> str:
+    """`prefect worker start --pool --work-queue` on `host` (the Ray head by default: each flow run is a process
+    there, a Ray driver on the head node, docs/cluster.md). Each worker polls one queue of the pool, so a run is
+    sent to a host by its queue (`create_flow_run_from_deployment(..., work_queue_name=...)`). Returns the name
+    of the worker's process in the cluster's pids."""
     t0 = time.monotonic()
-    cwd = Path(cluster.state_dir) / "worker"
+    name = "prefect-worker" if host == "head" else f"prefect-worker-{host}"
+    cwd = Path(cluster.state_dir) / ("worker" if host == "head" else f"worker-{host}")
     cwd.mkdir(parents=True, exist_ok=True)
     env = {
         **cluster.client_env(),
-        "PREFECT_HOME": str(Path(cluster.state_dir) / "prefect-worker"),
+        "PREFECT_HOME": str(Path(cluster.state_dir) / name),
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     }
-    pid = _spawn(
-        cluster,
-        "prefect-worker",
-        "head",
-        [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process", "--name", "head"],
-        env,
-        cwd=str(cwd),
-    )
-    _wait(lambda: _worker_online(cluster), "Prefect worker", 90, log_path(cluster, "prefect-worker"), pid)
-    cluster.timings["worker_s"] = round(time.monotonic() - t0, 2)
+    argv = [_bin("prefect"), "worker", "start", "--pool", POOL, "--work-queue", queue, "--type", "process"]
+    pid = _spawn(cluster, name, host, [*argv, "--name", host], env, cwd=str(cwd))
+    wait_until(lambda: _worker_online(cluster, host), f"Prefect worker on {host}", 90, log_path(cluster, name), pid)
+    if host == "head":
+        cluster.timings["worker_s"] = round(time.monotonic() - t0, 2)
+    return name
 
 
-def _worker_online(cluster: Cluster) -> bool:
+def _worker_online(cluster: Cluster, host: str) -> bool:
     req = urllib.request.Request(
         f"{cluster.prefect_api}/work_pools/{POOL}/workers/filter",
         data=b"{}",
@@ -684,7 +605,7 @@ def _worker_online(cluster: Cluster) -> bool:
     )
     try:
         with urllib.request.urlopen(req, timeout=3) as resp:  # noqa: S310
-            return any(w.get("status") == "ONLINE" for w in json.loads(resp.read()))
+            return any(w.get("status") == "ONLINE" and w.get("name") == host for w in json.loads(resp.read()))
     except (OSError, ValueError):
         return False
 
@@ -756,8 +677,8 @@ def status(state_dir: str | Path | None = None) -> dict[str, Any]:
     return {
         "up": True,
         **cluster.to_json(),
-        "alive": {name: _alive(pid) for name, pid in cluster.pids.items()},
-        "prefect_healthy": _healthy(cluster.prefect_api + "/health"),
+        "alive": {name: alive(pid) for name, pid in cluster.pids.items()},
+        "prefect_healthy": healthy(cluster.prefect_api + "/health"),
         "ray_nodes_alive": _alive_nodes(cluster),
     }
 

@@ -16,8 +16,11 @@ d. the S3 endpoint frozen ~20 s (SIGSTOP/SIGCONT: moto keeps its objects in memo
    lost, the run Completed;
 c. the link of the node hosting the engine cut ~30 s mid-generate: the stall watchdog fails the call within a
    bounded time naming the engine's node, and the task retry after the link returns completes the run;
+b. PostgreSQL restarted (8 s down) mid-run: the server answers 500 meanwhile, the clients (the worker and the flow
+   run's process, PREFECT_CLIENT_RETRY_EXTRA_CODES=500 as docs/cluster.md says) retry, the run keeps going and
+   ends Completed in its first attempt;
 a. the raylet of the node hosting the engine killed (by pid) right after checkpoint 1: the run fails within a
-   bound naming the dead node (or, when Ray reports ActorUnavailableError first, the engine's actor id); the node
+   bound naming the dead node; the node
    is started again, the UI's Retry resumes the same flow run from its last checkpoint, no committed rollout is
    regenerated, and the final weights equal an uninterrupted run's.
 
@@ -29,6 +32,7 @@ already up (`python -m rollflow.infra.cluster up --state-dir DIR`) instead.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -137,13 +141,16 @@ def _logs(flow_run_id) -> str:
     return "\n".join(entry.message for entry in logs)
 
 
-def _task_names(flow_run_id) -> list[str]:
+def _task_runs(flow_run_id) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return [t.name for t in runs]
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def _task_names(flow_run_id) -> list[str]:
+    return [t.name for t in _task_runs(flow_run_id)]
 
 
 def _actor_nodes(cluster: cl.Cluster, run: str) -> dict[str, set[str]]:
@@ -276,6 +283,119 @@ def test_unsatisfiable_placement_fails_in_seconds_naming_what_is_missing(cluster
     assert "cannot be placed" in logs and "no node has CPU 4" in logs, logs
     seconds = (run.end_time - run.start_time).total_seconds()
     assert seconds < 30, seconds  # not a pending-forever placement group (create_placement_group waits 60 s)
+
+
+def _flow_params(cluster: cl.Cluster, flow_name: str, run: str, **extra) -> dict:
+    """A flow's form pointed at the cluster: only the sections it has (the server validates against the schema)."""
+    from rollflow.flows.params import SECTIONS
+
+    sections = {**cluster.run_params(), "resources": DISAGGREGATED, **SMALL}
+    return {"run": run, **{k: v for k, v in sections.items() if k in SECTIONS[flow_name]}, **extra}
+
+
+def _run_on_queue(flow_name: str, deployment: str, parameters: dict, queue: str, timeout: float = 300):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(f"{flow_name}/{deployment}")
+        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, work_queue_name=queue)
+    return _wait_final(run.id, timeout)
+
+
+def _ray_drivers_from(cluster: cl.Cluster, ip: str) -> list[str]:
+    """Ray jobs (drivers) that connected from `ip`, by the state API."""
+    from ray.util.state import list_jobs
+
+    jobs = [j if isinstance(j, dict) else j.__dict__ for j in list_jobs(address=cluster.dashboard_url, limit=1000)]
+
+    def driver_ip(job: dict) -> str | None:
+        info = job.get("driver_info")
+        return info.get("node_ip_address") if isinstance(info, dict) else getattr(info, "node_ip_address", None)
+
+    return [str(j.get("job_id")) for j in jobs if driver_ip(j) == ip]
+
+
+def test_replay_from_a_second_worker_host_is_cached_through_s3_without_ray(cluster, api):
+    from prefect.client.orchestration import get_client
+
+    source = "cluster-dis"  # the disaggregated test's 3 committed rollouts; made here when run alone
+    if len(_s3_ls(f"{cluster.store_root}/{source}/rollouts/train")) < 2:
+        source = _unique("cluster-src")
+        made = _run_from_pool("rollout_only", {"params": _flow_params(cluster, "rollout_only", source, iterations=2)})
+        assert made.state.name == "Completed", _logs(made.id)
+    replay = {"rollout_ids": [0, 1], "source_run": source}
+    first = _run_on_queue(
+        "replay_train",
+        "pool",
+        {"params": _flow_params(cluster, "replay_train", _unique("replay-a")), **replay},
+        cl.DEFAULT_QUEUE,
+    )
+    assert first.state.name == "Completed", _logs(first.id)
+    head_tasks = _task_runs(first.id)
+    # it trained (a trainer on the cluster), or, on a reused cluster (ROLLFLOW_TEST_CLUSTER), hit an earlier cache
+    assert any(t.name.startswith("start-workers") for t in head_tasks) or all(
+        t.state.name == "Cached" for t in head_tasks if t.name.startswith("replay-train")
+    ), [(t.name, t.state.name) for t in head_tasks]
+
+    # a second worker, on another host (node2: no disk in common with the head), polling its own queue
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # a reused cluster has it
+        client.create_work_queue(name="node2", work_pool_name=cl.POOL)
+    name = cl.start_worker(cluster, "node2", "node2")
+    try:
+        drivers_before = _ray_drivers_from(cluster, cluster.hosts["node2"])
+        again = _run_on_queue(
+            "replay_train",
+            "pool",
+            {"params": _flow_params(cluster, "replay_train", _unique("replay-b")), **replay},
+            "node2",
+        )
+        logs = _logs(again.id)
+        assert again.state.name == "Completed", logs
+        tasks = _task_runs(again.id)
+        replays = [t for t in tasks if t.name.startswith("replay-train")]
+        assert len(replays) == 2 and all(t.state.name == "Cached" for t in replays), [
+            (t.name, t.state.name) for t in tasks
+        ]
+        assert not any(t.name.startswith("start-workers") for t in tasks)  # no trainer started
+        assert _ray_drivers_from(cluster, cluster.hosts["node2"]) == drivers_before  # Ray never joined from node2
+        assert "Worker 'node2' submitting flow run" in logs, logs  # the node2 worker is the one that ran it
+    finally:
+        cl.stop_pid(cluster.pids.pop(name))
+        cluster.save()
+
+
+def test_nightly_on_the_pool_fails_loudly_on_drift_and_its_alert_fires(cluster, api):
+    from prefect.client.orchestration import get_client
+
+    from rollflow.flows.alignment import FLOW_NAME, NIGHTLY
+    from rollflow.infra.automations import alert_name, automation_events
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(f"{FLOW_NAME}/{NIGHTLY}")
+        assert dep.work_pool_name == cl.POOL and dep.schedules, dep
+        [alert] = client.read_automations_by_name(alert_name(f"{FLOW_NAME}/{NIGHTLY}"))
+        params = dict(dep.parameters)
+        # drift beyond any bound: a mean |train - rollout| log-prob limit of 0 (fp32 sits at ~1e-5)
+        params["thresholds"] = {
+            **(params.get("thresholds") or {}),
+            "mismatch_mean_warn": 0.0,
+            "mismatch_mean_fail": 0.0,
+        }
+        params["params"] = {**params["params"], "run": _unique("nightly"), **SMALL}
+        run = client.create_flow_run_from_deployment(dep.id, parameters=params)
+    final = _wait_final(run.id, timeout=300)
+    logs = _logs(run.id)
+    assert final.state.name == "Failed", logs[-3000:]
+    assert "failed: train_rollout_logprob_diff" in (final.state.message or ""), final.state.message
+    deadline = time.monotonic() + 60
+    while True:
+        fired = [e for e in automation_events(alert.id) if e["event"] == "prefect.automation.triggered"]
+        if any(str(run.id) in str(e) for e in fired):
+            break
+        assert time.monotonic() < deadline, f"no firing of the nightly alert for {run.id}: {fired[:3]}"
+        time.sleep(1)
 
 
 # ============================================================================= faults at this scale
@@ -528,16 +648,58 @@ def test_drill_c_node_cut_off_mid_generate_fails_in_bounded_time_naming_the_node
     assert f"on node {cluster.hosts[host]}" in first.message and engine["node_id"] in first.message, first.message
     bound = first.timestamp.timestamp() - cut
     print(f"link of {host} down {LINK_DOWN_S:.0f}s: '{first.message[:160]}' after {bound:.1f}s")
-    assert bound <= STALL_S + 20, bound  # no silent hang: stall_s, the blame pings and the stack file
+    # no silent hang: stall_s, the blame pings (5 s), the stack dump on the cut node (up to 20 s: it is not
+    # reachable, its section says so) and the stack file
+    assert bound <= STALL_S + 5 + 20 + 10, bound
     generate = _iteration_tasks(run, 1)["generate-train"]
     assert [t.state.name for t in generate] == ["Completed"] and generate[0].run_count == 2, generate
     assert assert_nothing_half_visible(cluster.store_root, run) == [0, 1]
 
 
+# ----------------------------------------------------------------------------- drill b: PostgreSQL restarted
+
+PG_DOWN_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[int, str]:
+    """Iterations -> a run of the drills' config that went straight through (drill b's run: a database restart
+    changes nothing the trainer computes), the reference of drill a's weights."""
+    return {}
+
+
+def test_drill_b_postgres_restarted_mid_run_the_run_keeps_going_and_completes(cluster, api, uninterrupted):
+    run = _unique("drill-b")
+    requests = S3Requests(cluster)
+    flow_run_id = _submit(cluster, run, 3)
+    _first_checkpoint_committed(cluster, run, requests)
+    old = cluster.pids["postgres"]
+    server_log = cl.log_path(cluster, "prefect-server")
+    offset = server_log.stat().st_size
+    t0 = time.monotonic()
+    cl.restart_postgres(cluster, down_s=PG_DOWN_S)
+    print(f"PostgreSQL restarted (pid {old} -> {cluster.pids['postgres']}) in {time.monotonic() - t0:.1f}s")
+    assert cluster.pids["postgres"] != old
+    final = _wait_final(flow_run_id)
+    text = "\n".join(entry.message for entry in _run_logs(run))
+    assert final.state.name == "Completed", text[-4000:]
+    assert final.run_count == 1  # kept going: not a retry of the whole run
+    with server_log.open("rb") as fh:
+        fh.seek(offset)
+        outage = fh.read().decode(errors="replace")
+    # the server did fail requests while its database was away (the clients' retries absorbed them)
+    assert "Connect call failed" in outage or "CannotConnectNow" in outage, outage[-2000:]
+    assert sorted(_manifests(cluster, run)) == [0, 1, 2]
+    assert list_checkpoints(cluster.store_root, run) == [1, 2, 3]
+    uninterrupted[3] = run
+
+
 # ----------------------------------------------------------------------------- drill a: a raylet killed
 
 
-def test_drill_a_raylet_of_the_engine_node_killed_then_ui_retry_resumes_with_the_same_weights(cluster, api):
+def test_drill_a_raylet_of_the_engine_node_killed_then_ui_retry_resumes_with_the_same_weights(
+    cluster, api, uninterrupted
+):
     from prefect.client.orchestration import get_client
     from prefect.states import AwaitingRetry
 
@@ -560,11 +722,9 @@ def test_drill_a_raylet_of_the_engine_node_killed_then_ui_retry_resumes_with_the
     # no silent hang: the call fails (actor died), the task retry finds no node with room for the engine's bundle
     # (the other GPU node holds the trainer) and fails naming the lost node, PLACEMENT_WAIT_S after Ray marks it dead
     assert failed_after < 150, failed_after
-    # the engine's node is named (Ray's ActorDiedError "its node has died", the stall watch, or start_actor's
-    # unplaceable bundle) -- except when Ray surfaces ActorUnavailableError first ("Socket closed"), which names
-    # only the engine's actor id: a known gap (docs/cluster.md, drill a)
-    named = engine["node_id"] in text or cluster.hosts[host] in text
-    assert named or ("ActorUnavailableError" in text and engine["actor_id"] in text), text[-4000:]
+    # the engine's node is named: Ray's ActorDiedError ("its node has died"), the stall watch, start_actor's
+    # unplaceable bundle, or ActorUnavailable (Ray's ActorUnavailableError, "Socket closed", with the node added)
+    assert engine["node_id"] in text or cluster.hosts[host] in text, text[-4000:]
     before = _manifests(cluster, run)
 
     if first.state.name != "Completed":
@@ -580,7 +740,8 @@ def test_drill_a_raylet_of_the_engine_node_killed_then_ui_retry_resumes_with_the
     assert {k: v for k, v in after.items() if k in before} == before  # no committed rollout regenerated
     assert sorted(after) == [0, 1, 2]
 
-    reference = _unique("drill-a-straight")
-    straight = _wait_final(_submit(cluster, reference, 3))
-    assert straight.state.name == "Completed"
+    reference = uninterrupted.get(3)
+    if reference is None:  # drill a alone (-k): its own straight run
+        reference = _unique("drill-a-straight")
+        assert _wait_final(_submit(cluster, reference, 3)).state.name == "Completed"
     _assert_same_weights(_weights(cluster, run, 3), _weights(cluster, reference, 3))
