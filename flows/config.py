@@ -361,6 +361,7 @@ class RunConfig(_Strict):
             raise ValueError("algo.advantage_estimator='rloo' needs rollout.n_samples_per_prompt >= 2")
         if self.algo.advantage_estimator == "ppo":
             _check_ppo(self)
+        self._notices.extend(n for n in self.algo.implied if n not in self._notices)
         if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_norm_constant is None:
             # Dr. GRPO divides by the generation budget, a constant, not by the batch's padded width.
             self.algo.loss_norm_constant = self.rollout.max_new_tokens

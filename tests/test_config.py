@@ -114,3 +114,31 @@ def test_cli_prints_config_error(tmp_path):
     result = CliRunner().invoke(app, ["config", "--set", "algo.kl_coef=0.1", "--set", "algo.kl_loss_coef=0.1"])
     assert result.exit_code == 2
     assert "not both" in result.output
+
+
+def test_gspo_takes_the_papers_clip_ranges_and_sequence_mean_with_a_notice():
+    cfg = load_config(None, ["algo.advantage_estimator=gspo"])
+    algo = cfg.algo
+    assert (algo.eps_clip, algo.eps_clip_high, algo.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    [notice] = [n for n in cfg.notices if "gspo" in n]
+    assert "algo.eps_clip=0.0003" in notice and "algo.eps_clip_high=0.0004" in notice
+    assert "seq-mean-token-mean" in notice
+    # the dumped config (deployments, replays) keeps the values and needs no second notice
+    again = type(cfg).model_validate(cfg.model_dump())
+    assert again.algo.model_dump() == algo.model_dump() and again.notices == []
+    # grpo keeps its own defaults
+    grpo = load_config(None, []).algo
+    assert (grpo.eps_clip, grpo.eps_clip_high, grpo.loss_agg_mode) == (0.2, None, "token-mean")
+
+
+def test_gspo_keeps_what_the_user_set():
+    sets = ["algo.eps_clip=0.2", "algo.eps_clip_high=0.28", "algo.loss_agg_mode=token-mean"]
+    explicit = load_config(None, ["algo.advantage_estimator=gspo", *sets])
+    algo = explicit.algo
+    assert (algo.eps_clip, algo.eps_clip_high, algo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert not [n for n in explicit.notices if "gspo" in n]
+    # eps_clip alone is a symmetric range the user chose: eps_clip_high stays "= eps_clip"
+    low_only = load_config(None, ["algo.advantage_estimator=gspo", "algo.eps_clip=1e-3"])
+    assert (low_only.algo.eps_clip, low_only.algo.eps_clip_high) == (1e-3, None)
+    [notice] = [n for n in low_only.notices if "gspo" in n]
+    assert "loss_agg_mode" in notice and "eps_clip" not in notice

@@ -108,6 +108,26 @@ def test_gspo_is_selected_by_the_estimator_in_the_objective() -> None:
     assert not torch.equal(out["grpo"][1], out["gspo"][1])
 
 
+def test_gspo_defaults_are_the_papers_objective() -> None:
+    """AlgoConfig(advantage_estimator='gspo') alone trains the published objective: clip ranges 3e-4 / 4e-4
+    and the mean over sequences (token-mean would weight the 3-token sample over the 2-token one)."""
+    batch = _toy_batch()  # two samples of 3 and 2 loss tokens, advantages +1 / -1
+    mask = batch.response_mask.to(F64)
+    drift = torch.tensor([[0.002], [-0.0001]])  # sequence ratios exp(0.002) (clipped) and exp(-1e-4) (inside)
+    new = (batch.log_probs + drift * batch.response_mask).requires_grad_(True)
+    loss, stats = micro_batch_objective(
+        new, torch.zeros_like(new), batch, AlgoConfig(advantage_estimator="gspo"), Denominators.of(batch)
+    )
+    adv = ((batch.advantages * mask).sum(dim=1) / mask.sum(dim=1))[:, None]  # the published form: one per sample
+    ref, s = _published_gspo_loss(new.to(F64), batch.log_probs.to(F64), mask, adv, eps_low=3e-4, eps_high=4e-4)
+    s = s.detach()
+    assert float(s[0]) > 1 + 4e-4 and 1 - 3e-4 < float(s[1]) < 1
+    assert abs(float(loss.detach()) - float(ref.detach())) < 1e-6
+    close(stats["pg_clipfrac"], 3 / 5, tol=1e-6)  # sample 0's three tokens of the five
+    (grad,) = torch.autograd.grad(loss, new)
+    assert float(grad[0].abs().max()) == 0.0 and float(grad[1].abs().max()) > 0  # clipped: no gradient
+
+
 # ------------------------------------------------------------------------------------- overflow guards
 
 

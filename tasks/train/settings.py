@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 Estimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 ISLevel = Literal["token", "sequence", "geometric"]
+
+# GSPO's own settings (Zheng et al. 2025, "Group Sequence Policy Optimization": left / right clipping ranges
+# 3e-4 / 4e-4 of the length-normalized sequence ratio, the loss a mean over the group's sequences, which
+# seq-mean-token-mean equals for the sequence ratio). GRPO's 0.2 never clips at the sequence ratio's scale, so
+# an unset field takes these.
+GSPO_DEFAULTS: dict[str, Any] = {"eps_clip": 3e-4, "eps_clip_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
 
 
 class _Strict(BaseModel):
@@ -86,6 +92,34 @@ class AlgoConfig(_Strict):
         description="ppo: the critic's AdamW learning rate (slime's --critic-lr); "
         "its other optimizer settings are train.*",
     )
+
+    _implied: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _gspo_defaults(cls, data: Any, handler: Any) -> "AlgoConfig":
+        """advantage_estimator='gspo' takes GSPO_DEFAULTS for the fields the input leaves unset (the same
+        set as pydantic's model_fields_set); `implied` says which were taken."""
+        taken: dict[str, Any] = {}
+        if isinstance(data, dict) and data.get("advantage_estimator") == "gspo":
+            taken = {k: v for k, v in GSPO_DEFAULTS.items() if k not in data}
+            if "eps_clip" in data:
+                # eps_clip_high unset means "= eps_clip" (a symmetric range the user chose), not GSPO's 4e-4
+                taken.pop("eps_clip_high", None)
+            data = {**data, **taken}
+        cfg = handler(data)
+        if taken:
+            cfg._implied = [
+                "algo.advantage_estimator='gspo': took GSPO's defaults (Zheng et al. 2025) "
+                + ", ".join(f"algo.{k}={v!r}" for k, v in taken.items())
+                + "; set them explicitly to override"
+            ]
+        return cfg
+
+    @property
+    def implied(self) -> list[str]:
+        """Defaults validation took on the user's behalf (RunConfig reports them in its notices)."""
+        return list(self._implied)
 
     @model_validator(mode="after")
     def _one_kl(self) -> "AlgoConfig":
