@@ -13,9 +13,9 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ArtifactSchemaError
 
@@ -27,6 +27,8 @@ SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
 LEGACY_FORMATS = {"samples.parquet": "rollflow.samples/1"}
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# Counts, ids and sizes are int64 in Arrow, numpy and torch: a larger value is damage, not data.
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 def utc_now_iso() -> str:
@@ -38,7 +40,7 @@ class FileEntry(BaseModel):
 
     name: str
     sha256: str
-    size: int = Field(ge=0)
+    size: Count
     # The payload's format version (e.g. "rollflow.samples/2"); None in schema_version 1 manifests.
     format: str | None = None
 
@@ -72,7 +74,7 @@ class EngineInfo(BaseModel):
 
     backend: str
     model: str
-    weight_version: int = Field(ge=0)
+    weight_version: Count
 
 
 class Manifest(BaseModel):
@@ -80,10 +82,10 @@ class Manifest(BaseModel):
 
     schema_version: int = SCHEMA_VERSION
     run: str
-    rollout_id: int = Field(ge=0)
+    rollout_id: Count
     split: Literal["train", "eval"]
-    n_samples: int = Field(ge=0)
-    n_samples_per_prompt: int = Field(ge=1)
+    n_samples: Count
+    n_samples_per_prompt: int = Field(ge=1, le=2**63 - 1)
     created_at: str = Field(default_factory=utc_now_iso)
     producer: ProducerInfo
     engine: EngineInfo
@@ -118,6 +120,15 @@ class Manifest(BaseModel):
             raise ValueError(f"files lists {dupes} more than once")
         return value
 
+    @model_validator(mode="after")
+    def _formats_named(self) -> "Manifest":
+        # From schema 2 on every entry names its format; a missing one would be read as format 1.
+        if self.schema_version >= 2:
+            unnamed = [e.name for e in self.files if e.format is None]
+            if unnamed:
+                raise ValueError(f"files {unnamed} name no payload format (schema_version {self.schema_version})")
+        return self
+
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
             if entry.name == name:
@@ -146,13 +157,43 @@ class Manifest(BaseModel):
             raise ArtifactSchemaError("manifest must be a JSON object", field="manifest", uri=uri)
         # Check the version first: a newer writer's manifest would otherwise be reported as a
         # list of unknown fields, hiding the real cause (and fix: upgrade rollflow).
-        version = raw.get("schema_version", SCHEMA_VERSION)
+        if "schema_version" not in raw:
+            raise ArtifactSchemaError("manifest has no schema_version", field="schema_version", uri=uri)
+        version = raw["schema_version"]
+        if type(version) is not int:  # bool is an int, and a list or dict is not hashable
+            raise ArtifactSchemaError(
+                f"schema_version {version!r} is a {type(version).__name__}, not an integer",
+                field="schema_version",
+                uri=uri,
+            )
         if version not in SUPPORTED_SCHEMA_VERSIONS:
             raise ArtifactSchemaError(_unsupported_version_message(version), field="schema_version", uri=uri)
+        missing = _missing_fields(raw, version)
+        if missing:
+            raise ArtifactSchemaError(
+                f"manifest lacks {', '.join(missing)} (every writer writes every field)", field=missing[0], uri=uri
+            )
         try:
-            return cls.model_validate(raw)
+            # strict: JSON types as written (no "3" for 3, no true for 1), so what loads is what is on disk
+            return cls.model_validate(raw, strict=True)
         except ValidationError as exc:
             raise schema_error_from_validation(exc, uri=uri) from None
+
+
+def _missing_fields(raw: dict, version: int) -> list[str]:
+    """Fields a writer of `version` always wrote but `raw` lacks: a default filled in on load would hide the
+    damage (a dropped `format` would read a format-2 payload as format 1). Values of the wrong type are left to
+    validation, which names them."""
+    missing = [k for k in Manifest.model_fields if k not in raw]
+    for key, model in (("producer", ProducerInfo), ("engine", EngineInfo)):
+        if isinstance(raw.get(key), dict):
+            missing += [f"{key}.{k}" for k in model.model_fields if k not in raw[key]]
+    entry_fields = [k for k in FileEntry.model_fields if version >= 2 or k != "format"]
+    files = raw.get("files")
+    for i, entry in enumerate(files if isinstance(files, list) else []):
+        if isinstance(entry, dict):
+            missing += [f"files.{i}.{k}" for k in entry_fields if k not in entry]
+    return missing
 
 
 def _unsupported_version_message(value: Any) -> str:
