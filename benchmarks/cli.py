@@ -24,6 +24,7 @@ SUITES = {
     "replay": "benchmarks.suite_replay",
     "async": "benchmarks.suite_async",
     "watchdog": "benchmarks.watchdog_cost",
+    "cluster": "benchmarks.suite_cluster",
 }
 ALIASES = {
     "1": "orchestration",
@@ -34,6 +35,7 @@ ALIASES = {
     "6": "replay",
     "7": "async",
     "8": "watchdog",
+    "9": "cluster",
     "watchdog_cost": "watchdog",
     "artifacts": "artifact_io",
     "io": "artifact_io",
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="NAME",
         help=f"suite to run (repeatable; default: all on CPU, {', '.join(GPU_SUITES)} on CUDA): "
-        f"{', '.join(SUITES)} or 1-8",
+        f"{', '.join(SUITES)} or 1-9",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer repeats (a smoke run)")
     ap.add_argument(
@@ -69,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp folder, removed)")
     ap.add_argument("--no-table", action="store_true", help="skip the rich table (the JSON is still written)")
+    ap.add_argument(
+        "--cluster-state",
+        default=None,
+        help="the cluster suite measures this cluster (`python -m rollflow.infra.cluster up --state-dir DIR`) "
+        "instead of bringing one up and down",
+    )
     return ap.parse_args(argv)
 
 
@@ -80,7 +88,7 @@ def resolve_suites(names: list[str] | None, device: str) -> list[str]:
         for name in raw.split(","):
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in SUITES:
-                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-8)")
+                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-9)")
             if key not in chosen:
                 chosen.append(key)
     if "replay" in chosen and "orchestration" in chosen:  # replay quotes orchestration's iteration
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(
         quick=args.quick, repeats=args.repeats, workdir=workdir, device=device, services=Services(workdir)
     )
+    if args.cluster_state:
+        ctx.options["cluster_state"] = args.cluster_state
     if args.train_backends:
         ctx.options["train_backends"] = [b.strip() for b in args.train_backends.split(",") if b.strip()]
     started = time.perf_counter()
