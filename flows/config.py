@@ -222,9 +222,9 @@ class TrackingConfig(_Strict):
     run_name: Optional[str] = Field(None, description="tracking run name (default: the rollflow run name)")
     uri: Optional[str] = Field(
         None,
-        description="MLflow tracking URI: a server URL, sqlite:///path, or a local folder (a SQLite store "
-        "mlflow.db plus artifacts in it); default: the folder {store.root}/mlruns for a local "
-        "store, ./mlruns otherwise",
+        description="MLflow tracking URI: a server URL, sqlite:///path, or a local folder as a path or "
+        "file:// URI (a SQLite store mlflow.db plus artifacts in it); default: the folder "
+        "{store.root}/mlruns for a local store, ./mlruns otherwise",
     )
     dir: Optional[str] = Field(
         None,
@@ -236,8 +236,8 @@ class TrackingConfig(_Strict):
     )
     fatal: bool = Field(
         False,
-        description="a tracking backend that errors fails the run (default: it is reported "
-        "once and disabled, training goes on)",
+        description="a tracking backend that errors, or cannot work (checked before any worker starts), fails "
+        "the run (default: it is reported once and disabled, training goes on)",
     )
 
     @field_validator("backends")

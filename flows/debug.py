@@ -336,58 +336,60 @@ def replay_train(
     vocab_size = model_vocab_size(cfg.model.path)
     refs, eval_refs = pinned_refs(cfg, store, rollout_ids, source_run, import_run=import_run, vocab_size=vocab_size)
     verify_pinned(cfg, store, [*refs, *eval_refs.values()], vocab_size)
-    rows: list[dict] = []
-    steps: list[dict] = []  # optimizer steps of the whole replay, numbered 1.. in order
-    start_state = None
-    result_storage = replay_result_storage(cfg)
-    keys = replay_keys(cfg, store, refs)
-    # The cache is consulted before any worker exists: an all-hit replay starts no Ray and no trainer.
-    all_cached = use_cache and all(cached_step(store, key, result_storage) for key in keys)
-    # UI cancel of a CLI `rollflow replay`: stop the trainer (if one was started), end Cancelled.
-    with actors_running(lambda: WorkerGroup.for_run(cfg).stop_all() if _ray_started() else None) as watcher:
-        if not all_cached:
-            reporting.stage("start-workers")
-            start_replay_workers_task(cfg)
-        for art, key in zip(refs, keys):
-            reporting.stage("start", art.rollout_id)
-            copy_to_dump(cfg, store, art)
-            out_state = replay_cache_uri(store, key)
-            reporting.stage("train")
-            options: dict = {} if use_cache and state_exists(out_state) else {"refresh_cache": True}
-            if result_storage is not None:
-                options["result_storage"] = result_storage
-            state = replay_train_task.with_options(**options)(
-                cfg, art, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True
-            )
-            metrics = dict(state.result())
-            steps += reporting.step_rows(metrics.pop(STEPS_KEY, []), len(steps) + 1, rollout_id=art.rollout_id)
-            row = {"rollout_id": art.rollout_id, "source": art.uri, "cached": state.name == "Cached", **metrics}
-            if art.rollout_id in eval_refs and cfg.eval_every and art.rollout_id % cfg.eval_every == 0:
-                row.update(replay_eval_metrics(cfg, store, eval_refs[art.rollout_id]))
-                row["eval_source"] = eval_refs[art.rollout_id].uri
-            rows.append(row)
-            reporting.stage(
-                "done",
-                art.rollout_id,
-                f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
-                f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}",
-            )
-            start_state = out_state
-    if watcher.cancelled:
-        return watcher.cancelled_state()
-    _publish_replay(cfg, rows)
-    with tracking.start(cfg, "replay_train", suffix="-replay") as tracker:  # step = rollout id
+    # Opened before any worker starts: a tracking setup that cannot work is one line now, not after the replay.
+    tracker = tracking.start(cfg, "replay_train", suffix="-replay")  # step = rollout id
+    with tracker:
+        rows: list[dict] = []
+        steps: list[dict] = []  # optimizer steps of the whole replay, numbered 1.. in order
+        start_state = None
+        result_storage = replay_result_storage(cfg)
+        keys = replay_keys(cfg, store, refs)
+        # The cache is consulted before any worker exists: an all-hit replay starts no Ray and no trainer.
+        all_cached = use_cache and all(cached_step(store, key, result_storage) for key in keys)
+        # UI cancel of a CLI `rollflow replay`: stop the trainer (if one was started), end Cancelled.
+        with actors_running(lambda: WorkerGroup.for_run(cfg).stop_all() if _ray_started() else None) as watcher:
+            if not all_cached:
+                reporting.stage("start-workers")
+                start_replay_workers_task(cfg)
+            for art, key in zip(refs, keys):
+                reporting.stage("start", art.rollout_id)
+                copy_to_dump(cfg, store, art)
+                out_state = replay_cache_uri(store, key)
+                reporting.stage("train")
+                options: dict = {} if use_cache and state_exists(out_state) else {"refresh_cache": True}
+                if result_storage is not None:
+                    options["result_storage"] = result_storage
+                state = replay_train_task.with_options(**options)(
+                    cfg, art, cache_key=key, start_state_uri=start_state, out_state_uri=out_state, return_state=True
+                )
+                metrics = dict(state.result())
+                steps += reporting.step_rows(metrics.pop(STEPS_KEY, []), len(steps) + 1, rollout_id=art.rollout_id)
+                row = {"rollout_id": art.rollout_id, "source": art.uri, "cached": state.name == "Cached", **metrics}
+                if art.rollout_id in eval_refs and cfg.eval_every and art.rollout_id % cfg.eval_every == 0:
+                    row.update(replay_eval_metrics(cfg, store, eval_refs[art.rollout_id]))
+                    row["eval_source"] = eval_refs[art.rollout_id].uri
+                rows.append(row)
+                reporting.stage(
+                    "done",
+                    art.rollout_id,
+                    f"replay {art.rollout_id}: {'cached' if row['cached'] else 'trained'}  "
+                    f"ppo_kl={metrics.get('train/ppo_kl', 0):.4g}  loss={metrics.get('train/loss', 0):.4g}",
+                )
+                start_state = out_state
+        if watcher.cancelled:
+            return watcher.cancelled_state()
+        _publish_replay(cfg, rows)
         tracker.log_rows(rows, step_key="rollout_id")
         tracking.log_steps(tracker, steps)
-    return {
-        "run": cfg.run,
-        "source_run": import_run or source_run,
-        "steps": rows,
-        "final_state": start_state,
-        "eval_ids": sorted(eval_refs),
-        "workers_started": not all_cached,
-        "optimizer_steps": steps,
-    }
+        return {
+            "run": cfg.run,
+            "source_run": import_run or source_run,
+            "steps": rows,
+            "final_state": start_state,
+            "eval_ids": sorted(eval_refs),
+            "workers_started": not all_cached,
+            "optimizer_steps": steps,
+        }
 
 
 def _ray_started() -> bool:

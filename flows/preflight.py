@@ -19,6 +19,7 @@ from rollflow.artifacts.store import RolloutStore, validate_run
 from rollflow.flows.cluster_checks import check_cluster_store
 from rollflow.flows.config import RunConfig
 from rollflow.flows.input_errors import PreflightError
+from rollflow.flows.tracking import mlflow_problem, mlflow_uri
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.rollout.dataset import detect_format
 
@@ -266,6 +267,22 @@ def check_slime_template(template: str, rollout_ids: list[int] | None) -> None:
             )
 
 
+# ----------------------------------------------------------------------------- tracking
+
+
+def check_tracking(cfg: RunConfig) -> None:
+    """With `tracking.fatal`, an MLflow setup that cannot work (server unreachable, store refused) stops the
+    command here; without it the flow reports it in one warning and runs untracked (flows/tracking.py)."""
+    if not cfg.tracking.fatal or "mlflow" not in cfg.tracking.backends:
+        return
+    problem = mlflow_problem(mlflow_uri(cfg))
+    if problem:
+        raise PreflightError(
+            f"tracking.uri={cfg.tracking.uri!r}: {problem}; fix tracking.uri, or set tracking.fatal=false to "
+            "run without MLflow (one warning)"
+        )
+
+
 # ----------------------------------------------------------------------------- per command
 
 
@@ -277,6 +294,7 @@ def preflight(
     check_cluster_store(cfg)  # a local store.root on a multi-node Ray cluster (joins the cluster named by ray.address)
     check_store_writable(cfg.store.root)
     check_model(cfg.model.path)
+    check_tracking(cfg)
     if command in ("train", "rollout", "align"):
         check_data(cfg)
     if command == "replay":

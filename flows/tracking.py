@@ -15,6 +15,8 @@ Semantics that hold for every sink:
   (or a Prefect retry) continues the same tracking run.
 - Logging never fails training: a sink that raises is reported once (a warning) and disabled for the rest
   of the run, unless `tracking.fatal`. A backend that is not installed is one line naming the extra.
+- A sink whose setup cannot work (an unreachable MLflow server, a store MLflow refuses) is found when the
+  tracker starts, which every flow does before its workers start: one line, then as above.
 
 Backends are imported lazily (none of them at `import rollflow...`). TensorBoard event files are written with
 the `tensorboard` package's own writer (no torch, no TensorFlow).
@@ -27,10 +29,12 @@ import logging
 import os
 import posixpath
 import re
+import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
+from urllib.parse import unquote, urlsplit
 
 from rollflow.artifacts.storage import open_fs
 from rollflow.artifacts.store import RolloutStore
@@ -49,6 +53,10 @@ _log = logging.getLogger("rollflow.tracking")
 
 class TrackingError(RuntimeError):
     """A tracking backend failed (or is missing) and `tracking.fatal` is set."""
+
+
+class TrackingUnusable(RuntimeError):
+    """A sink's configuration cannot work (server unreachable, store refused); found before it is opened."""
 
 
 def report_problem(message: str) -> None:
@@ -108,13 +116,17 @@ def tracking_dir(cfg: RunConfig) -> Path:
 
 
 def mlflow_uri(cfg: RunConfig) -> str:
-    """The MLflow tracking URI. A local folder (the default: `{store.root}/mlruns`) holds a SQLite store,
-    `mlflow.db`, and the artifacts (MLflow 3 refuses its old file store); URLs are used as given."""
+    """The MLflow tracking URI. A local folder (the default: `{store.root}/mlruns`), given as a path or a
+    `file://` URI, holds a SQLite store, `mlflow.db`, and the artifacts (MLflow 3 refuses its old file
+    store); other URLs are used as given."""
     uri = cfg.tracking.uri
     if uri is None:
         root = local_store_root(cfg)
         uri = str(Path(root) / "mlruns") if root else "mlruns"
-    if ":" in uri.split("/", 1)[0]:  # a scheme: http(s)://, sqlite:///, databricks, file:
+    parts = urlsplit(uri)
+    if parts.scheme == "file" and parts.netloc in ("", "localhost"):
+        uri = unquote(parts.path)  # MLflow's usual local form names the same folder
+    elif ":" in uri.split("/", 1)[0]:  # a scheme: http(s)://, sqlite:///, databricks
         return uri
     path = Path(uri).expanduser().resolve()
     if path.suffix != ".db":
@@ -130,6 +142,34 @@ def mlflow_artifact_location(uri: str) -> str | None:
     return None
 
 
+PROBE_TIMEOUT_S = 5.0
+
+
+def mlflow_problem(uri: str) -> str | None:
+    """Why MLflow cannot work at `uri`, found in seconds (None when it can). A server is only asked whether it
+    takes connections: MLflow's own client retries an unreachable one for minutes. Any other store is opened
+    and searched once, as the sink would (creating a SQLite store's database)."""
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https"):
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            socket.create_connection((parts.hostname or "", port), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as exc:
+            where = f"{parts.scheme}://{parts.hostname}:{port}"
+            return f"MLflow tracking server {where} is unreachable ({exc.strerror or exc})"
+        return None
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        return None  # the sink's start names the missing extra
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as exc:  # noqa: BLE001 - any refusal: the store cannot be used
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"MLflow refuses the tracking store {uri} ({type(exc).__name__}: {first})"
+    return None
+
+
 def mlflow_key(key: str) -> str:
     """MLflow allows letters, digits, _ - . space / : in names: `eval/pass@4` becomes `eval/pass_at_4`."""
     return re.sub(r"[^\w\-. /:]", "_", key.replace("@", "_at_"))
@@ -140,6 +180,10 @@ def mlflow_key(key: str) -> str:
 
 class Sink:
     name = "sink"
+
+    def problem(self) -> str | None:
+        """Why this sink cannot work, found cheaply before any worker starts (None: try it)."""
+        return None
 
     def open(self, state: dict, params: dict[str, Any] | None, tags: dict[str, str]) -> None: ...
     def log(self, metrics: dict[str, float], step: int) -> None: ...
@@ -218,6 +262,9 @@ class MlflowSink(Sink):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.client = None
         self.run_id: str | None = None
+
+    def problem(self):
+        return mlflow_problem(self.uri)
 
     def open(self, state, params, tags):
         try:
@@ -369,7 +416,10 @@ class Tracker:
             message = str(exc)  # one line naming the extra
             line = f"{message}; tracking to {sink.name} is off for this run"
         else:
-            message = f"tracking backend {sink.name!r} failed ({what}): {type(exc).__name__}: {exc}"
+            if isinstance(exc, TrackingUnusable):
+                message = f"tracking backend {sink.name!r} cannot work: {exc}"
+            else:
+                message = f"tracking backend {sink.name!r} failed ({what}): {type(exc).__name__}: {exc}"
             line = (
                 f"{message}; it is disabled for this run, training goes on (tracking.fatal=true fails the run instead)"
             )
@@ -377,13 +427,21 @@ class Tracker:
             raise TrackingError(message) from exc
         if sink in self.sinks:
             self.sinks.remove(sink)
-            if what != "finish":
+            if what not in ("finish", "check"):  # a sink found unusable was never opened
                 try:
                     sink.close(False)  # best effort: mark its run failed, release files and processes
                 except Exception:  # noqa: BLE001
                     pass
         self.disabled[sink.name] = message
         report_problem(line)
+
+    def check(self) -> "Tracker":
+        """Drop (or, with `tracking.fatal`, fail on) each sink that cannot work, with one line each."""
+        for sink in list(self.sinks):
+            problem = sink.problem()
+            if problem:
+                self._drop(sink, "check", TrackingUnusable(problem))
+        return self
 
     def open(self, params: dict[str, Any] | None, tags: dict[str, str]) -> "Tracker":
         self._each("start", lambda s: s.open(self.state, params, tags))
@@ -502,7 +560,7 @@ def start(
     tags = {"rollflow.run": cfg.run, "rollflow.flow": flow, **prefect_tags(), **(links or {})}
     # without kept state each call is a tracking run of its own: TensorBoard gets a folder per call
     folder = None if state_at else f"{flow}/{time.strftime('%Y%m%dT%H%M%S')}"
-    tracker = Tracker(cfg, build_sinks(cfg, flow, name, folder), state, state_at)
+    tracker = Tracker(cfg, build_sinks(cfg, flow, name, folder), state, state_at).check()
     return tracker.open(config_params(cfg) if fresh else None, tags)
 
 

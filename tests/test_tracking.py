@@ -206,6 +206,75 @@ def test_missing_backend_is_one_line_naming_the_extra(tmp_path, monkeypatch, pro
         tracking.start(fatal, "rl_train")
 
 
+def test_file_uri_is_the_local_sqlite_store_and_mlflow_reads_the_metrics_back(tmp_path, problems):
+    """`file:///.../mlruns` (MLflow's usual local form) is the SQLite store a plain folder gets: MLflow 3 refuses
+    its file store, which left the run untracked after one warning."""
+    from mlflow.tracking import MlflowClient
+
+    from rollflow.flows import tracking
+
+    folder = tmp_path / "my mlruns"  # a space: the URI's %20 is the folder's space
+    cfg = tracked_config(tmp_path, "file-uri", backends=["mlflow"], tracking={"uri": folder.as_uri()})
+    plain = tracked_config(tmp_path, "file-uri", backends=["mlflow"], tracking={"uri": str(folder)})
+    assert tracking.mlflow_uri(cfg) == tracking.mlflow_uri(plain) == f"sqlite:///{folder / 'mlflow.db'}"
+    with tracking.start(cfg, "rl_train") as tracker:
+        tracker.log({"train/loss": 0.5, "eval/pass@4": 1.0}, 1)
+        tracker.log({"train/loss": 0.25}, 2)
+        run_id = tracker.state["mlflow_run_id"]
+    assert problems == []
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    assert [(p.step, p.value) for p in client.get_metric_history(run_id, "train/loss")] == [(1, 0.5), (2, 0.25)]
+    assert [p.value for p in client.get_metric_history(run_id, "eval/pass_at_4")] == [1.0]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["tracking.uri"] == folder.as_uri()
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_mlflow_setup_that_cannot_work_is_one_line_before_anything_starts(tmp_path, problems):
+    """An unreachable server (MLflow's client would retry it for minutes) or a store MLflow refuses: one warning
+    at start and the other sinks go on; with tracking.fatal one error, from the CLI's preflight before Prefect
+    or Ray start, and from the flow's tracker start before any worker."""
+    import time
+
+    from rollflow.flows import tracking
+    from rollflow.flows.input_errors import PreflightError
+    from rollflow.flows.preflight import preflight
+
+    port = closed_port()
+    server = {"uri": f"http://127.0.0.1:{port}"}
+    cfg = tracked_config(tmp_path, "unreachable", backends=["mlflow", "tensorboard"], tracking=server)
+    began = time.monotonic()
+    tracker = tracking.start(cfg, "rl_train")
+    assert time.monotonic() - began < 30
+    assert [s.name for s in tracker.sinks] == ["tensorboard"]
+    assert len(problems) == 1 and f"127.0.0.1:{port} is unreachable" in problems[0] and "\n" not in problems[0]
+    tracker.log({"train/loss": 1.0}, 1)
+    tracker.close()
+    assert len(problems) == 1
+    [events] = (tmp_path / "unreachable" / "tensorboard" / "rl_train").iterdir()  # one folder per start
+    assert tensorboard_steps(events) == {1: {"train/loss"}}
+
+    refused = tracked_config(tmp_path, "refused", backends=["mlflow"], tracking={"uri": "nosuchscheme://x"})
+    assert tracking.start(refused, "rl_train").sinks == []
+    assert len(problems) == 2 and "refuses the tracking store nosuchscheme://x" in problems[1]
+
+    fatal = tracked_config(tmp_path, "unreachable-fatal", backends=["mlflow"], tracking={**server, "fatal": True})
+    with pytest.raises(tracking.TrackingError, match=f"127.0.0.1:{port} is unreachable"):
+        tracking.start(fatal, "rl_train")
+    with pytest.raises(PreflightError, match=r"tracking\.uri=.*unreachable.*tracking\.fatal=false") as err:
+        preflight(fatal, "train")
+    assert "\n" not in str(err.value)
+    preflight(cfg, "train")  # not fatal: the flow warns instead (the warning above), the command goes on
+    assert len(problems) == 2
+
+
 def test_resume_logs_each_committed_step_once(tmp_path, problems):
     """Rows past the resume checkpoint (iteration 3 here) are not logged; after the resume they are logged
     once, to the same MLflow run."""
