@@ -39,7 +39,7 @@ fmt: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"

@@ -4,7 +4,7 @@
 # rollflow need not be installed there: the checkout is mapped to rollflow.* by scripts/use_checkout.sh,
 # and wheels in ./.whl (megatron-core 0.19.2 + pydantic and its deps for that box's Python; docs/megatron.md
 # says how to download them) are installed next to it. With megatron-core already installed, no .whl is needed. Writes JSON + logs under $OUT (default ./gpu-out). Knobs (env): GPU_CHECKS_ARGS, SKIP_PYTEST=1,
-# THROUGHPUT_ARGS, *_TIMEOUT.
+# THROUGHPUT_ARGS, *_TIMEOUT (PYTEST_TIMEOUT 300 s: the GPU test files took 67-120 s each on an H200).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -25,10 +25,10 @@ timeout "${GPU_CHECKS_EAGER_TIMEOUT:-120}" python3 benchmarks/gpu_checks.py --ou
   --specs sdpa --optimizers megatron --parts parity,train --settings "$EAGER" > "$OUT/gpu_checks_eager.log" 2>&1 || rc=1
 grep -E "^(==|PASS|FAIL|all_pass)" "$OUT/gpu_checks_eager.log" || tail -20 "$OUT/gpu_checks_eager.log"
 if [ "${SKIP_PYTEST:-0}" != 1 ]; then
-  timeout "${PYTEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py \
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py \
     > "$OUT/pytest_gpu.log" 2>&1 || rc=1
   tail -3 "$OUT/pytest_gpu.log"
-  timeout "${PYTEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ipc_sync.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1; tail -3 "$OUT/pytest_ipc.log"
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ipc_sync.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1; tail -3 "$OUT/pytest_ipc.log"
 fi
 # 3. train throughput, ~0.9B Llama, megatron vs torch backend in one process
 timeout "${THROUGHPUT_TIMEOUT:-270}" python3 benchmarks/train_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} \

@@ -1,4 +1,5 @@
-"""Test-only shims that let megatron-core 0.16.1's CUDA-hard-coded paths run on CPU with gloo.
+"""Test-only shims that let megatron-core's CUDA-hard-coded paths run on CPU with gloo (0.16.1 on Python 3.11,
+0.19.2 on 3.12).
 
 Megatron's DDP grad buffers, schedules, p2p communication, optimizer and grad clipping create small
 tensors with `device="cuda"` / `torch.cuda.current_device()` and call `torch.cuda.synchronize()`. Inside
@@ -28,10 +29,29 @@ def _to_cpu_device(device):
     return device
 
 
+class _NoStream:
+    """The CPU's stand-in for a CUDA stream: CPU ops are synchronous, so every wait is already satisfied."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def cpu_megatron():
     originals = {name: getattr(torch, name) for name in _FACTORIES}
-    saved_cuda = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type)
+    saved_cuda = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.Tensor.cuda,
+        torch.Tensor.type,
+        torch.cuda.current_stream,
+    )
     tensor_type = torch.Tensor.type
 
     def cuda_type_name(self, *args, **kwargs):
@@ -55,6 +75,8 @@ def cpu_megatron():
         setattr(torch, name, wrap(fn))
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    # 0.19's grad sync waits on the current CUDA stream for CUDA-graph replays: on CPU there is nothing to wait for
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = cuda_type_name
     # Activation recompute saves / restores the CUDA RNG state around the recomputed forward: the CPU
@@ -73,6 +95,12 @@ def cpu_megatron():
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
-        torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type = saved_cuda
+        (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            torch.Tensor.cuda,
+            torch.Tensor.type,
+            torch.cuda.current_stream,
+        ) = saved_cuda
         mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state = saved_rng
         mp_random.CudaRNGStatesTracker.fork = saved_fork
