@@ -457,8 +457,8 @@ class EngineClient:
         """Open a weight-update session on every server (SGLang: tensor and distributed updates need one)."""
         _get(self.actor.begin_weight_update.remote())
 
-    def end_weight_update(self) -> None:
-        _get(self.actor.end_weight_update.remote())
+    def end_weight_update(self, timeout: float | None = None) -> None:
+        _get(self.actor.end_weight_update.remote(), timeout)
 
     def in_weight_group(self, group_name: str) -> bool:
         return bool(_get(self.actor.in_weight_group.remote(group_name)))

@@ -1,6 +1,6 @@
 """`RemoteServer`: an SGLang server run by its own Ray actor (tasks/rollout/sglang/server_worker.py), seen
 through the interface `SGLangEngine` uses for a local `SGLangServer` (url, poll, alive, check_alive,
-log_tail, stop). Picklable: the rollout worker actor receives a list of these.
+log_tail, memory_released, note_memory, stop). Picklable: the rollout worker actor receives a list of these.
 
 A dead server process and a dead server actor both read as "died", with the last log lines when
 the actor can still give them.
@@ -58,6 +58,13 @@ class RemoteServer:
             return self._get(self.actor.log_tail.remote(n))
         except Exception:  # noqa: BLE001
             return []
+
+    def memory_released(self) -> list[str]:
+        """The tags released on this server, as its actor (alive exactly as long as the process) recorded them."""
+        return list(self._get(self.actor.memory_released.remote()))
+
+    def note_memory(self, released: list[str] | tuple[str, ...] = (), resumed: list[str] | tuple[str, ...] = ()):
+        self._get(self.actor.note_memory.remote(list(released), list(resumed)))
 
     def stop(self, timeout: float = 30.0) -> int | None:
         try:

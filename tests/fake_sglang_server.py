@@ -20,15 +20,22 @@ when the gloo group is real). `/get_weights_by_name` serves them as SGLang's Lla
 SGLang's `WeightChecker` actions (snapshot, reset_tensors, compare, checksum) over them under
 SGLang's engine names (fused `qkv_proj` / `gate_up_proj`, one shard per TP rank).
 
-The real server's rules, each read from SGLang 0.5.23 (`rules` in the fixture names the source):
-tensor and distributed updates only inside `/begin_weight_update` ... `/end_weight_update`; an
-unknown tensor name or a wrong shape is refused (the real `load_weights` raises and the server
-dies); `/flush_cache` answers 400 while requests run; `/release_memory_occupation` on a busy server
-and resuming a tag that was not released are errors (the real scheduler asserts / raises); abort
-by rid aborts every request whose rid starts with it. With `own_code=True` (`--own-code`) every
-request body is also checked by SGLang's own request structures (tests/sglang_own_code.py) and the
-tensor payloads are loaded by SGLang's own unpickler; test-only routes under `/_fake/own/` expose
-SGLang's argument parser and payload loader to the contract tests.
+The real server's rules, each read from SGLang 0.5.23 (`rules` in the fixture names the source and
+the outcome). Where SGLang answers, the fake answers the same: a session opened twice, ended or
+updated outside one, a distributed load that fails, is HTTP 400 (the manager returns success=False).
+Where SGLang's scheduler raises, the fake DIES: any exception in a scheduler handler reaches
+`run_scheduler_process` (sglang/srt/managers/scheduler.py), which SIGQUITs the server and its whole
+process tree, so the request never gets an answer and every later one is refused. That is a release
+on a busy server (assert), resuming a tag that is not released (KeyError), and a tensor update whose
+payload does not load or whose shape does not fit (no try around them). Process mode exits
+(SIGKILL, as SGLang's kill_process_tree); in-process the listener closes and open connections drop.
+Stricter than SGLang, on purpose: an unknown weight name is a 400 (Qwen2's `load_weights` only logs
+it), and TP ranks that receive different tensors are a 400. `/flush_cache` answers 400 while requests
+run; abort by rid aborts every request whose rid starts with it. With `own_code=True` (`--own-code`)
+every request body is also checked by SGLang's own request structures (tests/sglang_own_code.py),
+the tensor payloads are loaded by SGLang's own unpickler, and the session and memory calls go through
+SGLang's own `SchedulerWeightUpdaterManager` instead of the fake's copy of its rules; test-only routes
+under `/_fake/own/` expose SGLang's argument parser and payload loader to the contract tests.
 
 Use in-process (`with FakeSGLang() as fake: fake.url`) or as a process launched like SGLang
 (`python tests/fake_sglang_server.py --model-path M --port P ...`), with test switches
@@ -47,6 +54,7 @@ import base64
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -159,7 +167,9 @@ class FakeSGLang:
         self.die_after = die_after
         self.die_once_marker = die_once_marker
         self.extra_args = list(extra_args or [])
-        self.exit_fn = exit_fn or (lambda code: os._exit(code))
+        # in-process, dying must not end the test process: the server stops answering instead
+        self.exit_fn = exit_fn or self._stop_answering
+        self.dead = False
         self.log: list[tuple[str, str, Any]] = []  # (method, path, payload)
         self.memory = {"weights": True, "kv_cache": True}
         self.abort_all_flag = threading.Event()
@@ -196,6 +206,8 @@ class FakeSGLang:
             from tests.sglang_own_code import OwnCode
 
             self.own = OwnCode()
+        # SGLang's own session and memory rules (own_code), else the fake's copy of them below
+        self.rules = self.own.scheduler_rules(lambda: not self._busy()) if self.own is not None else None
 
     @property
     def url(self) -> str:
@@ -262,6 +274,14 @@ class FakeSGLang:
                 self._dispatch("PUT")
 
             def _dispatch(self, method: str) -> None:
+                try:
+                    self._route(method)
+                except SchedulerDied:  # no answer: the connection drops, as a killed server's does
+                    self.close_connection = True
+
+            def _route(self, method: str) -> None:
+                if fake.dead:  # a kept-alive connection outlives the listener; a dead server answers nothing
+                    raise SchedulerDied("dead")
                 path = self.path.split("?", 1)[0]
                 try:
                     payload = self._body()
@@ -334,21 +354,21 @@ class FakeSGLang:
             self.refusals.append((path, message))
         return status, {"success": False, "message": message}
 
-    def _load_problems(self, named) -> list[str]:
-        """What the real model's load_weights raises on: a name the model does not have, or another
-        shape (only checked when the fake holds the model's weights)."""
+    def _load_problems(self, named) -> tuple[list[str], list[str]]:
+        """(names the model does not have, tensors of another shape than the model's), only checked
+        when the fake holds the model's weights. The shape is what the real `weight_loader` asserts."""
         if not self.model_shapes:
-            return []
-        problems = []
+            return [], []
+        unknown, misfits = [], []
         for name, tensor in named:
             if self.tied and name == "lm_head.weight":
                 continue
             shape = self.model_shapes.get(name)
             if shape is None:
-                problems.append(f"unknown parameter {name!r}")
+                unknown.append(f"unknown parameter {name!r}")
             elif shape != tuple(tensor.shape):
-                problems.append(f"{name}: shape {tuple(tensor.shape)} != the model's {shape}")
-        return problems
+                misfits.append(f"{name}: shape {tuple(tensor.shape)} != the model's {shape}")
+        return unknown, misfits
 
     def _apply_update(self, named) -> list[str]:
         """Store `(name, tensor)` pairs by name (CPU copies in the server's dtype), except the names
@@ -365,6 +385,27 @@ class FakeSGLang:
         if dropped:
             print(f"fake-sglang: ignored the update of {dropped} (--ignore-update-of)", flush=True)
         return dropped
+
+    def _die(self, path: str, message: str) -> None:
+        """What an exception in SGLang's scheduler does to the server: it ends (scheduler.py:
+        run_scheduler_process sends SIGQUIT; the launcher kills the process tree). Never returns."""
+        with self.lock:
+            self.refusals.append((path, message))
+            self.dead = True
+        print(f"fake-sglang: scheduler exception on {path}: {message}; the server exits, as SGLang's does", flush=True)
+        self.exit_fn(-9)
+        raise SchedulerDied(message)
+
+    def _stop_answering(self, _code: int) -> None:
+        threading.Thread(target=self.stop, daemon=True).start()  # shutdown() waits for serve_forever: not here
+
+    def _sglang_rules(self, path: str, payload) -> tuple[bool, str]:
+        """SGLang's own manager decides (own_code): its answer, or the server's death when it raises."""
+        try:
+            return self.rules.call(self.own.request(path, payload))
+        except Exception as exc:  # noqa: BLE001 - whatever SGLang's scheduler raises ends it
+            self._die(path, f"{type(exc).__name__}: {exc} (SGLang's own SchedulerWeightUpdaterManager)")
+            raise  # unreachable: _die raises
 
     def _busy(self) -> bool:
         with self.lock:
@@ -389,6 +430,13 @@ class FakeSGLang:
                 from rollflow.tasks.rollout.sglang.flags import live_parser_flags
 
                 return 200, live_parser_flags()
+            if path == "/_fake/own/release_while_busy":  # a scratch manager: this server's own stays as it is
+                scratch = self.own.scheduler_rules(lambda: False)
+                try:
+                    scratch.call(self.own.request("/release_memory_occupation", {"tags": ["kv_cache"]}))
+                except Exception as exc:  # noqa: BLE001 - what the scheduler would die of
+                    return 200, {"raised": f"{type(exc).__name__}: {exc}"}
+                return 200, {"raised": None}
             if path == "/_fake/own/version":
                 return 200, {"version": self.own.version}
         except SystemExit as exc:  # argparse refusing a command line
@@ -443,12 +491,12 @@ class FakeSGLang:
             return self.abort_all_flag.is_set() or any(rid.startswith(p) for p in self.aborted_rids)
 
     def ep_release_memory_occupation(self, payload):
-        if self._busy():
-            return self._refuse(
+        if self.rules is not None:
+            self._sglang_rules("/release_memory_occupation", payload)
+        elif self._busy():  # scheduler_components/weight_updater.py: release_memory_occupation asserts idle
+            self._die(
                 "/release_memory_occupation",
-                "AssertionError: release_memory_occupation should be called only when server is "
-                "idle. (the real scheduler dies here)",
-                500,
+                "AssertionError: release_memory_occupation should be called only when server is idle.",
             )
         for tag in payload.get("tags") or MEMORY_TAGS:
             self.memory[tag] = False
@@ -457,31 +505,48 @@ class FakeSGLang:
 
     def ep_resume_memory_occupation(self, payload):
         tags = payload.get("tags") or MEMORY_TAGS
+        if self.rules is not None:
+            self._sglang_rules("/resume_memory_occupation", payload)
         missing = [t for t in tags if t not in self.released]
-        if missing:
-            return self._refuse(
-                "/resume_memory_occupation",
-                f"KeyError: {missing[0]!r} (offload_tags.remove: tag not released; the real scheduler dies here)",
-                500,
-            )
+        if missing:  # scheduler_components/weight_updater.py: resume_memory_occupation, `offload_tags.remove(tag)`
+            self._die("/resume_memory_occupation", f"KeyError: {missing[0]!r}")
         for tag in tags:
             self.memory[tag] = True
             self.released.discard(tag)
         return 200, None
 
-    def ep_begin_weight_update(self, _):
-        if self.session_open:
-            return self._refuse(
-                "/begin_weight_update", "a weight-update session is already open; call end_weight_update() first"
-            )
+    # The session rules answer (SchedulerWeightUpdaterManager.begin_weight_update / end_weight_update /
+    # update_weights_from_tensor / update_weights_from_distributed return success=False; http_server.py
+    # maps it to 400): the server lives on.
+    def _session_gate(self, path: str, payload, allowed: bool, message: str) -> tuple[int, dict] | None:
+        if self.rules is not None:
+            ok, message = self._sglang_rules(path, payload)
+            self.session_open = self.rules.session_open
+        else:
+            ok = allowed
+        return None if ok else self._refuse(path, message)
+
+    def ep_begin_weight_update(self, payload):
+        refused = self._session_gate(
+            "/begin_weight_update",
+            payload,
+            not self.session_open,
+            "a weight-update session is already open; call end_weight_update() first",
+        )
+        if refused:
+            return refused
         self.session_open = True
         return 200, {"success": True, "message": "Success"}
 
-    def ep_end_weight_update(self, _):
-        if not self.session_open:
-            return self._refuse(
-                "/end_weight_update", "no weight-update session is open; call begin_weight_update() first"
-            )
+    def ep_end_weight_update(self, payload):
+        refused = self._session_gate(
+            "/end_weight_update",
+            payload,
+            self.session_open,
+            "no weight-update session is open; call begin_weight_update() first",
+        )
+        if refused:
+            return refused
         self.session_open = False
         return 200, {"success": True, "message": "Success"}
 
@@ -495,7 +560,7 @@ class FakeSGLang:
                 "num_paused_requests": 0,
             }
         loaded = _load_safetensors_dir(path)
-        problems = self._load_problems(loaded.items())
+        problems = sum(self._load_problems(loaded.items()), [])  # the disk path catches load errors: 400
         if problems:
             return self._refuse("/update_weights_from_disk", "; ".join(problems))
         self.disk_updates.append({"model_path": str(path), "files": sorted(p.name for p in path.iterdir())})
@@ -505,11 +570,14 @@ class FakeSGLang:
         return 200, ENDPOINTS["/update_weights_from_disk"]["example_response"]
 
     def ep_update_weights_from_tensor(self, payload):
-        if not self.session_open:
-            return self._refuse(
-                "/update_weights_from_tensor",
-                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
-            )
+        refused = self._session_gate(
+            "/update_weights_from_tensor",
+            payload,
+            self.session_open,
+            "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+        )
+        if refused:
+            return refused
         ranks = payload["serialized_named_tensors"]
         if len(ranks) != self.tp_size:
             return 400, {"success": False, "message": f"{len(ranks)} payloads for tp_size {self.tp_size}"}
@@ -517,15 +585,17 @@ class FakeSGLang:
         for data in ranks:  # each TP rank loads only its own payload (tp_worker.deserialize_own_rank)
             try:
                 named = self._load_payload(data, payload.get("load_format"))
-            except Exception as exc:  # noqa: BLE001 - SGLang's scheduler raises here
-                return self._refuse("/update_weights_from_tensor", f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - deserialize_own_rank has no try: the scheduler dies
+                self._die("/update_weights_from_tensor", f"{type(exc).__name__}: {exc}")
             per_rank.append([(n, tuple(t.shape), _sha(t)) for n, t in named])
             rank0 = named if rank0 is None else rank0
+        unknown, misfits = self._load_problems(rank0 or [])
+        if misfits:  # the model's weight_loader asserts the shape, unguarded on the tensor path: the scheduler dies
+            self._die("/update_weights_from_tensor", "AssertionError: " + "; ".join(misfits))
         if any(r != per_rank[0] for r in per_rank):
             return self._refuse("/update_weights_from_tensor", "TP ranks received different tensors")
-        problems = self._load_problems(rank0 or [])
-        if problems:
-            return self._refuse("/update_weights_from_tensor", "; ".join(problems))
+        if unknown:
+            return self._refuse("/update_weights_from_tensor", "; ".join(unknown))
         self.tensor_updates.append(per_rank)
         self._apply_update(rank0 or [])
         if payload.get("weight_version") is not None:
@@ -565,12 +635,16 @@ class FakeSGLang:
         return named
 
     def ep_update_weights_from_distributed(self, payload):
-        if not self.session_open:
-            return self._refuse(
-                "/update_weights_from_distributed",
-                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
-            )
-        problems = self._load_problems([(n, _Shape(s)) for n, s in zip(payload["names"], payload["shapes"])])
+        refused = self._session_gate(
+            "/update_weights_from_distributed",
+            payload,
+            self.session_open,
+            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+        )
+        if refused:
+            return refused
+        # load_weights_from_distributed catches the model's errors (success=False, 400): the server lives on
+        problems = sum(self._load_problems([(n, _Shape(s)) for n, s in zip(payload["names"], payload["shapes"])]), [])
         if problems:
             return self._refuse("/update_weights_from_distributed", "; ".join(problems))
         group = payload.get("group_name", "weight_update_group")
@@ -829,6 +903,10 @@ FUSED = [
 ]
 
 
+class SchedulerDied(Exception):
+    """Raised through a handler when the fake dies, so its request gets no answer."""
+
+
 class _Shape:
     """A shape in a tensor's place (distributed updates announce shapes before the bytes)."""
 
@@ -898,6 +976,12 @@ def _raw_repr(t) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _exit_process(code: int) -> None:
+    if code == -9:  # a scheduler death: SGLang's kill_process_tree SIGKILLs the server
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="FAKE SGLang server (tests only)")
     ap.add_argument("--model-path", required=True)
@@ -947,6 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=dtype,
         abort_linger_s=args.abort_linger,
         own_code=args.own_code,
+        exit_fn=_exit_process,
     )
     print(f"fake-sglang: serving on {fake.url}", flush=True)
     try:
@@ -957,7 +1042,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import signal
-
     signal.signal(signal.SIGTERM, lambda *_: (print("fake-sglang: SIGTERM, exiting", flush=True), os._exit(0)))
     sys.exit(main())

@@ -11,7 +11,9 @@ here, unchanged:
   /generate JSON contract gate) and `GenerateReqInput.normalize_batch_and_arguments`;
 - `MultiprocessingSerializer.deserialize` (its `SafeUnpickler`), `monkey_patch_torch_reductions`
   (CUDA IPC handles named by GPU UUID, mapped to the receiver's local index) and
-  `FlattenedTensorBucket` (load_format="flattened_bucket").
+  `FlattenedTensorBucket` (load_format="flattened_bucket");
+- `SchedulerWeightUpdaterManager` (sglang/srt/managers/scheduler_components/weight_updater.py): the
+  scheduler's own weight-update session and memory release / resume rules (`SchedulerRules`).
 
 Importing those modules costs ~15 s and changes process state (environment variables, torch
 reductions), so nothing here is imported by pytest itself: the fake server imports it in its own
@@ -85,6 +87,82 @@ def _torchvision_stand_in() -> None:
     )
 
 
+class _OneRankTorch:
+    """`torch` as the manager's module sees it, with the TP group of one rank: its barriers and
+    gathers have nobody to wait for (no process group exists in the fake)."""
+
+    def __init__(self, torch):
+        self._torch = torch
+        self.distributed = types.SimpleNamespace(
+            barrier=lambda *a, **k: None,
+            get_world_size=lambda *a, **k: 1,
+            all_gather_object=lambda out, obj, **k: out.__setitem__(0, obj),
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+class SchedulerRules:
+    """SGLang's own scheduler-side weight-update manager, for one TP rank with no model behind it.
+
+    The fake server hands it the session and memory calls, so what the real scheduler answers (a 400
+    with its message) or raises (an exception that ends the scheduler, hence the server) is decided by
+    SGLang's code, not by the fake's copy of its rules. What stands in: the runners (no model: loading
+    is the fake's), the memory saver (nothing to pause on CPU), the TP barrier (one rank) and the
+    weight-cache mode (off, the default). `is_idle` is the fake's "no request in flight"."""
+
+    def __init__(self, is_idle):
+        import torch
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler_components import weight_updater as module
+
+        module.torch = _OneRankTorch(torch)
+        module.get_parallel = lambda: types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=None))
+        module.get_model = lambda: types.SimpleNamespace(weight_cache_mode="off")
+        noop = lambda *a, **k: None  # noqa: E731
+        runner = types.SimpleNamespace(
+            model=torch.nn.Module(),
+            weight_updater=types.SimpleNamespace(receive_weights_from_distributed=lambda **k: []),
+        )
+        tp_worker = types.SimpleNamespace(
+            model_runner=runner, weight_update_runners=lambda: [], deserialize_own_rank=lambda payloads: []
+        )
+        scheduler = types.SimpleNamespace(
+            _engine_paused=False, disaggregation_mode=DisaggregationMode.NULL, record_weight_version_change=noop
+        )
+        self.manager = module.SchedulerWeightUpdaterManager(
+            tp_worker=tp_worker,
+            draft_worker=None,
+            memory_saver_adapter=types.SimpleNamespace(pause=noop, resume=noop),
+            flush_cache=lambda **k: True,
+            is_fully_idle=lambda **k: is_idle(),
+            scheduler=scheduler,
+        )
+
+    def call(self, struct) -> tuple[bool, str]:
+        """The manager's handler for this request (an io_struct object): (success, message). An
+        exception propagates: in SGLang it ends the scheduler (scheduler.py: run_scheduler_process)."""
+        name = {
+            "BeginWeightUpdateReqInput": "begin_weight_update",
+            "EndWeightUpdateReqInput": "end_weight_update",
+            "UpdateWeightsFromTensorReqInput": "update_weights_from_tensor",
+            "UpdateWeightsFromDistributedReqInput": "update_weights_from_distributed",
+            "ReleaseMemoryOccupationReqInput": "release_memory_occupation",
+            "ResumeMemoryOccupationReqInput": "resume_memory_occupation",
+        }[type(struct).__name__]
+        out = getattr(self.manager, name)(struct)
+        return bool(getattr(out, "success", True)), str(getattr(out, "message", ""))
+
+    @property
+    def session_open(self) -> bool:
+        return self.manager._session is not None
+
+    @property
+    def offload_tags(self) -> set[str]:
+        return set(self.manager.offload_tags)
+
+
 class OwnCode:
     """The SGLang objects above, imported once."""
 
@@ -132,6 +210,14 @@ class OwnCode:
             except TypeError:
                 out[name] = repr(value)
         return out
+
+    # -- scheduler rules ----------------------------------------------------------------------------
+    def scheduler_rules(self, is_idle) -> SchedulerRules:
+        return SchedulerRules(is_idle)
+
+    def request(self, route: str, body: Any):
+        """The io_struct object SGLang's route builds from this JSON body."""
+        return self.adapters[route].validate_json(json.dumps(body if body is not None else {}))
 
     # -- request bodies -----------------------------------------------------------------------------
     def body_errors(self, route: str, body: Any) -> list[str]:

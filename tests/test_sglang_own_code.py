@@ -22,6 +22,7 @@ import base64
 import importlib.util
 import io
 import pickle
+import time
 
 import httpx
 import pytest
@@ -367,3 +368,52 @@ def test_payloads_name_only_globals_sglang_allows(own):
     data = base64.b64encode(pickle.dumps([("x", Evil())])).decode()
     out = _ask(own, "payload", {"data": data})
     assert "Blocked unsafe global" in out["error"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduler rules: SGLang's own SchedulerWeightUpdaterManager decides, not the fake's copy
+# ------------------------------------------------------------------------------------------------
+
+
+def test_session_and_memory_rules_are_sglangs_own_scheduler_code(tmp_path):
+    """The session rules answer 400 and the server lives on; resuming a tag that is not released raises
+    inside SGLang's scheduler (KeyError), and the server process ends. An engine drives the session
+    calls (its recovery relies only on the 400 SGLang itself sends)."""
+    spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher("--own-code"))
+    server = SGLangServer(spec, log_path=tmp_path / "fake.log").start()
+    try:
+        server.wait_healthy(timeout=180)
+        client = httpx.Client(base_url=server.url, timeout=60)
+        SGLangEngine([server.url]).begin_weight_update()  # an actor that died holding the session
+        engine = SGLangEngine([server.url])
+        engine.update_weights_from_tensor(builtin_weights(2), 1)  # 400 'already open' -> end, begin, update, end
+        r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [""], "flush_cache": True})
+        assert r.status_code == 400 and "must run between begin_weight_update()" in r.json()["message"]
+        r = client.post("/end_weight_update", json={})
+        assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
+        state = _state(client)
+        assert [p for p, _ in state["refusals"]] == [
+            "/begin_weight_update",
+            "/update_weights_from_tensor",
+            "/end_weight_update",
+        ]
+        assert not state["session_open"] and state["weight_version"] == "1" and server.alive()
+        engine.offload()
+        engine.onload_weights()
+        with pytest.raises(httpx.TransportError):  # SGLang's scheduler raises: no answer, the server ends
+            client.post("/resume_memory_occupation", json={"tags": ["weights"]})
+        deadline = time.monotonic() + 30
+        while server.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.poll() is not None
+        log = "\n".join(server.log_tail(20))
+        assert "KeyError: 'weights'" in log and "SchedulerWeightUpdaterManager" in log
+    finally:
+        server.stop(timeout=10)
+
+
+def test_a_release_on_a_busy_server_is_sglangs_assert(own):
+    """What SGLang's own manager does with a release while requests run (asked of a scratch copy)."""
+    assert _ask(own, "release_while_busy", {}) == {
+        "raised": "AssertionError: release_memory_occupation should be called only when server is idle."
+    }

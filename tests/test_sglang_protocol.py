@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import uuid
 
 import httpx
@@ -22,6 +23,7 @@ import torch
 from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
 from rollflow.tasks.rollout.sglang.engine import SGLangEngine
 from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError, request_id
+from rollflow.tasks.sync import ipc
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
 from tests.conftest import small_config
 from tests.fake_sglang_server import FakeSGLang
@@ -41,8 +43,8 @@ def test_the_fake_refuses_the_session_less_sequence_and_takes_the_session_one():
         # 0.5.x before sessions: POST /update_weights_from_tensor straight away
         with pytest.raises(SGLangRequestError, match="must run between begin_weight_update"):
             engine.apply_serialized_bucket([_payload(w)], last=True, weight_version=1, load_format=FLATTENED_BUCKET)
-        with pytest.raises(SGLangRequestError, match="no weight-update session is open"):
-            engine.end_weight_update()
+        r = httpx.post(f"{fake.url}/end_weight_update", json={}, timeout=10)  # SGLang answers, and lives on
+        assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
         engine.update_weights_from_tensor(w, 1)  # begin -> tensor -> end
         assert [p for p in fake.paths() if "weight" in p][-3:] == [
             "/begin_weight_update",
@@ -50,17 +52,71 @@ def test_the_fake_refuses_the_session_less_sequence_and_takes_the_session_one():
             "/end_weight_update",
         ]
         assert fake.weight_version == "1" and not fake.session_open
-        # a session left open by a failed attempt (a Prefect retry of the sync) is closed and reopened
+        # a session this engine left open is ended before the next begin: SGLang is never asked to begin twice
         engine.begin_weight_update()
+        refused = len(fake.refusals)
         engine.update_weights_from_tensor(w, 1)
-        assert not fake.session_open
-        # what the real model's load_weights raises on: an unknown name, another shape
+        assert not fake.session_open and len(fake.refusals) == refused
+        # the fake is stricter than Qwen2's load_weights (which only logs an unknown name): a 400
         with pytest.raises(SGLangRequestError, match="unknown parameter 'model.nope'"):
             engine.update_weights_from_tensor({"model.nope": torch.zeros(2)}, 1)
-        name = next(iter(w))
-        with pytest.raises(SGLangRequestError, match=f"{name}: shape"):
-            engine.update_weights_from_tensor({name: torch.zeros(3, 3)}, 1)
         assert not fake.session_open  # closed again after the failure
+
+
+def test_a_session_opened_before_an_actor_restart_is_ended_on_sglangs_400():
+    """A restarted engine actor cannot know of a session its predecessor left open: SGLang's 400
+    'already open' (a polite answer, its server lives on) is the one answer it ends and begins on."""
+    w = builtin_weights(2)
+    with FakeSGLang(model_path=str(BUILTIN)) as fake:
+        SGLangEngine([fake.url]).begin_weight_update()  # the actor that died holding a session
+        engine = SGLangEngine([fake.url])
+        engine.update_weights_from_tensor(w, 1)
+        assert fake.refusals == [
+            ("/begin_weight_update", "a weight-update session is already open; call end_weight_update() first")
+        ]
+        assert not fake.session_open and fake.weight_version == "1" and not fake.dead
+
+
+def test_the_fake_dies_where_sglangs_scheduler_raises():
+    """Each of these raises inside SGLang 0.5.23's scheduler (scheduler_components/weight_updater.py;
+    model loaders), which ends the server: the request gets no answer and the server answers nothing after."""
+    w = builtin_weights(2)
+    name = next(iter(w))
+
+    def dead_after(fake, call) -> str:
+        with pytest.raises(httpx.TransportError):
+            call()
+        assert fake.dead
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{fake.url}/health", timeout=5)
+        return fake.refusals[-1][1]
+
+    with FakeSGLang(model_path=str(BUILTIN)) as fake:  # a tensor of another shape: weight_loader asserts
+        engine = SGLangEngine([fake.url])
+        with pytest.raises(SGLangRequestError, match="RemoteProtocolError"):
+            engine.update_weights_from_tensor({name: torch.zeros(3, 3)}, 1)
+        assert fake.dead and "AssertionError" in fake.refusals[-1][1]
+    with FakeSGLang() as fake:  # resume of a tag that is not released: offload_tags.remove raises KeyError
+        message = dead_after(
+            fake, lambda: httpx.post(f"{fake.url}/resume_memory_occupation", json={"tags": ["weights"]})
+        )
+        assert message.startswith("KeyError")
+    with FakeSGLang(step_delay_s=0.05) as fake:  # release on a busy server: `assert is_fully_idle()`
+        threading.Thread(
+            target=lambda: httpx.post(
+                f"{fake.url}/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100}},
+                timeout=30,
+            ),
+            daemon=True,
+        ).start()
+        deadline = time.monotonic() + 10
+        while not fake.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        message = dead_after(
+            fake, lambda: httpx.post(f"{fake.url}/release_memory_occupation", json={"tags": ["kv_cache"]})
+        )
+        assert "should be called only when server is idle" in message
 
 
 def test_release_after_an_abort_waits_for_idle_and_a_retried_resume_is_a_no_op():
@@ -97,9 +153,6 @@ def test_release_after_an_abort_waits_for_idle_and_a_retried_resume_is_a_no_op()
             "tags": ["kv_cache", "cuda_graph"]
         }
         assert not fake.refusals and not fake.released
-        # the rule the engine keeps: SGLang raises on resuming a tag it holds
-        r = httpx.post(f"{fake.url}/resume_memory_occupation", json={"tags": ["weights"]}, timeout=10)
-        assert r.status_code == 500 and "KeyError" in r.text
 
 
 def test_request_ids_are_never_prefixes_and_seeded_native_n_sends_n_seeds():
@@ -235,3 +288,132 @@ def test_engine_dtype_memory_share_and_allocator_env_defaults(tmp_path, monkeypa
         env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
         assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["PYTHONUNBUFFERED"] == "1"
     assert dropped_env(load_config(None, ["rollout.engine=sglang"]).rollout) == ()
+
+
+def test_an_engine_local_tensor_update_serializes_once_per_tp_rank(monkeypatch):
+    """CUDA IPC refcounts are per serialization and each TP rank releases its own: the engine's own tensor
+    path (an engine starting from checkpoint weights with tensor sync) makes one per rank, like the trainer's."""
+    from rollflow.tasks.rollout.sglang import weight_receiver
+
+    made = []
+    original = weight_receiver.serialize_flattened_bucket
+
+    def counting(flat, entries):
+        made.append(len(entries))
+        return original(flat, entries)
+
+    monkeypatch.setattr(weight_receiver, "serialize_flattened_bucket", counting)
+    w = builtin_weights(2)
+    with FakeSGLang(model_path=str(BUILTIN), tp_size=2) as a, FakeSGLang(model_path=str(BUILTIN)) as b:
+        engine = SGLangEngine([a.url, b.url], tp_sizes=[2, 1], bucket_bytes=1 << 40)
+        engine.update_weights_from_tensor(w, 1)
+        assert len(made) == 3  # one bucket, TP ranks 2 + 1
+        custom = []
+        engine.update_weights_from_tensor(
+            w,
+            1,
+            serializer=lambda bucket: custom.append(1) or ipc.serialize_named_tensors(bucket),
+            load_format=None,
+        )
+        assert len(custom) == 3
+        assert not a.refusals and not b.refusals and a.weight_version == b.weight_version == "1"
+
+
+class _SyncEngine:
+    """An EngineClient stand-in that records the session calls."""
+
+    def __init__(self, mode: str):
+        self.mode, self.calls = mode, []
+
+    def payloads_per_bucket(self):
+        return 1
+
+    def begin_weight_update(self):
+        self.calls.append("begin")
+
+    def end_weight_update(self, timeout=None):
+        self.calls.append(("end", timeout))
+
+    def apply_serialized_bucket(self, *args):
+        self.calls.append("bucket")
+        return 1
+
+    def in_weight_group(self, name):
+        return True
+
+    def receive_weight_bucket(self, *args):
+        self.calls.append("bucket")
+        return types.SimpleNamespace(result=lambda: 1)
+
+
+class _FailingTrainer:
+    """A TrainerClient stand-in whose second bucket fails."""
+
+    def __init__(self):
+        self.n, self.ended = 0, False
+
+    def gpu_ids(self):
+        return [None]
+
+    def ipc_begin_ranks(self, *args, **kwargs):
+        pass
+
+    def ipc_end_ranks(self, ranks):
+        self.ended = True
+
+    def weight_buckets_begin(self, *args):
+        pass
+
+    def _next(self):
+        self.n += 1
+        if self.n == 2:
+            raise RuntimeError("trainer failed mid-sync")
+
+    def ipc_next_ranks(self, ranks):
+        self._next()
+        return {0: types.SimpleNamespace(last=False, nbytes=1, payloads=["p"])}
+
+    def next_weight_bucket(self):
+        self._next()
+        return [], False
+
+    def broadcast_weight_bucket(self, device):
+        return 1
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_a_sync_that_fails_mid_way_ends_its_session(mode):
+    """Left open, the session would refuse the next sync's begin; ended (bounded: the engine may still be
+    inside the failed bucket), and the sync's own error is the one raised."""
+    from rollflow.flows.config import load_config
+    from rollflow.flows.weight_sync.distributed import push_distributed
+    from rollflow.flows.weight_sync.shared import END_AFTER_FAILURE_S
+    from rollflow.flows.weight_sync.tensor import push_tensor
+
+    cfg = load_config(None, ["rollout.engine=sglang"])
+    engine, trainer = _SyncEngine(mode), _FailingTrainer()
+    push = push_tensor if mode == "tensor" else push_distributed
+    with pytest.raises(RuntimeError, match="trainer failed mid-sync"):
+        push(cfg, trainer, engine, 1)
+    assert engine.calls == ["begin", "bucket", ("end", END_AFTER_FAILURE_S)]
+    assert trainer.ended or mode == "distributed"
+
+
+def test_a_restarted_engine_reads_back_the_tags_its_server_has_released(tmp_path):
+    """The released tags live with the server process's owner: an engine actor restarted over the same
+    server resumes what its predecessor released (a fresh engine would not, and SGLang reports it nowhere),
+    and never resumes a tag the server holds (SGLang's scheduler dies on that)."""
+    from rollflow.tasks.rollout.sglang.server import LaunchSpec, SGLangServer, free_port
+
+    spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher())
+    with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
+        server.wait_healthy(timeout=60)
+        SGLangEngine([server.url], servers=[server]).offload()  # then the actor dies
+        engine = SGLangEngine([server.url], servers=[server])
+        assert engine.released[server.url] == {"kv_cache", "weights", "cuda_graph"}
+        engine.onload_weights()
+        engine.onload_kv_cache()
+        state = httpx.get(f"{server.url}/_fake/state", timeout=10).json()
+        assert state["released"] == [] and not state["refusals"] and server.memory_released() == []
+        SGLangEngine([server.url], servers=[server]).onload_kv_cache()  # nothing released: nothing resumed
+        assert server.alive()

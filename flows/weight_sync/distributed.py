@@ -22,7 +22,7 @@ post the metadata while the trainer broadcasts the tensors. Top to bottom:
 from __future__ import annotations
 
 from rollflow.flows.config import RunConfig
-from rollflow.flows.weight_sync.shared import SyncResult, bucket_bytes, engine_dtype
+from rollflow.flows.weight_sync.shared import SyncResult, bucket_bytes, engine_dtype, weight_update_session
 from rollflow.infra.clients import EngineClient, TrainerClient
 
 
@@ -45,13 +45,12 @@ def push_distributed(cfg: RunConfig, trainer: TrainerClient, engine: EngineClien
         joined = True
     trainer.weight_buckets_begin(bucket_bytes(cfg), engine_dtype(cfg))
     version, nbytes, n = weight_version - 1, 0, 0
-    engine.begin_weight_update()
-    last = False
-    while not last:  # the trainer makes each bucket as it is sent (a sharded trainer: its ranks together)
-        metas, last = trainer.next_weight_bucket()
-        receiving = engine.receive_weight_bucket(metas, last, weight_version, name)
-        nbytes += trainer.broadcast_weight_bucket("cuda" if backend == "nccl" else None)
-        version = receiving.result()
-        n += 1
-    engine.end_weight_update()
+    with weight_update_session(engine):  # ended also when a bucket fails
+        last = False
+        while not last:  # the trainer makes each bucket as it is sent (a sharded trainer: its ranks together)
+            metas, last = trainer.next_weight_bucket()
+            receiving = engine.receive_weight_bucket(metas, last, weight_version, name)
+            nbytes += trainer.broadcast_weight_bucket("cuda" if backend == "nccl" else None)
+            version = receiving.result()
+            n += 1
     return SyncResult("distributed", version, n, nbytes, joined)

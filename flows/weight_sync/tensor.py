@@ -15,14 +15,15 @@ bytes travel between processes. Top to bottom:
    and the engine posts one payload per TP rank (`EngineClient.apply_serialized_bucket` ->
    `tasks/rollout/sglang/weight_receiver.py:WeightReceiver.apply_serialized_bucket`: `POST
    /update_weights_from_tensor`, load_format flattened_bucket; the last bucket sets the weight_version);
-4. the ranks drop their streams (`ipc_end_ranks`), also when a step failed.
+4. the session ends and the ranks drop their streams (`ipc_end_ranks`), also when a step failed
+   (`shared.weight_update_session` says why ending after a failure is right).
 """
 
 from __future__ import annotations
 
 from rollflow.flows.config import RunConfig
 from rollflow.flows.group import WorkerGroup
-from rollflow.flows.weight_sync.shared import SyncResult, bucket_bytes, engine_dtype
+from rollflow.flows.weight_sync.shared import SyncResult, bucket_bytes, engine_dtype, weight_update_session
 from rollflow.infra.clients import EngineClient, TrainerClient
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET
 
@@ -78,20 +79,19 @@ def push_tensor(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, we
     trainer.ipc_begin_ranks(bucket_bytes(cfg), copies, engine_dtype(cfg), flattened=True)
     version, nbytes, n = weight_version - 1, 0, 0
     try:
-        engine.begin_weight_update()
-        last = False
-        while not last:
-            made = trainer.ipc_next_ranks(list(copies))
-            last = made[sources[0]].last
-            nbytes += made[sources[0]].nbytes
-            taken = {r: 0 for r in copies}
-            payloads = []
-            for r in sources:
-                payloads.append(made[r].payloads[taken[r]])
-                taken[r] += 1
-            version = engine.apply_serialized_bucket(payloads, last, weight_version, FLATTENED_BUCKET)
-            n += 1
-        engine.end_weight_update()
+        with weight_update_session(engine):
+            last = False
+            while not last:
+                made = trainer.ipc_next_ranks(list(copies))
+                last = made[sources[0]].last
+                nbytes += made[sources[0]].nbytes
+                taken = {r: 0 for r in copies}
+                payloads = []
+                for r in sources:
+                    payloads.append(made[r].payloads[taken[r]])
+                    taken[r] += 1
+                version = engine.apply_serialized_bucket(payloads, last, weight_version, FLATTENED_BUCKET)
+                n += 1
     finally:
         trainer.ipc_end_ranks(list(copies))
     return SyncResult("tensor", version, n, nbytes, sources=tuple(sources))

@@ -6,7 +6,10 @@ one request per sample (or `sampling_params.n`), balanced over one or more serve
 
 Memory release/resume (`tags`: "weights", "kv_cache", "cuda_graph") serves colocation: the server must
 be idle before a release (SGLang asserts it), so the engine flushes the cache until it answers 200
-first, and resumes only tags it released (SGLang raises on resuming a tag it holds). Request ids end
+first, and resumes only tags it released (SGLang's scheduler raises on resuming a tag it holds, which ends the
+server). Which tags are released is kept by the server object (`SGLangServer`, or the server's own actor
+through `RemoteServer`), which lives exactly as long as the server process: a restarted engine actor reads it
+back instead of forgetting it (SGLang 0.5.23 itself reports it nowhere). Request ids end
 with `RID_END`: SGLang aborts by rid prefix, so no id may be a prefix of another. The payloads are
 payloads.py's (SGLang 0.5.23's shapes).
 """
@@ -137,7 +140,9 @@ class SGLangEngine(WeightReceiver):
             limits=httpx.Limits(max_connections=max_inflight + 16, max_keepalive_connections=max_inflight + 16),
         )
         self.weight_group: str | None = None  # the trainer's weight-update group these servers joined
-        self.released: dict[str, set[str]] = {u: set() for u in self.urls}  # memory tags released, per server
+        self._open_sessions: set[str] = set()  # weight-update sessions this engine opened and has not ended
+        # memory tags released, per server: read back from the server objects (a restarted actor over live servers)
+        self.released: dict[str, set[str]] = {u: self._recorded_released(u) for u in self.urls}
         self.idle_timeout_s = 300.0  # how long a release waits for the server to become idle
         self._abort = threading.Event()
         self.progress = Progress()  # requests finished: a stall deadline's sign of life during a rollout
@@ -388,6 +393,15 @@ class SGLangEngine(WeightReceiver):
                 )
             time.sleep(interval_s)
 
+    def _recorded_released(self, url: str) -> set[str]:
+        server = self.servers.get(url)
+        return set(server.memory_released()) if server is not None else set()
+
+    def _note_memory(self, url: str, released: Sequence[str] = (), resumed: Sequence[str] = ()) -> None:
+        server = self.servers.get(url)
+        if server is not None:
+            server.note_memory(released=list(released), resumed=list(resumed))
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """POST /release_memory_occupation: free `tags` (weights, kv_cache, cuda_graph; None = all) for a
         colocated trainer, on an idle server (flushed until it answers 200 first: SGLang asserts idleness
@@ -401,6 +415,7 @@ class SGLangEngine(WeightReceiver):
             self.wait_idle(url)
             self._post(url, "/release_memory_occupation", {"tags": todo})
             self.released[url].update(todo)
+            self._note_memory(url, released=todo)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """POST /resume_memory_occupation for the tags (None = all) this engine released and has not
@@ -415,6 +430,7 @@ class SGLangEngine(WeightReceiver):
                 continue
             self._post(url, "/resume_memory_occupation", {"tags": todo})
             self.released[url].difference_update(todo)
+            self._note_memory(url, resumed=todo)
 
     @staticmethod
     def _tags(tags: Sequence[str] | None) -> list[str] | None:

@@ -182,6 +182,9 @@ class SGLangServer:
         self.tail_lines = tail_lines
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="sglang-")) / "server.log"
         self.proc: subprocess.Popen | None = None
+        # Memory tags the engine released on this process. SGLang 0.5.23 reports them nowhere, and a resume
+        # of a tag it holds kills it, so the record lives as long as the process, not as the engine actor.
+        self.released: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -209,7 +212,15 @@ class SGLangServer:
         finally:
             log.close()
         _LIVE.add(self)
+        self.released = set()  # a fresh process holds all its memory
         return self
+
+    def memory_released(self) -> list[str]:
+        return sorted(self.released)
+
+    def note_memory(self, released: Sequence[str] = (), resumed: Sequence[str] = ()) -> None:
+        self.released.update(released)
+        self.released.difference_update(resumed)
 
     def wait_healthy(self, timeout: float = 900.0, interval: float = 0.2) -> None:
         """Poll GET /health until 200; fail fast (with the log tail) if the process exits meanwhile."""

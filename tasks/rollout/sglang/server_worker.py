@@ -101,5 +101,11 @@ class SGLangServerWorker:
     def log_tail(self, n: int | None = None) -> list[str]:
         return self.server.log_tail(n)
 
+    def memory_released(self) -> list[str]:
+        return self.server.memory_released()
+
+    def note_memory(self, released: Sequence[str] = (), resumed: Sequence[str] = ()) -> None:
+        self.server.note_memory(released, resumed)
+
     def stop(self, timeout: float = 30.0) -> int | None:
         return self.server.stop(timeout)

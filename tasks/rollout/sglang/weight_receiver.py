@@ -12,7 +12,9 @@ the flow that drives both, one module per path: flows/weight_sync/).
   broadcasts the tensors in the same order (NCCL on GPUs; gloo works for CPU tests).
 
 Tensor and distributed updates run inside a weight-update session (`POST /begin_weight_update` ...
-`POST /end_weight_update`, per server): SGLang 0.5.23 refuses them otherwise (HTTP 400).
+`POST /end_weight_update`, per server): SGLang 0.5.23 refuses them otherwise (HTTP 400). The engine keeps
+track of the sessions it opened, so it never begins twice on its own; ending after a failed update is
+right on SGLang (the end finalizes the runners and closes the session; no weight_version was recorded).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from rollflow.tasks.sync.buckets import buckets_by_bytes
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
 from rollflow.tasks.sync.weight_group import DEFAULT_GROUP
 
+# SGLang 0.5.23's answer (HTTP 400, success false) to a begin while a session is open
+SESSION_ALREADY_OPEN = "a weight-update session is already open"
+
 
 class WeightReceiver:
     """The weight-update half of `SGLangEngine` (a base class of it). It uses the engine's `urls`, `tp_sizes`,
@@ -48,6 +53,8 @@ class WeightReceiver:
     tensor_device: str | None
     weight_group: str | None
     _post: Callable[..., Any]
+    # servers where this engine opened a session it has not ended (an end that failed leaves one here)
+    _open_sessions: set[str]
 
     def _target_version(self, weight_version: int) -> int:
         """The next version; or the current one again (a re-sync of the same weights, e.g. the startup
@@ -58,18 +65,25 @@ class WeightReceiver:
 
     # -- weight-update session (SGLang 0.5.23: tensor and distributed updates only inside one) --------
     def begin_weight_update(self) -> None:
-        """POST /begin_weight_update on every server. A session left open by a failed attempt (a Prefect
-        retry of the sync) is closed and opened again."""
+        """POST /begin_weight_update on every server. A session this engine left open (its end failed) is
+        ended first, so the engine never begins twice. One it cannot know of, opened before this actor
+        restarted, is refused by SGLang with its 400 'already open' (scheduler_components/weight_updater.py:
+        SchedulerWeightUpdaterManager.begin_weight_update returns success=False; the server lives on): that
+        one is ended and a new one begun."""
         opened: list[str] = []
         try:
             for url in self.urls:
+                if url in self._open_sessions:
+                    self._post(url, "/end_weight_update", {})
+                    self._open_sessions.discard(url)
                 try:
                     self._post(url, "/begin_weight_update", {})
                 except SGLangRequestError as exc:
-                    if "already open" not in str(exc):
+                    if SESSION_ALREADY_OPEN not in str(exc):
                         raise
                     self._post(url, "/end_weight_update", {})
                     self._post(url, "/begin_weight_update", {})
+                self._open_sessions.add(url)
                 opened.append(url)
         except BaseException:
             for url in opened:
@@ -77,11 +91,15 @@ class WeightReceiver:
             raise
 
     def end_weight_update(self) -> None:
-        """POST /end_weight_update on every server (each is tried even when one fails)."""
+        """POST /end_weight_update on every server where this engine has a session open (each is tried
+        even when one fails)."""
         errors = []
         for url in self.urls:
+            if url not in self._open_sessions:
+                continue
             try:
                 self._post(url, "/end_weight_update", {})
+                self._open_sessions.discard(url)
             except SGLangRequestError as exc:
                 errors.append(str(exc))
         if errors:
@@ -90,19 +108,24 @@ class WeightReceiver:
     def _end_quietly(self, url: str) -> None:
         try:
             self._post(url, "/end_weight_update", {}, timeout=30.0)
+            self._open_sessions.discard(url)
         except Exception:  # noqa: BLE001 - best effort while another error is on its way up
             pass
 
     @contextlib.contextmanager
     def weight_update_session(self):
+        """Begin ... end on every server; ended also when the body fails (see the module docstring)."""
         self.begin_weight_update()
+        failed = True
         try:
             yield
-        except BaseException:
-            for url in self.urls:
-                self._end_quietly(url)
-            raise
-        self.end_weight_update()
+            failed = False
+        finally:
+            if failed:
+                for url in list(self._open_sessions):
+                    self._end_quietly(url)
+            else:
+                self.end_weight_update()
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Mapping[str, Any], weight_version: int) -> None:
@@ -172,12 +195,15 @@ class WeightReceiver:
         buckets = list(buckets_by_bytes(items, self.bucket_bytes))
         with self.weight_update_session():
             for b, bucket in enumerate(buckets):
+                # One serialization per TP rank: CUDA IPC refcounts are per serialization, and each rank
+                # deserializes (and releases) only its own (tp_worker.deserialize_own_rank).
                 if serializer is None:  # SGLang's flattened bucket: one uint8 tensor + metadata per payload
                     flat, entries = flatten_bucket(bucket)
-                    raw, fmt = serialize_flattened_bucket(flat, entries), FLATTENED_BUCKET
+                    raws = [serialize_flattened_bucket(flat, entries) for _ in range(self.payloads_per_bucket)]
+                    fmt = FLATTENED_BUCKET
                 else:
-                    raw, fmt = serializer(bucket), load_format
-                payloads = [base64.b64encode(raw).decode("ascii") for _ in range(self.payloads_per_bucket)]
+                    raws, fmt = [serializer(bucket) for _ in range(self.payloads_per_bucket)], load_format
+                payloads = [base64.b64encode(raw).decode("ascii") for raw in raws]
                 self.apply_serialized_bucket(
                     payloads, last=b == len(buckets) - 1, weight_version=weight_version, load_format=fmt
                 )
