@@ -33,6 +33,7 @@ from rollflow.tasks.debug.ima import (
     ERROR,
     LAUNCH_BLOCKING,
     MATRIX,
+    REPRO_SECTIONS,
     BisectReport,
     Cell,
     CellPlan,
@@ -151,7 +152,7 @@ def ima_bisect(
     fs, run_path, local = _store_location(cfg)
     scratch = Path(run_path) if local else Path(tempfile.mkdtemp(prefix=f"rollflow-ima-{cfg.run}-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    config_json = cfg.model_dump_json()
+    config_json = json.dumps({key: getattr(cfg, key).model_dump(mode="json") for key in REPRO_SECTIONS})
     common = dict(
         backend=backend,
         run_dir=str(scratch),

@@ -8,7 +8,8 @@ renders that signature as the flow's form, whichever route (UI, schedule, `--sub
 A flow accepts either form of its first argument:
 - its section model, or a dict of it (UI, API, deployments): the sections over RunConfig's defaults;
 - a whole RunConfig (in-process callers: the CLI, tests): kept whole, so fields outside the sections
-  (`resume_from`, `retries`, ...) keep their values. `params.run_config()` gives the flow its RunConfig.
+  (`retries`, `timeout_s`: the local route's flow-run settings) keep their values. `params.run_config()`
+  gives the flow its RunConfig.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "checkpoint_every",
         "eval_every",
         "resume",
+        "resume_from",
         "data",
         "rollout",
         "algo",
@@ -37,12 +39,25 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "debug",
         "pipeline",
         "watchdog",
-    ),  # retries: the deployment's own (UI Retry resumes)
-    "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout"),
+    ),  # retries, timeout_s: flow-run settings, not parameters (flows/prefect_ops/submit.py)
+    # pipeline: dynamic sampling; watchdog: the stall deadline of generate
+    "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout", "pipeline", "watchdog"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
     # iterations: the length of the reproducibility gate's and the kill-and-resume drill's runs
-    "alignment_check": (*_COMMON, "iterations", "data", "rollout", "algo", "train"),
-    "ima_bisect": ("run", "model", "store", "data", "rollout", "tracking"),
+    "alignment_check": (
+        *_COMMON,
+        "iterations",
+        "data",
+        "rollout",
+        "algo",
+        "train",
+        # what the check's workers are built from, as the run's own (colocated, offloaded, pipelined, drills)
+        "placement",
+        "offload",
+        "pipeline",
+        "debug",
+    ),
+    "ima_bisect": ("run", "model", "store", "data", "rollout", "train", "tracking"),
 }
 
 

@@ -33,7 +33,7 @@ def test_each_flow_has_a_form_of_what_it_reads():
     from prefect.utilities.callables import parameter_schema
 
     from rollflow.flows.config import RunConfig
-    from rollflow.flows.params import PARAMS_MODELS, SECTIONS, to_run_config
+    from rollflow.flows.params import PARAMS_MODELS, to_run_config
     from rollflow.flows.prefect_ops.deployments import entry_flows
 
     flows = entry_flows()
@@ -43,13 +43,11 @@ def test_each_flow_has_a_form_of_what_it_reads():
         assert entry.name == name  # the UI groups deployment runs with CLI runs of the same flow
         schema = parameter_schema(entry.fn).model_dump()
         assert "params" in schema["properties"]
-        fields = set(PARAMS_MODELS[name].model_fields)
-        assert fields == set(SECTIONS[name]) and fields < all_fields
+        # that each form holds what its flow reads: tests/test_deployment_forms.py
+        assert set(PARAMS_MODELS[name].model_fields) < all_fields
         # defaults of every form are a valid RunConfig
         assert isinstance(to_run_config(PARAMS_MODELS[name]()), RunConfig)
     assert "train" not in PARAMS_MODELS["rollout_only"].model_fields
-    assert "train" not in PARAMS_MODELS["ima_bisect"].model_fields
-    assert "debug" not in PARAMS_MODELS["alignment_check"].model_fields
 
 
 def test_nightly_deployment_carries_the_reproducibility_and_drill_options_into_its_form():

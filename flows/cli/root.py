@@ -77,7 +77,9 @@ def run_training(cfg) -> dict:
     )
     from prefect import tags
 
-    flow = rl_train.with_options(retries=cfg.retries, retry_delay_seconds=5, timeout_seconds=cfg.timeout_s)
+    from rollflow.flows.prefect_ops.submit import RETRY_DELAY_S
+
+    flow = rl_train.with_options(retries=cfg.retries, retry_delay_seconds=RETRY_DELAY_S, timeout_seconds=cfg.timeout_s)
     with iteration_progress(console), tags(*run_tags(cfg.run, "train")):
         summary = flow(cfg)
     return summary
@@ -167,14 +169,18 @@ def run_flow(cfg, flow_fn, command: str, preflight_kwargs: dict | None = None, *
 
 def submit_run(cfg, flow_name: str, mode: str, watch: bool, **flow_params) -> None:
     """The same run as the local command, created through `flow_name`'s deployment (the UI's "Run" call)."""
-    from rollflow.flows.params import params_of  # lazy: keeps torch/prefect out of CLI start-up
-    from rollflow.flows.prefect_ops.submit import submit
+    # lazy: keeps torch/prefect out of CLI start-up
+    from rollflow.flows.params import params_of
+    from rollflow.flows.prefect_ops.submit import RUN_POLICY_FIELDS, refused_fields, submit
     from rollflow.flows.prefect_ops.submit import watch as follow
 
+    for line in refused_fields(flow_name, cfg):
+        fail(line)
+    policy = {field: getattr(cfg, field) for field in RUN_POLICY_FIELDS.get(flow_name, ())}
     api = ensure_prefect_api()
     params = {"params": params_of(flow_name, cfg), **{k: v for k, v in flow_params.items() if v is not None}}
     try:
-        run = submit(flow_name, params, api, tags=run_tags(cfg.run, mode))
+        run = submit(flow_name, params, api, tags=run_tags(cfg.run, mode), **policy)
     except LookupError as exc:
         fail(str(exc))
     console.print(f"submitted {run.deployment} as flow run {run.name} ({run.id}): {run.url}")

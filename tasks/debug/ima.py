@@ -368,6 +368,11 @@ def _set_dotted(data: dict, dotted: str, raw: str) -> None:
     node[keys[-1]] = value
 
 
+# The RunConfig sections the reproducer (ima_repro.py) reads; a flow sends it these, so what it reads is what
+# the flow read (train: the teacher-forced scoring layout, with rollout.logprobs=teacher_forced).
+REPRO_SECTIONS = ("model", "data", "rollout", "train")
+
+
 def load_config_arg(text: str | None) -> dict:
     """Inline JSON, or a path to a JSON file; {} when None."""
     if not text:
