@@ -262,6 +262,7 @@ class MlflowSink(Sink):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.client = None
         self.run_id: str | None = None
+        self.logged: set[tuple[str, int]] = set()  # (key, step) points a continued run already holds
 
     def problem(self):
         return mlflow_problem(self.uri)
@@ -294,6 +295,13 @@ class MlflowSink(Sink):
             state["mlflow_run_id"] = run_id
         else:
             self.client.update_run(run_id, status="RUNNING")
+            # A kill can land after MLflow took a committed row and before tracking.json recorded it: the resume
+            # logs that row again, and MLflow would keep both copies (its points differ by timestamp).
+            self.logged = {
+                (key, point.step)
+                for key in self.client.get_run(run_id).data.metrics
+                for point in self.client.get_metric_history(run_id, key)
+            }
         self.run_id = run_id
         if params is not None:
             items = [Param(mlflow_key(k)[:250], str(v)[:6000]) for k, v in params.items()]
@@ -306,7 +314,11 @@ class MlflowSink(Sink):
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
-        items = [Metric(mlflow_key(k), v, stamp, step) for k, v in metrics.items()]
+        items = [
+            Metric(key, v, stamp, step)
+            for key, v in ((mlflow_key(k), v) for k, v in metrics.items())
+            if (key, step) not in self.logged
+        ]
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
 

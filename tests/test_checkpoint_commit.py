@@ -3,17 +3,20 @@
 A small trainer loop in a subprocess saves a checkpoint per iteration through
 `rollflow.tasks.train.checkpoint`; the fault hook kills it (SIGKILL) between the payload and the
 marker of checkpoint 3; the resumed loop takes checkpoint 2 and ends with the same weights as an
-uninterrupted run.
+uninterrupted run. The same kill through the product (issue 36 item 6): a real `rollflow train`, its whole
+session SIGKILLed while the trainer is held between payload and marker, then the same command again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,134 @@ def test_resume_from_config_and_cli_flag():
     from rollflow.flows.config import load_config
 
     assert load_config(None, ["resume_from=2"]).resume_from == 2
+
+
+# ---- through `rollflow train` -------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_cmd(root: Path, run: str, iterations: int, *sets: str) -> list[str]:
+    """`rollflow train` on the embedded default config, sized small; `sets`: more `--set` items (later win)."""
+    cmd = [sys.executable, "-m", "rollflow.flows.cli", "train"]
+    for item in (
+        f"run={run}",
+        f"iterations={iterations}",
+        f"store.root={root}",
+        "data.prompts_per_rollout=8",
+        "rollout.n_samples_per_prompt=2",
+        "train.num_steps_per_rollout=1",
+        *sets,
+    ):
+        cmd += ["--set", item]
+    return cmd
+
+
+def train_env(prefect_api: str, fault: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLFLOW_FAULT"}
+    env.update(PREFECT_API_URL=prefect_api, PYTHONUNBUFFERED="1")
+    if fault:
+        env["ROLLFLOW_FAULT"] = fault
+    return env
+
+
+def sigkill_at_held_checkpoint(cmd: list[str], env: dict[str, str], payload: Path, timeout: float = 300) -> str:
+    """Start `cmd` in its own session; once `payload` exists (the trainer, held by the fault hook, has written it
+    and will never write its marker), SIGKILL the whole session: driver, local Ray and actors. Returns the output."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not payload.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = proc.poll() is None
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate(timeout=60)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert alive and payload.exists(), f"never reached the held checkpoint:\n{output[-3000:]}"
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, output[-3000:])
+    return output
+
+
+def summary_of(stdout: str) -> dict:
+    return json.loads(stdout[stdout.index("{") : stdout.index("}") + 1])
+
+
+def checkpoint_state(root: Path, run: str, iteration: int) -> dict:
+    import torch
+
+    return torch.load(io.BytesIO(load_checkpoint(str(root), run, iteration)), weights_only=True)
+
+
+def assert_bitwise_equal(a, b, where: str = "") -> None:
+    """Nested dicts / lists of tensors and plain values: equal keys, tensors equal bit for bit (dtype included)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        # as raw bytes: torch.equal calls NaN unequal to itself and -0.0 equal to 0.0
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, sorted(map(str, a)), sorted(map(str, b)))
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.slow
+def test_rollflow_train_killed_between_payload_and_marker_resumes_from_previous(tmp_path, prefect_api):
+    """`rollflow train` SIGKILLed (driver, Ray, actors) with checkpoint 2's payload written and its marker not; the
+    same command again resumes from checkpoint 1, never reads the orphan payload, and ends with the weights (and
+    optimizer state) of a run that was never interrupted."""
+    import torch
+
+    root = tmp_path / "store"
+    reference = subprocess.run(
+        train_cmd(root, "straight", 3),
+        cwd=REPO,
+        env=train_env(prefect_api),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    assert checkpoint_status(str(root), "straight") == ([1, 2, 3], {})
+
+    cmd = train_cmd(root, "crash", 3)
+    folder = root / "crash" / "checkpoints" / "000002"
+    sigkill_at_held_checkpoint(cmd, train_env(prefect_api, "checkpoint-hold-before-marker:2"), folder / "trainer.pt")
+    assert not (folder / "meta.json").exists()
+    committed, skipped = checkpoint_status(str(root), "crash")
+    assert committed == [1] and "no commit marker" in skipped[2], (committed, skipped)
+    # Only payloads and markers: the kill left no temp file a later listing or load could trip on.
+    assert {p.name for p in (root / "crash" / "checkpoints").rglob("*") if p.is_file()} == {"trainer.pt", "meta.json"}
+    with pytest.raises(CheckpointError, match="no committed checkpoint 2 .*no commit marker"):
+        load_checkpoint(str(root), "crash", 2)
+    # The orphan holds what the trainer had after iteration 2, which a correct resume recomputes bit for bit; shift
+    # its weights so that a resume reading it (instead of recomputing) cannot end with the reference's weights.
+    orphan = torch.load(folder / "trainer.pt", weights_only=True)
+    orphan["model"] = {k: v + 1 if v.is_floating_point() else v for k, v in orphan["model"].items()}
+    torch.save(orphan, folder / "trainer.pt")
+
+    resumed = subprocess.run(cmd, cwd=REPO, env=train_env(prefect_api), capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = summary_of(resumed.stdout)
+    assert summary["resumed_from"] == 1 and summary["iterations"] == 3, summary
+    assert checkpoint_status(str(root), "crash") == ([1, 2, 3], {})
+    metrics = [json.loads(line) for line in (root / "crash" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+    for iteration in (1, 2, 3):
+        assert_bitwise_equal(
+            checkpoint_state(root, "crash", iteration),
+            checkpoint_state(root, "straight", iteration),
+            f"ckpt{iteration}",
+        )

@@ -324,6 +324,33 @@ def test_resume_logs_each_committed_step_once(tmp_path, problems):
     assert problems == []
 
 
+def test_a_kill_between_logging_and_the_tracking_state_logs_nothing_twice(tmp_path, monkeypatch, problems):
+    """SIGKILL after MLflow took a committed iteration's points but before tracking.json said so: the resume logs
+    those rows again, and MLflow must still hold each point once."""
+    from mlflow.tracking import MlflowClient
+
+    from rollflow.flows import reporting, tracking
+
+    cfg = tracked_config(tmp_path, "kill-window", backends=["mlflow"], iterations=3)
+    reporting.write_metrics(cfg, [{"iteration": i, "train/loss": float(i)} for i in (1, 2)])
+    for i in (1, 2):
+        reporting.record_train_steps(cfg, i, [{"loss": i + 0.1}, {"loss": i + 0.2}])
+    tracker = tracking.start_train(cfg, 0)
+    run_id = tracker.state["mlflow_run_id"]
+    tracking.log_committed(tracker, cfg, 1)
+    monkeypatch.setattr(tracker, "save_state", lambda: None)  # the kill lands here: tracking.json still says 1
+    tracking.log_committed(tracker, cfg, 2)
+    # nothing closes a SIGKILLed run's tracker
+
+    with tracking.start_train(cfg, 2) as resumed:
+        assert resumed.state["mlflow_run_id"] == run_id
+    client = MlflowClient(tracking_uri=tracking.mlflow_uri(cfg))
+    assert [(p.step, p.value) for p in client.get_metric_history(run_id, "train/loss")] == [(1, 1.0), (2, 2.0)]
+    assert [p.step for p in client.get_metric_history(run_id, "train_step/loss")] == [1, 2, 3, 4]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert problems == []
+
+
 def test_optimizer_loop_reports_each_step():
     """objective.minibatch_steps hands each optimizer step's statistics to `on_step`; their mean is train/*."""
     import torch
@@ -413,37 +440,58 @@ def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api,
 
 
 @pytest.mark.slow
-def test_kill_and_resume_keeps_one_mlflow_run_with_each_step_once(tmp_path, prefect_api, ray_local, problems):
+def test_sigkilled_rollflow_train_resumes_its_mlflow_run_with_each_step_once(tmp_path, prefect_api):
+    """`rollflow train` tracking to a local MLflow store, SIGKILLed (driver, Ray, actors) in iteration 3 with its
+    checkpoint's payload written and its marker not; the same command again continues the same MLflow run (the
+    run id kept in `{run}/tracking.json`), which ends FINISHED with one point per committed step and no gap."""
     from mlflow.tracking import MlflowClient
 
-    from rollflow.flows import tracking
-    from rollflow.flows.train import InjectedFault, rl_train
+    from tests.test_checkpoint_commit import REPO, sigkill_at_held_checkpoint, summary_of, train_cmd, train_env
 
-    # The first attempt dies right after iteration 2's committed checkpoint; the second resumes to 3.
-    cfg = tracked_config(tmp_path, "killed", backends=["mlflow"], iterations=3, debug={"fail_after_iteration": 2})
-    with pytest.raises(InjectedFault):
-        rl_train(cfg)
-    state = json.loads((tmp_path / "killed" / "tracking.json").read_text())
-    run_id = state["mlflow_run_id"]
-    uri = tracking.mlflow_uri(cfg)
-    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
-    logged = mlflow_steps(uri, run_id)  # the two committed iterations, and their four optimizer steps
+    root = tmp_path / "store"
+    cmd = train_cmd(
+        root,
+        "killed",
+        3,
+        'tracking.backends=["mlflow"]',
+        f"tracking.uri={tmp_path / 'mlruns'}",
+        "tracking.project=rollflow-test",
+        "train.num_steps_per_rollout=2",  # two optimizer steps per iteration: the step axis is checked too
+    )
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"  # what a folder as tracking.uri means (flows/tracking.py)
+    payload = root / "killed" / "checkpoints" / "000003" / "trainer.pt"
+    sigkill_at_held_checkpoint(cmd, train_env(prefect_api, "checkpoint-hold-before-marker:3"), payload)
+
+    run_id = json.loads((root / "killed" / "tracking.json").read_text())["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=uri)
+    # Nothing ran to end the run: MLflow shows it RUNNING, with the committed iterations only (iteration 3's row was
+    # in metrics.jsonl when the kill came, but its checkpoint never committed, so it was never logged).
+    assert client.get_run(run_id).info.status == "RUNNING"
+    logged = mlflow_steps(uri, run_id)
     assert sorted(s for s, keys in logged.items() if "train/loss" in keys) == [1, 2]
     assert sorted(s for s, keys in logged.items() if "train_step/loss" in keys) == [1, 2, 3, 4]
 
-    summary = rl_train(cfg)
-    assert summary["resumed_from"] == 2
-    assert json.loads((tmp_path / "killed" / "tracking.json").read_text())["mlflow_run_id"] == run_id
+    done = subprocess.run(cmd, cwd=REPO, env=train_env(prefect_api), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert summary_of(done.stdout)["resumed_from"] == 2
+    assert json.loads((root / "killed" / "tracking.json").read_text())["mlflow_run_id"] == run_id
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("rollflow-test").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id]
-    assert client.get_run(run_id).info.status == "FINISHED"
-    for key in client.get_run(run_id).data.metrics:
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rollflow.resumed_from"] == "2"
+    assert {"train/loss", "train_step/loss", "train_step/grad_norm"} <= set(run.data.metrics)
+    for key in run.data.metrics:
         # optimizer steps: 2 per iteration, numbered on across the resume (iteration 3's are 5 and 6)
         want = [1, 2, 3, 4, 5, 6] if key.startswith("train_step/") else [1, 2, 3]
-        assert [p.step for p in client.get_metric_history(run_id, key)] == want, key
-    assert "train_step/grad_norm" in client.get_run(run_id).data.metrics
-    assert problems == []
+        assert sorted(p.step for p in client.get_metric_history(run_id, key)) == want, key
+    # Each committed iteration's values as metrics.jsonl holds them: iteration 3's, logged after the resume,
+    # are those of its rerun, not of the killed attempt.
+    rows = {r["iteration"]: r for r in map(json.loads, (root / "killed" / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [1, 2, 3]
+    for point in client.get_metric_history(run_id, "train/loss"):
+        assert point.value == rows[point.step]["train/loss"]
 
 
 @pytest.mark.slow

@@ -7,8 +7,11 @@ single PUTs on S3 (the marker a conditional `If-None-Match: *` PUT). A crash bet
 a payload without a marker: not a checkpoint, and a resume takes the previous one. A marker that does
 not parse (written in place by older versions, cut by a kill) is skipped the same way and reported.
 
-Fault hook (tests, drills): ROLLFLOW_FAULT=checkpoint-before-marker[:ITERATION] kills the process
-(SIGKILL) right after the payload of a checkpoint (of that iteration) is written.
+Fault hooks (tests, drills), right after the payload of a checkpoint (of that iteration) is written:
+ROLLFLOW_FAULT=checkpoint-before-marker[:ITERATION] kills the writing process (SIGKILL);
+ROLLFLOW_FAULT=checkpoint-hold-before-marker[:ITERATION] parks the writer there for good, so a drill can SIGKILL the
+whole `rollflow train` (driver, local Ray, actors) with the payload written and the marker not (the writer is the
+trainer actor, a process of its own: killing only it would leave the driver to fail the run its own way).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import posixpath
 import signal
+import time
 
 from rollflow.artifacts.storage import open_fs, storage_errors
 from rollflow.artifacts.store import RolloutStore
@@ -57,8 +61,13 @@ def _rel(run: str, iteration: int, name: str) -> str:
 def _fault(point: str, iteration: int) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     name, _, at = spec.partition(":")
-    if name == point and (not at or int(at) == iteration):
+    hold = point.replace("checkpoint-", "checkpoint-hold-", 1)
+    if name not in (point, hold) or (at and int(at) != iteration):
+        return
+    if name == point:
         os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        time.sleep(3600)
 
 
 # A sharded trainer's checkpoint payload: it only names the format; the state is Megatron's distributed checkpoint
