@@ -20,6 +20,7 @@ from rollflow.flows.config import RunConfig
 from rollflow.flows.exports import dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, has_critic
 from rollflow.flows.mismatch_trend import SLOPE_METRIC, mismatch_trend_task, trend_with
+from rollflow.flows.prefect_ops.heartbeats import with_heartbeats
 from rollflow.flows.prefect_ops.naming import flow_run_name
 from rollflow.flows.prefect_ops.retrying import (
     STORAGE_RETRIES,
@@ -363,6 +364,7 @@ def pipeline_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef, trai
 
 
 @flow(name="rl_iteration", flow_run_name=flow_run_name("/iter-{rollout_id:04d}"))
+@with_heartbeats
 def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     """One RL iteration on rollout `rollout_id`; afterwards the engine holds weight version rollout_id + 1."""
     started = time.perf_counter()

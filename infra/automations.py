@@ -194,19 +194,13 @@ def prepare_flow_runs(api: str) -> str:
     heartbeats on for its flow runs and the crash-detection automation present (once per process and
     API; best effort: a server that refuses only costs the automatic Crashed state). Returns `api`."""
     import logging
-    import sys
 
     enable_heartbeats()
     if api in _prepared:
         return api
     _prepared.add(api)
-    if "prefect" in sys.modules:
-        from prefect.settings import get_current_settings
-
-        if get_current_settings().flows.heartbeat_frequency != int(os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]):
-            logging.getLogger("rollflow.automations").warning(
-                "prefect was imported before the heartbeat setting: run flows inside heartbeat_settings()"
-            )
+    # prefect imported before this (a Python-API user): its engine sends no heartbeats, and rollflow's flows send
+    # their own (flows/prefect_ops/heartbeats.py)
     try:
         ensure_crash_detection()
     except Exception as exc:  # noqa: BLE001 - the run itself must not fail for this

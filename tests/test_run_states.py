@@ -272,3 +272,110 @@ def test_ui_cancel_of_a_cli_run_ends_cancelled_and_stops_its_actors(server, ray_
             time.sleep(0.5)
     finally:
         _stop(proc)
+
+
+API_RUN = """
+import sys
+
+import prefect  # before rollflow: Prefect's settings are built with its own heartbeat default (the case this covers)
+
+from rollflow.flows.config import RunConfig
+from rollflow.flows.prefect_ops.heartbeats import prefect_beats_often_enough
+from rollflow.flows.train import rl_train
+
+print("PREFECT_BEATS_OFTEN_ENOUGH", prefect_beats_often_enough(), flush=True)
+root, address = sys.argv[1], sys.argv[2]
+rl_train(RunConfig.model_validate({
+    "run": "crash-api", "iterations": 200, "store": {"root": root}, "ray": {"address": address},
+    "data": {"prompts_per_rollout": 8}, "rollout": {"n_samples_per_prompt": 2},
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(540)
+def test_sigkill_of_rollflow_train_and_of_a_python_api_run_ends_their_runs_crashed(server, ray_local, tmp_path):
+    """The product path: `rollflow train` in a terminal, and rl_train called from a script that imported prefect
+    first (so Prefect beats at its own default, too rarely for the crash window); both stay Running past the
+    crash window while healthy, then both processes are SIGKILLed: the run and its running iteration end
+    Crashed through the crash-detection automation, nobody acting."""
+    import ray
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from rollflow.infra.automations import CRASH_AFTER_S
+    from rollflow.infra.workers import NAMESPACE
+
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, **OFFLINE, "PREFECT_API_URL": server, "RAY_AUTH_MODE": "disabled"}
+    env.pop("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)  # neither child gets heartbeats from the test
+    cli = [str(Path(sys.executable).with_name("rollflow")), "train"]
+    for item in (
+        "run=crash-cli",
+        "iterations=200",
+        f"store.root={tmp_path}",
+        f"ray.address={address}",
+        "data.prompts_per_rollout=8",
+        "rollout.n_samples_per_prompt=2",
+    ):
+        cli += ["--set", item]
+    procs = {
+        "crash-cli": subprocess.Popen(
+            cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        ),
+        "crash-api": subprocess.Popen(
+            [sys.executable, "-c", API_RUN, str(tmp_path), address],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        ),
+    }
+    try:
+        deadline = time.monotonic() + 240
+        for run, proc in procs.items():  # each run's loop is under way: an iteration committed
+            while not (tmp_path / run / "metrics.jsonl").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(1)
+
+        # healthy runs outlive the crash window: a run beating only at Prefect 3.9's default (180 s) would be
+        # marked Crashed CRASH_AFTER_S after its first beat while it still trains (the bug this covers)
+        def parents() -> dict:
+            with get_client(sync_client=True) as client:
+                return {
+                    run: client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run])))[0]
+                    for run in procs
+                }
+
+        # the first beat goes out when a run starts; the automation is evaluated every few seconds
+        latest_start = max(p.start_time.timestamp() for p in parents().values())
+        time.sleep(max(0.0, latest_start + CRASH_AFTER_S + 40 - time.time()))
+        for run, parent in parents().items():
+            assert parent.state.name == "Running", (run, parent.state.name, parent.state.message)
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        killed = time.monotonic()
+        out = procs["crash-api"].stdout.read()
+        assert "PREFECT_BEATS_OFTEN_ENOUGH False" in out, out  # the API run's 30 s beats are rollflow's own
+        with get_client(sync_client=True) as client:
+            runs = {
+                run: client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run)))
+                for run in procs
+            }
+        for run, found in runs.items():
+            running = [r for r in found if r.state and r.state.name == "Running"]
+            names = sorted(r.name for r in running)
+            assert run in names, (run, names)  # the run, and its iteration when the kill landed inside one
+            for flow_run in running:
+                state, _ = _wait_state(str(flow_run.id), {"Crashed"}, CRASH_AFTER_S + 90 - (time.monotonic() - killed))
+                assert "heartbeat" in (state.message or ""), state.message
+        print(f"both runs and their iterations Crashed {time.monotonic() - killed:.0f}s after the SIGKILL")
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == NAMESPACE and actor["name"].split(":")[0] in procs:
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))

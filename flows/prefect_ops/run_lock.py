@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Optional
 from uuid import UUID
 
+from rollflow.flows.prefect_ops.heartbeats import flow_heartbeats
+
 LEASE_S = 60.0  # Prefect's minimum lease
 RENEW_S = 15.0
 
@@ -176,7 +178,7 @@ def one_run_at_a_time(run_of: Callable[[Any], str] = lambda params: params.run):
     def wrap(fn):
         @functools.wraps(fn)
         def locked(params, *args, **kwargs):
-            with exclusive_run(run_of(params)):
+            with exclusive_run(run_of(params)), flow_heartbeats():
                 return fn(params, *args, **kwargs)
 
         # Prefect builds the parameter model from these: resolved types, since `fn`'s module globals (where its

@@ -1,0 +1,83 @@
+"""Heartbeats of a rollflow flow run even when Prefect's own are off.
+
+Crash detection (infra/automations.py) marks a flow run Crashed when no heartbeat follows the last one within
+CRASH_AFTER_S (90 s), so it needs beats every HEARTBEAT_S (30 s). The CLI sets `PREFECT_FLOWS_HEARTBEAT_FREQUENCY`
+before Prefect builds its settings; a Python-API user who imported prefect first gets Prefect's own default
+instead: none on older Prefect (a SIGKILLed run stayed Running for ever), 180 s on Prefect 3.9 (a healthy run
+marked Crashed 90 s after a beat). `flow_heartbeats()`, entered by each rollflow flow body, sends the same
+`prefect.flow-run.heartbeat` event every HEARTBEAT_S from a daemon thread unless Prefect already beats that
+often.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import threading
+import typing
+from typing import Iterator
+
+from rollflow.infra.automations import HEARTBEAT_EVENT, HEARTBEAT_S, prepare_flow_runs
+
+
+def prefect_beats_often_enough(interval_s: float = HEARTBEAT_S) -> bool:
+    from prefect.settings import get_current_settings
+
+    frequency = get_current_settings().flows.heartbeat_frequency
+    return frequency is not None and frequency <= interval_s
+
+
+@contextlib.contextmanager
+def flow_heartbeats(interval_s: float = HEARTBEAT_S) -> Iterator[bool]:
+    """Inside a flow run: heartbeats every `interval_s` until the block ends (yields whether this sends them)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx is not None else None
+    if run is None or prefect_beats_often_enough(interval_s):
+        yield False
+        return
+    from prefect.events import emit_event
+    from prefect.settings import get_current_settings
+
+    # the automation that reads these beats, created once per process and API (the CLI does it at start)
+    prepare_flow_runs(str(get_current_settings().api.url))
+    resource = {"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.name": run.name}
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                emit_event(event=HEARTBEAT_EVENT, resource=resource)
+            except Exception:  # noqa: BLE001 - a missed beat only delays crash detection
+                logging.getLogger("rollflow.heartbeats").debug("heartbeat not sent", exc_info=True)
+            if stop.wait(interval_s):
+                return
+
+    # in this context's copy: the API URL of a temporary settings context (tests, a second server) carries over
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(beat,), daemon=True, name=f"rollflow-heartbeat-{run.id}"
+    )
+    thread.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def with_heartbeats(fn):
+    """Decorator (under `@flow`) for a flow body that is not wrapped by `one_run_at_a_time` (sub-flows)."""
+
+    @functools.wraps(fn)
+    def beating(*args, **kwargs):
+        with flow_heartbeats():
+            return fn(*args, **kwargs)
+
+    # Prefect builds the parameter model from these: resolved in `fn`'s module, where its annotations live
+    beating.__annotations__ = typing.get_type_hints(fn)
+    beating.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+    return beating
