@@ -141,6 +141,17 @@ def _logs(flow_run_id) -> str:
     return "\n".join(entry.message for entry in logs)
 
 
+def _logs_with(flow_run_id, *needles: str, timeout: float = 20) -> str:
+    """The run's logs once they hold every needle (the last batch reaches the API after the final state), or
+    what there is after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = _logs(flow_run_id)
+        if all(n in logs for n in needles) or time.monotonic() > deadline:
+            return logs
+        time.sleep(1)
+
+
 def _task_runs(flow_run_id) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -269,7 +280,7 @@ def test_local_store_root_refused_in_a_pool_run_before_any_worker(cluster, api, 
     params["params"]["store"] = {"root": str(tmp_path / "runs")}
     run = _run_from_pool("rl_train", params, timeout=180)
     assert run.state.name == "Failed"
-    logs = _logs(run.id)
+    logs = _logs_with(run.id, "is a local path, but the Ray cluster", "store.shared_filesystem=true")
     assert "is a local path, but the Ray cluster" in logs and "store.shared_filesystem=true" in logs, logs
     assert not any(n.startswith("start-workers") for n in _task_names(run.id))
     assert not _actor_nodes(cluster, "cluster-local")
@@ -279,7 +290,7 @@ def test_unsatisfiable_placement_fails_in_seconds_naming_what_is_missing(cluster
     resources = {**DISAGGREGATED, "cpus_per_bundle": 4}  # nodes have 2 CPUs each: the totals suffice, no node does
     run = _run_from_pool("rl_train", _train_params(cluster, "cluster-big", resources, "disaggregated", 1), timeout=180)
     assert run.state.name == "Failed"
-    logs = _logs(run.id)
+    logs = _logs_with(run.id, "cannot be placed", "no node has CPU 4")
     assert "cannot be placed" in logs and "no node has CPU 4" in logs, logs
     seconds = (run.end_time - run.start_time).total_seconds()
     assert seconds < 30, seconds  # not a pending-forever placement group (create_placement_group waits 60 s)
