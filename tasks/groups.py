@@ -34,9 +34,11 @@ def identical_group_fraction(sequences: Sequence[Sequence[int]], group_size: int
 
 def identical_groups_warning(n_identical: int, n_groups: int, group_size: int) -> str:
     """One line for the log: how many groups are all-identical and what it likely means."""
+    # The rollout side does not know the estimator: say which ones get nothing from these groups (a critic, ppo,
+    # still learns from them), instead of calling every run's advantages GRPO's.
     line = (
-        f"{n_identical} of {n_groups} prompt groups have {group_size} identical samples: their GRPO "
-        "advantages are all 0"
+        f"{n_identical} of {n_groups} prompt groups have {group_size} identical samples: group-relative "
+        "estimators (grpo, gspo, rloo, reinforce_plus_plus_baseline) give them advantage 0"
     )
     if n_identical == n_groups:
         line += (

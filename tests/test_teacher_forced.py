@@ -322,6 +322,8 @@ def test_identical_groups_warn_and_count(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "6 of 6 prompt groups have 4 identical samples" in warnings[0]
     assert "its own seed" in warnings[0]
+    # it names the estimators that get nothing from such groups; a ppo (critic) run is not told "GRPO"
+    assert "group-relative estimators (grpo, gspo, rloo" in warnings[0] and "GRPO" not in warnings[0]
     for s in samples:
         s.reward = 0.0
     backend = build_backend(MODEL, OptimConfig(), temperature=1.0)
