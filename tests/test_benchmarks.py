@@ -28,11 +28,12 @@ def test_figure_summary_and_goals():
 
 
 def test_suite_selection_aliases_and_order():
-    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 8
+    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 9
     assert resolve_suites(None, "cuda") == ["rollout", "train", "sync"]
     assert resolve_suites(["3,io"], "cpu") == ["rollout", "artifact_io"]
     assert resolve_suites(["replay", "1"], "cpu") == ["orchestration", "replay"]
     assert resolve_suites(["8"], "cpu") == resolve_suites(["watchdog_cost"], "cpu") == ["watchdog"]
+    assert resolve_suites(["9"], "cpu") == ["cluster"]
     with pytest.raises(SystemExit):
         resolve_suites(["nope"], "cpu")
 
