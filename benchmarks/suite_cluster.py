@@ -67,14 +67,11 @@ def _params(cluster, run: str, iterations: int, resources: dict, **extra) -> dic
     }
 
 
-def _resources(cluster_module) -> dict[str, Any]:
-    return {
-        "num_gpus": 2,
-        "trainer_gpus": 1,
-        "num_engines": 1,
-        "gpus_per_engine": 1,
-        "gpu_resource": cluster_module.GPU_RESOURCE,
-    }
+def _resources() -> dict[str, Any]:
+    """Disaggregated: the trainer and the engine on one fake GPU each, so on different nodes of the cluster."""
+    from rollflow.infra.cluster import GPU_RESOURCE
+
+    return {"num_gpus": 2, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1, "gpu_resource": GPU_RESOURCE}
 
 
 def _submit(client, parameters: dict) -> Any:
@@ -168,14 +165,12 @@ def prefect_cost(ctx: BenchContext, res: SuiteResult, cluster) -> None:
 def cold_start(ctx: BenchContext, res: SuiteResult, cluster) -> None:
     from prefect.client.orchestration import get_client
 
-    from rollflow.infra import cluster as cl
-
     totals, pickup, startup, iteration = [], [], [], []
     with get_client(sync_client=True) as client:
         for _ in range(ctx.n(3, 1)):
             run = f"bench-cold-{uuid.uuid4().hex[:6]}"
             t0 = time.time()
-            created = _submit(client, _params(cluster, run, 2, _resources(cl), checkpoint_every=2))
+            created = _submit(client, _params(cluster, run, 2, _resources(), checkpoint_every=2))
             final = _wait_final(client, created.id)
             if final.state.name != "Completed":
                 raise RuntimeError(f"cold-start run {run} ended {final.state.name}: {final.state.message}")
@@ -221,7 +216,7 @@ def node_loss(ctx: BenchContext, res: SuiteResult, cluster) -> None:
     run = f"bench-loss-{uuid.uuid4().hex[:6]}"
     extra = {"watchdog": {"stall_s": 10.0, "probe_every": 0}, "checkpoint_every": 1}
     with get_client(sync_client=True) as client:
-        created = _submit(client, _params(cluster, run, 3, _resources(cl), **extra))
+        created = _submit(client, _params(cluster, run, 3, _resources(), **extra))
         deadline = time.monotonic() + 300
         while 1 not in list_checkpoints(cluster.store_root, run):
             if time.monotonic() > deadline:

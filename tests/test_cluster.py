@@ -115,21 +115,15 @@ def api(cluster):
                 os.environ[k] = v
 
 
-def _run_from_pool(flow_name: str, parameters: dict, timeout: float = 420):
-    """Create a run from `<flow>/pool` (the UI's Run call) and wait until it is final."""
+def _run_from_pool(flow_name: str, parameters: dict, timeout: float = 420, queue: str | None = None):
+    """Create a run from `<flow>/pool` (the UI's Run call), on work queue `queue` (the deployment's by default),
+    and wait until it is final."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name(f"{flow_name}/pool")
-        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters)
-        deadline = time.monotonic() + timeout
-        while True:
-            run = client.read_flow_run(run.id)
-            if run.state is not None and run.state.is_final():
-                return run
-            if time.monotonic() > deadline:
-                raise AssertionError(f"flow run {run.name} still {run.state.name if run.state else None}")
-            time.sleep(1)
+        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, work_queue_name=queue)
+    return _wait_final(run.id, timeout)
 
 
 def _logs(flow_run_id) -> str:
@@ -304,15 +298,6 @@ def _flow_params(cluster: cl.Cluster, flow_name: str, run: str, **extra) -> dict
     return {"run": run, **{k: v for k, v in sections.items() if k in SECTIONS[flow_name]}, **extra}
 
 
-def _run_on_queue(flow_name: str, deployment: str, parameters: dict, queue: str, timeout: float = 300):
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        dep = client.read_deployment_by_name(f"{flow_name}/{deployment}")
-        run = client.create_flow_run_from_deployment(dep.id, parameters=parameters, work_queue_name=queue)
-    return _wait_final(run.id, timeout)
-
-
 def _ray_drivers_from(cluster: cl.Cluster, ip: str) -> list[str]:
     """Ray jobs (drivers) that connected from `ip`, by the state API."""
     from ray.util.state import list_jobs
@@ -335,11 +320,10 @@ def test_replay_from_a_second_worker_host_is_cached_through_s3_without_ray(clust
         made = _run_from_pool("rollout_only", {"params": _flow_params(cluster, "rollout_only", source, iterations=2)})
         assert made.state.name == "Completed", _logs(made.id)
     replay = {"rollout_ids": [0, 1], "source_run": source}
-    first = _run_on_queue(
+    first = _run_from_pool(
         "replay_train",
-        "pool",
         {"params": _flow_params(cluster, "replay_train", _unique("replay-a")), **replay},
-        cl.DEFAULT_QUEUE,
+        queue=cl.DEFAULT_QUEUE,
     )
     assert first.state.name == "Completed", _logs(first.id)
     head_tasks = _task_runs(first.id)
@@ -356,11 +340,10 @@ def test_replay_from_a_second_worker_host_is_cached_through_s3_without_ray(clust
     name = cl.start_worker(cluster, "node2", "node2")
     try:
         drivers_before = _ray_drivers_from(cluster, cluster.hosts["node2"])
-        again = _run_on_queue(
+        again = _run_from_pool(
             "replay_train",
-            "pool",
             {"params": _flow_params(cluster, "replay_train", _unique("replay-b")), **replay},
-            "node2",
+            queue="node2",
         )
         logs = _logs(again.id)
         assert again.state.name == "Completed", logs

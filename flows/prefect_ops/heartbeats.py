@@ -77,7 +77,12 @@ def with_heartbeats(fn):
         with flow_heartbeats():
             return fn(*args, **kwargs)
 
-    # Prefect builds the parameter model from these: resolved in `fn`'s module, where its annotations live
-    beating.__annotations__ = typing.get_type_hints(fn)
-    beating.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
-    return beating
+    return keep_flow_signature(beating, fn)
+
+
+def keep_flow_signature(wrapper, fn):
+    """`wrapper` (a functools.wraps of `fn`) with `fn`'s resolved annotations and signature: Prefect builds a flow's
+    parameter model from these, and `fn`'s postponed annotations resolve only in `fn`'s own module."""
+    wrapper.__annotations__ = typing.get_type_hints(fn)
+    wrapper.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+    return wrapper

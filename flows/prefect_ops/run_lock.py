@@ -14,17 +14,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import inspect
 import os
 import socket
 import threading
 import time
-import typing
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Optional
 from uuid import UUID
 
-from rollflow.flows.prefect_ops.heartbeats import flow_heartbeats
+from rollflow.flows.prefect_ops.heartbeats import flow_heartbeats, keep_flow_signature
 
 LEASE_S = 60.0  # Prefect's minimum lease
 RENEW_S = 15.0
@@ -181,10 +179,6 @@ def one_run_at_a_time(run_of: Callable[[Any], str] = lambda params: params.run):
             with exclusive_run(run_of(params)), flow_heartbeats():
                 return fn(params, *args, **kwargs)
 
-        # Prefect builds the parameter model from these: resolved types, since `fn`'s module globals (where its
-        # postponed annotations live) are not this module's.
-        locked.__annotations__ = typing.get_type_hints(fn)
-        locked.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
-        return locked
+        return keep_flow_signature(locked, fn)
 
     return wrap
