@@ -10,6 +10,20 @@ Payload formats (recorded in the manifest's file entry and in the parquet key-va
 - 2 (`rollflow.samples/2`): token ids int32, written from Arrow columns; no dictionary pages or
   statistics on the per-token columns (random-access ids gain nothing from them and they cost most
   of the encode time). Both read into the same columns: readers cast format 1's int64 ids safely.
+
+Compression is per column and not part of the format (parquet records it per page, every reader
+decodes all of these). Since issue 37: token ids uncompressed (random-looking ids: zstd cost 16 ms per
+4M ids to save a third); log-probs byte-stream-split + lz4 (engines' float32 values stored as float64
+leave four zero bytes in each value, which the split lines up: 47% smaller for +12 ms per 3M values,
+where zstd cost +75 ms for 40%); everything else zstd (loss masks, runs of 0 / 1, and the scalar
+columns compress to almost nothing and cost little). Leaving the log-probs uncompressed too would
+have cost a 67M-token load 2.14x its columns in memory (the payload is held while it is decoded).
+Files written with zstd everywhere read the same.
+
+Also since issue 37 the per-token values are written as required (never null) parquet fields
+(`STORAGE_SCHEMA`): a reader then rebuilds each list from its repetition levels alone, which halved
+the decode. The columns read back as `SAMPLES_SCHEMA`'s (a metadata-only cast), also in readers
+from before (their safe cast of format 1's ids does it), so the format stays 2.
 """
 
 from __future__ import annotations
@@ -20,14 +34,34 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .columns import PER_TOKEN, SAMPLES_SCHEMA, SampleColumns
+from .columns import OPTIONAL, PER_TOKEN, SAMPLES_SCHEMA, SampleColumns
 from .errors import ArtifactSchemaError
 from .sample import Sample, Status
 
 PAYLOAD_FORMAT = "rollflow.samples/2"
 READABLE_FORMATS = frozenset({"rollflow.samples/1", PAYLOAD_FORMAT})
 CODEC_NAME = PAYLOAD_FORMAT.encode()
-_SCALARS = [f.name for f in SAMPLES_SCHEMA if f.name not in PER_TOKEN]
+_SCALARS = [f.name for f in SAMPLES_SCHEMA if f.name not in PER_TOKEN and f.name not in OPTIONAL]
+CODECS = {"tokens": "none", "rollout_log_probs": "lz4"}
+
+
+def _leaf(name: str) -> str:
+    # parquet names a list column's values "<name>.list.element" (pyarrow's compliant nested layout)
+    return f"{name}.list.element" if name in PER_TOKEN else name
+
+
+COMPRESSION = {_leaf(f.name): CODECS.get(f.name, "zstd") for f in SAMPLES_SCHEMA if f.name not in OPTIONAL}
+COMPRESSION["routed_experts.list.element.list.element.list.element"] = "zstd"
+BYTE_STREAM_SPLIT = [_leaf("rollout_log_probs")]
+
+
+def _required_values(field: pa.Field) -> pa.Field:
+    if field.name not in PER_TOKEN:
+        return field
+    return field.with_type(pa.list_(pa.field("element", field.type.value_type, nullable=False)))
+
+
+STORAGE_SCHEMA = pa.schema([_required_values(f) for f in SAMPLES_SCHEMA])
 
 __all__ = [
     "CODEC_NAME",
@@ -50,11 +84,23 @@ ROW_GROUP_BYTES = 16 << 20
 
 def columns_to_parquet(columns: SampleColumns) -> pa.Buffer:
     """Encode columns as one parquet file in Arrow memory (no Python `bytes` copy)."""
+    for name in PER_TOKEN:
+        # Columns are checked before they get here (`first_invalid`); a null value would otherwise
+        # reach a required parquet field.
+        if pc.list_flatten(columns.table.column(name)).null_count:
+            raise ArtifactSchemaError(f"column {name!r} contains null elements", field=name)
     sink = pa.BufferOutputStream()
-    table = columns.table.replace_schema_metadata({b"rollflow.codec": CODEC_NAME})
+    table = columns.table.cast(STORAGE_SCHEMA).replace_schema_metadata({b"rollflow.codec": CODEC_NAME})
     rows = max(1, int(ROW_GROUP_BYTES * len(columns) / max(1, columns.nbytes)))
     pq.write_table(
-        table, sink, compression="zstd", use_dictionary=_SCALARS, write_statistics=_SCALARS, row_group_size=rows
+        table,
+        sink,
+        compression=COMPRESSION,
+        use_byte_stream_split=BYTE_STREAM_SPLIT,
+        use_dictionary=_SCALARS,
+        write_statistics=_SCALARS,
+        row_group_size=rows,
+        use_compliant_nested_type=True,
     )
     return sink.getvalue()
 
@@ -98,6 +144,9 @@ def _conform(table: pa.Table) -> pa.Table:
     """`SAMPLES_SCHEMA`'s columns and types (safe casts of format 1 and of other writers' types)."""
     arrays = []
     for field in SAMPLES_SCHEMA:
+        if field.name in OPTIONAL and field.name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, field.type))
+            continue
         if field.name not in table.column_names:
             raise ArtifactSchemaError(
                 f"samples parquet has no column {field.name!r} (columns: {table.column_names}); "

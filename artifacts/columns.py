@@ -43,9 +43,14 @@ SAMPLES_SCHEMA = pa.schema(
         pa.field("weight_version", pa.int64(), nullable=False),
         pa.field("reward_key", pa.string(), nullable=True),
         pa.field("metadata", pa.string(), nullable=False),
+        # Optional (MoE routing replay): expert ids [tokens - 1][layers][top-k], int16; null when not
+        # recorded. Readers fill it with nulls in payloads written without it (same payload format).
+        pa.field("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16()))), nullable=True),
     ],
 )
 PER_TOKEN = ("tokens", "loss_mask", "rollout_log_probs")
+# Columns a payload may lack (older writers): read back as nulls.
+OPTIONAL = ("routed_experts",)
 _STATUS_VALUES = pa.array([s.value for s in Status])
 _JSON_TYPES_HINT = "use JSON types only (str, int, float, bool, None, list, dict with str keys)"
 
@@ -75,8 +80,8 @@ class SampleColumns:
 
     def __init__(self, table: pa.Table) -> None:
         if table.schema != SAMPLES_SCHEMA:
-            # Field metadata aside, the columns must be exactly the contract's.
-            table = pa.Table.from_arrays([table.column(f.name) for f in SAMPLES_SCHEMA], schema=SAMPLES_SCHEMA)
+            # Field metadata aside, the columns must be exactly the contract's (optional ones may be absent).
+            table = pa.Table.from_arrays([_column_or_nulls(table, f) for f in SAMPLES_SCHEMA], schema=SAMPLES_SCHEMA)
         self.table = table
         self._lists: dict[str, ListColumn] = {}
         self._chunks: list[tuple[int, SampleColumns]] | None = None
@@ -128,6 +133,45 @@ class SampleColumns:
     def numpy(self, name: str) -> np.ndarray:
         """A non-null scalar column (group_index, index, response_length, weight_version) as numpy."""
         return self.table.column(name).to_numpy()
+
+    def routed_experts(self, row: int) -> np.ndarray | None:
+        """Row `row`'s routed experts as int16 [tokens - 1, layers, k], or None when not recorded."""
+        cell = self.table.column("routed_experts").slice(row, 1).combine_chunks()
+        if not cell.is_valid()[0].as_py():
+            return None
+        tokens = cell.flatten()
+        layers = tokens.flatten()
+        flat = layers.flatten().to_numpy(zero_copy_only=False).astype(np.int16, copy=False)
+        if len(tokens) == 0 or len(layers) == 0:
+            return flat.reshape(len(tokens), 0, 0)
+        return flat.reshape(len(tokens), len(layers) // len(tokens), -1)
+
+    def routed_experts_rows(self) -> list[np.ndarray | None]:
+        """Every row's routed experts (as `routed_experts`), as zero-copy views of the column's buffers: one
+        pass over the offsets per chunk, no slice per row."""
+        out: list[np.ndarray | None] = []
+        for _, chunk in self.chunks():
+            column = chunk.table.column("routed_experts")
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            valid = array.is_valid().to_numpy(zero_copy_only=False)
+            # Three levels of offsets (rows -> tokens -> layers -> experts); each indexes its child's buffer.
+            tok = array.offsets.to_numpy()
+            lay = array.values.offsets.to_numpy()
+            exp = array.values.values.offsets.to_numpy()
+            values = array.values.values.values.to_numpy(zero_copy_only=False)
+            for i in range(len(array)):
+                if not valid[i]:
+                    out.append(None)
+                    continue
+                t0, t1 = int(tok[i]), int(tok[i + 1])
+                l0, l1 = int(lay[t0]), int(lay[t1])
+                rows, layers = t1 - t0, l1 - l0
+                flat = values[exp[l0] : exp[l1]]
+                if rows == 0 or layers == 0:
+                    out.append(flat.reshape(rows, 0, 0))
+                else:
+                    out.append(flat.reshape(rows, layers // rows, -1))
+        return out
 
     def status_is(self, status: Status) -> np.ndarray:
         return pc.equal(self.table.column("status"), status.value).to_numpy(zero_copy_only=False)
@@ -261,6 +305,7 @@ class SampleColumns:
                     weight_version=plain["weight_version"][i],
                     reward_key=plain["reward_key"][i],
                     metadata=_from_json(plain["metadata"][i], column="metadata", row=row, expected=dict),
+                    routed_experts=plain["routed_experts"][i],
                 )
             )
         return samples
@@ -307,6 +352,8 @@ class SampleColumns:
             scalars["weight_version"].append(sample.weight_version)
             scalars["reward_key"].append(sample.reward_key)
             scalars["metadata"].append(_to_json(sample.metadata, column="metadata", where=where))
+            routes = sample.routed_experts
+            scalars["routed_experts"].append(routes.tolist() if isinstance(routes, np.ndarray) else routes)
             lists["tokens"].append(sample.tokens)
             lists["loss_mask"].append(sample.loss_mask)
             lists["rollout_log_probs"].append(sample.rollout_log_probs)
@@ -368,8 +415,15 @@ class SampleColumns:
             "weight_version": pa.array(np.full(n, weight_version, dtype=np.int64)),
             "reward_key": pa.nulls(n, pa.string()),
             "metadata": repeat("{}", pa.string()),
+            "routed_experts": pa.nulls(n, SAMPLES_SCHEMA.field("routed_experts").type),
         }
         return cls(pa.Table.from_arrays([arrays[f.name] for f in SAMPLES_SCHEMA], schema=SAMPLES_SCHEMA))
+
+
+def _column_or_nulls(table: pa.Table, field: pa.Field):
+    if field.name in OPTIONAL and field.name not in table.column_names:
+        return pa.nulls(table.num_rows, field.type)
+    return table.column(field.name)
 
 
 # ----------------------------------------------------------------------------- per-row JSON fields

@@ -86,28 +86,31 @@ class ArtifactNotFound(ArtifactError, FileNotFoundError):
 
 
 class ArtifactCorrupt(ArtifactError):
-    """A payload file does not match the sha256/size its manifest recorded."""
+    """A payload file does not match the digest/size its manifest recorded (`algorithm`: the manifest's
+    integrity hash, "xxh3_128" from manifest schema 3 on, "sha256" before)."""
 
     def __init__(
         self,
         uri: str,
         *,
-        expected_sha256: str,
-        actual_sha256: str | None,
+        expected_digest: str,
+        actual_digest: str | None,
         expected_size: int,
         actual_size: int | None,
+        algorithm: str = "sha256",
     ) -> None:
         self.uri = uri
-        self.expected_sha256 = expected_sha256
-        self.actual_sha256 = actual_sha256
+        self.algorithm = algorithm
+        self.expected_digest = expected_digest
+        self.actual_digest = actual_digest
         self.expected_size = expected_size
         self.actual_size = actual_size
         if actual_size is None:
             found = "the file is missing"
         else:
-            found = f"found sha256={actual_sha256} size={actual_size}"
+            found = f"found {algorithm}={actual_digest} size={actual_size}"
         super().__init__(
-            f"checksum mismatch for {uri}: manifest expects sha256={expected_sha256} "
+            f"checksum mismatch for {uri}: manifest expects {algorithm}={expected_digest} "
             f"size={expected_size}, {found}. The artifact is damaged (partial copy, disk error or "
             "edited by hand); committed artifacts are never repaired in place: regenerate it "
             "(rerun the rollout into a new run or id) or restore the folder from a backup copy."
@@ -121,10 +124,11 @@ class ArtifactCorrupt(ArtifactError):
                 type(self),
                 (self.uri,),
                 {
-                    "expected_sha256": self.expected_sha256,
-                    "actual_sha256": self.actual_sha256,
+                    "expected_digest": self.expected_digest,
+                    "actual_digest": self.actual_digest,
                     "expected_size": self.expected_size,
                     "actual_size": self.actual_size,
+                    "algorithm": self.algorithm,
                 },
             ),
         )

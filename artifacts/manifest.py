@@ -1,8 +1,8 @@
 """The manifest: the small JSON document whose presence commits a rollout artifact.
 
 It records what was produced (run, split, rollout id, sample counts), by what (rollflow version and
-git sha, engine backend/model/weight version, config hash) and the sha256 + size of every payload
-file, so a load can prove it reads exactly what was written (docs/architecture.md section 5.2).
+git sha, engine backend/model/weight version, config hash) and the integrity digest + size of every
+payload file, so a load can prove it reads exactly what was written (docs/architecture.md section 5.2).
 """
 
 from __future__ import annotations
@@ -15,18 +15,30 @@ import subprocess
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from .digests import HEX_LENGTHS, SHA256, XXH3_128, is_hex_digest
 from .errors import ArtifactSchemaError
 
 # 1: payload files without a format (samples.parquet in payload format rollflow.samples/1).
 # 2: every file entry names its payload format (codec.py lists them); readers of 2 read 1 as well.
-SCHEMA_VERSION = 2
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+# 3: file entries record an xxh3-128 digest instead of sha256 (digests.py says why); readers verify either.
+SCHEMA_VERSION = 3
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3})
 # What a file entry without `format` (schema_version 1) holds.
 LEGACY_FORMATS = {"samples.parquet": "rollflow.samples/1"}
-
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# The one digest field each schema version's entries carry.
+DIGEST_FIELD = {1: SHA256, 2: SHA256, 3: XXH3_128}
 # Counts, ids and sizes are int64 in Arrow, numpy and torch: a larger value is damage, not data.
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
@@ -39,7 +51,9 @@ class FileEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    sha256: str
+    # Exactly one digest: sha256 up to schema_version 2, xxh3_128 from 3 on (DIGEST_FIELD).
+    sha256: str | None = None
+    xxh3_128: str | None = None
     size: Count
     # The payload's format version (e.g. "rollflow.samples/2"); None in schema_version 1 manifests.
     format: str | None = None
@@ -53,12 +67,39 @@ class FileEntry(BaseModel):
             raise ValueError(f"file name {value!r} must be a plain file name inside the artifact folder")
         return value
 
-    @field_validator("sha256")
+    @field_validator("sha256", "xxh3_128")
     @classmethod
-    def _hex_digest(cls, value: str) -> str:
-        if not _SHA256_RE.match(value):
-            raise ValueError(f"sha256 {value!r} is not 64 lowercase hex digits")
+    def _hex_digest(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not is_hex_digest(value, info.field_name):
+            raise ValueError(f"{info.field_name} {value!r} is not {HEX_LENGTHS[info.field_name]} lowercase hex digits")
         return value
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> "FileEntry":
+        if (self.sha256 is None) == (self.xxh3_128 is None):
+            raise ValueError(f"file {self.name!r} must record exactly one digest, sha256 or xxh3_128")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _only_its_digest(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The digest the entry does not use is left out, as its schema version's writer wrote it.
+        data = handler(self)
+        for key in (SHA256, XXH3_128):
+            if data.get(key, "") is None:
+                del data[key]
+        return data
+
+    @property
+    def integrity(self) -> tuple[str, str]:
+        """(algorithm, hex digest) that a load verifies."""
+        return (XXH3_128, self.xxh3_128) if self.xxh3_128 is not None else (SHA256, self.sha256 or "")
+
+    @property
+    def content_digest(self) -> str:
+        """The file's content identity for cache keys: the bare sha256 hex as before schema 3 (so keys of old
+        artifacts stay what they were), "xxh3_128:<hex>" from schema 3 on."""
+        algorithm, digest = self.integrity
+        return digest if algorithm == SHA256 else f"{algorithm}:{digest}"
 
 
 class ProducerInfo(BaseModel):
@@ -127,6 +168,13 @@ class Manifest(BaseModel):
             unnamed = [e.name for e in self.files if e.format is None]
             if unnamed:
                 raise ValueError(f"files {unnamed} name no payload format (schema_version {self.schema_version})")
+        # An entry verified with another schema's hash than its version's would mean a hand-edited manifest.
+        digest = DIGEST_FIELD[self.schema_version]
+        other = [e.name for e in self.files if getattr(e, digest) is None]
+        if other:
+            raise ValueError(
+                f"files {other} record no {digest} (schema_version {self.schema_version} records {digest})"
+            )
         return self
 
     def file(self, name: str) -> FileEntry:
@@ -188,7 +236,12 @@ def _missing_fields(raw: dict, version: int) -> list[str]:
     for key, model in (("producer", ProducerInfo), ("engine", EngineInfo)):
         if isinstance(raw.get(key), dict):
             missing += [f"{key}.{k}" for k in model.model_fields if k not in raw[key]]
-    entry_fields = [k for k in FileEntry.model_fields if version >= 2 or k != "format"]
+    digest = DIGEST_FIELD[version]
+    entry_fields = [
+        k
+        for k in FileEntry.model_fields
+        if (version >= 2 or k != "format") and (k == digest or k not in DIGEST_FIELD.values())
+    ]
     files = raw.get("files")
     for i, entry in enumerate(files if isinstance(files, list) else []):
         if isinstance(entry, dict):

@@ -11,6 +11,8 @@ by async runs stay readable by every existing reader, and slime's dumps import u
   from more than one version (a partial rollout continued under new weights); otherwise every token
   has the sample's `weight_version`.
 - `continued_from`: {"rollout_id", "index"} of the aborted sample a continued one grew from.
+- `waited_at_sync`: true on the samples of a cut group finished before the weight sync rather than continued
+  later (pipeline.stale_policy=wait: a continuation would have exceeded pipeline.max_staleness).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .sample import Sample
 FILTERED = "filtered"
 WEIGHT_VERSIONS = "weight_versions"
 CONTINUED_FROM = "continued_from"
+WAITED = "waited_at_sync"
 FILTER_REASONS = ("filter", "surplus", "aborted", "stale")
 
 
@@ -106,6 +109,9 @@ class PipelineStats:
     oldest_weight_version: int
     filtered_groups: dict[str, int]  # reason -> groups
     continued_samples: int
+    versions_per_sample_max: int = 1  # distinct weight versions in one trained sample (1: never continued)
+    dropped_samples: int = 0  # rows of groups marked `stale` (pipeline.stale_policy=drop)
+    waited_samples: int = 0  # rows finished before a sync instead of continued (pipeline.stale_policy=wait)
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -113,6 +119,9 @@ class PipelineStats:
             "pipeline/staleness_max": float(self.staleness_max),
             "pipeline/oldest_weight_version": float(self.oldest_weight_version),
             "pipeline/continued_samples": float(self.continued_samples),
+            "pipeline/versions_per_sample_max": float(self.versions_per_sample_max),
+            "pipeline/dropped_samples": float(self.dropped_samples),
+            "pipeline/waited_samples": float(self.waited_samples),
         }
         out.update(
             {
@@ -139,15 +148,20 @@ def pipeline_stats(columns: SampleColumns, trainer_version: int, group_size: int
     reasons: dict[str, int] = {}
     rows, metas = _metadata_rows(columns, FILTERED)
     seen_groups: set[int] = set()
+    dropped = 0
     for row, meta in zip(rows.tolist(), metas):
         reason = meta.get(FILTERED)
         group = row // max(1, group_size)
+        dropped += reason == "stale"
         if reason and group not in seen_groups:
             seen_groups.add(group)
             reasons[str(reason)] = reasons.get(str(reason), 0) + 1
-    total, count, worst, oldest = 0, 0, 0, None
+    _rows, metas = _metadata_rows(columns, WAITED)
+    waited = sum(1 for meta in metas if meta.get(WAITED))
+    total, count, worst, oldest, spans = 0, 0, 0, None, 1
     for row in np.flatnonzero(~mask).tolist():
         tokens = per_token.get(row) or [int(versions[row])] * int(lengths[row])
+        spans = max(spans, len(set(tokens)))
         for v in tokens:
             total += trainer_version - v
         count += len(tokens)
@@ -160,4 +174,7 @@ def pipeline_stats(columns: SampleColumns, trainer_version: int, group_size: int
         oldest_weight_version=int(oldest if oldest is not None else trainer_version),
         filtered_groups=reasons,
         continued_samples=continued,
+        versions_per_sample_max=spans,
+        dropped_samples=dropped,
+        waited_samples=waited,
     )

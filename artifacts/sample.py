@@ -52,6 +52,8 @@ class Sample:
     weight_version: int = 0
     reward_key: str | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # MoE routing replay: top-k expert ids [len(tokens) - 1][layers][k] (slime's rollout_routed_experts).
+    routed_experts: list[list[list[int]]] | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -24,6 +24,9 @@ Mapping (lossless in both directions):
   slime's ``"pending"`` has no rollflow counterpart: it imports as ``aborted`` with
   ``metadata["slime_status"] = "pending"`` and exports as ``"pending"`` again.
 - A non-string label (slime allows any) is stored as JSON text with ``metadata["slime_label_json"]``.
+- ``rollout_routed_experts`` (MoE routing replay: expert ids ``[len(tokens) - 1, layers, top-k]``, a
+  tensor or nested lists; slime's own numpy array is not plain data and is refused with the file) is
+  ``Sample.routed_experts``, the artifact's int16 column; export writes nested int lists back.
 
 Templates: `expand_template` fills ``{rollout_id}`` (``eval_{id}`` for the eval split, as slime);
 `discover_template_ids` globs a template through fsspec, so ``s3://`` templates work too.
@@ -43,6 +46,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from .codec import samples_to_parquet_bytes
+from .digests import hexdigest
 from .errors import ArtifactError, ArtifactNotFound, ArtifactSchemaError
 from .manifest import EngineInfo
 from .sample import Sample, Status
@@ -299,6 +303,9 @@ def slime_dict_to_sample(raw: dict[str, Any], *, position: int = 0, uri: str | N
         data["label"] = json.dumps(label)
         metadata[LABEL_JSON_KEY] = True
 
+    # MoE routing replay: slime's int32 [len(tokens) - 1, layers, top-k], rollflow's layout too (a None
+    # stays an extra field, so it round-trips as written).
+    routed = data.pop("rollout_routed_experts") if data.get("rollout_routed_experts") is not None else None
     index = data.pop("index", None)
     prompt = data.pop("prompt", None)
     known = {
@@ -315,6 +322,7 @@ def slime_dict_to_sample(raw: dict[str, Any], *, position: int = 0, uri: str | N
         "status": status,
         "weight_version": version,
         "reward_key": data.pop("reward_key", None),
+        "routed_experts": routed,
     }
     data.pop("weight_version", None)
     data.pop("response_length", None)
@@ -414,8 +422,8 @@ class SlimeImportConflict(ArtifactError, ValueError):
 SOURCE_SHA_KEY = "source_sha256"
 
 
-def _payload_sha(samples: Sequence[Sample]) -> str:
-    return hashlib.sha256(samples_to_parquet_bytes(list(samples))).hexdigest()
+def _payload_digest(samples: Sequence[Sample], algorithm: str) -> str:
+    return hexdigest(samples_to_parquet_bytes(list(samples)), algorithm)
 
 
 def import_slime_into_store(
@@ -452,11 +460,12 @@ def import_slime_into_store(
     if existing is not None:
         old = existing.extra.get(SOURCE_SHA_KEY)
         if old is None:  # imported before content addressing: compare what was stored
-            stored = {f.name: f.sha256 for f in existing.files}.get("samples.parquet")
-            # The payload's bytes depend on the codec's format version: compare the samples if they differ.
-            if stored == _payload_sha(samples) or store.load(run, split, rollout_id).samples == samples:
+            algorithm, stored = existing.file("samples.parquet").integrity
+            # The payload's bytes depend on the codec's version: compare the samples if they differ.
+            same = stored == _payload_digest(samples, algorithm)
+            if same or store.load(run, split, rollout_id).samples == samples:
                 return ref, False
-            old = f"unknown (payload sha256 {stored})"
+            old = f"unknown (payload {algorithm} {stored})"
         raise SlimeImportConflict(
             f"{source} (sha256 {digest}) differs from what run {run!r} imported as {split} rollout {rollout_id} "
             f"(sha256 {old}, from {existing.extra.get('imported_from', '?')}); refusing to use the old import: "
@@ -513,6 +522,10 @@ def sample_to_slime_dict(sample: Sample) -> dict[str, Any]:
     }
     out["weight_version"] = int(sample.weight_version)
     out["reward_key"] = sample.reward_key
+    if sample.routed_experts is not None:
+        out["rollout_routed_experts"] = [
+            [[int(e) for e in layer] for layer in token] for token in sample.routed_experts
+        ]
     for key, value in extra.items():
         out[key] = value  # back to top level, as slime had them (weight_versions included)
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib
 import shutil
 import sys
@@ -12,7 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.core import SCHEMA, BenchContext, default_out, git_sha, machine_info, print_report, versions, write_json
+from benchmarks.core import BenchContext, default_out, print_report, report_header, write_json
 
 # Canonical order: replay quotes the orchestration suite's iteration when both run.
 SUITES = {
@@ -25,6 +24,7 @@ SUITES = {
     "async": "benchmarks.suite_async",
     "watchdog": "benchmarks.watchdog_cost",
     "cluster": "benchmarks.suite_cluster",
+    "e2e": "benchmarks.suite_e2e",
 }
 ALIASES = {
     "1": "orchestration",
@@ -36,6 +36,8 @@ ALIASES = {
     "7": "async",
     "8": "watchdog",
     "9": "cluster",
+    "10": "e2e",
+    "end-to-end": "e2e",
     "watchdog_cost": "watchdog",
     "artifacts": "artifact_io",
     "io": "artifact_io",
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="NAME",
         help=f"suite to run (repeatable; default: all on CPU, {', '.join(GPU_SUITES)} on CUDA): "
-        f"{', '.join(SUITES)} or 1-9",
+        f"{', '.join(SUITES)} or 1-10",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer repeats (a smoke run)")
     ap.add_argument(
@@ -62,7 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per figure (default per suite)")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    ap.add_argument("--train-backends", default=None, help="comma list for the train suite (default torch,megatron)")
+    ap.add_argument(
+        "--train-backends",
+        default=None,
+        help="comma list for the train suite (default torch,megatron); the e2e suite trains with the first "
+        "(default megatron when installed, else torch)",
+    )
     ap.add_argument(
         "--threads",
         type=int,
@@ -70,6 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch threads on CPU (default 1, as RunConfig's rollout.threads / train.threads)",
     )
     ap.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp folder, removed)")
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="e2e suite: model shape, tiny (the built-in model) | small | 0.5b | 1.5b | 3b | 5b (default: 0.5b on "
+        "CUDA, tiny on CPU)",
+    )
     ap.add_argument("--no-table", action="store_true", help="skip the rich table (the JSON is still written)")
     ap.add_argument(
         "--cluster-state",
@@ -88,7 +101,7 @@ def resolve_suites(names: list[str] | None, device: str) -> list[str]:
         for name in raw.split(","):
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in SUITES:
-                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-9)")
+                raise SystemExit(f"unknown suite {name!r}; choose from {', '.join(SUITES)} (or 1-10)")
             if key not in chosen:
                 chosen.append(key)
     if "replay" in chosen and "orchestration" in chosen:  # replay quotes orchestration's iteration
@@ -127,21 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.cluster_state:
         ctx.options["cluster_state"] = args.cluster_state
+    if args.shape:
+        ctx.options["e2e_shape"] = args.shape
     if args.train_backends:
         ctx.options["train_backends"] = [b.strip() for b in args.train_backends.split(",") if b.strip()]
     started = time.perf_counter()
     out = args.out or default_out(device)
-    report: dict = {
-        "schema": SCHEMA,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "quick": args.quick,
-        "device": device,
-        "git_sha": git_sha(),
-        "machine": machine_info(),
-        "versions": versions(),
-        "suites": {},
-    }
+    command = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = report_header(command, device, quick=args.quick)
     try:
         for name in suites:
             print(f"[bench] {name} ...", file=sys.stderr, flush=True)

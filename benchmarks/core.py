@@ -14,8 +14,13 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 SCHEMA = "rollflow.bench/1"
 REPO = Path(__file__).resolve().parents[1]
@@ -92,6 +97,7 @@ class SuiteResult:
         self.figures: list[Figure] = []
         self.notes: list[str] = []
         self.unavailable: dict[str, str] = {}  # engine/backend/path -> why it did not run
+        self.data: dict[str, Any] = {}  # raw measurements behind the figures (e.g. every iteration's stages)
         self.error: Optional[str] = None
         self.elapsed_s: float = 0.0
 
@@ -135,6 +141,8 @@ class SuiteResult:
         }
         if self.unavailable:
             out["unavailable"] = self.unavailable
+        if self.data:
+            out["data"] = self.data
         if self.error:
             out["error"] = self.error
         return out
@@ -382,3 +390,56 @@ def default_out(device: str) -> Path:
 def write_json(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
+
+
+def report_header(command: str, device: str, **fields: Any) -> dict[str, Any]:
+    """What every report starts with: the command, the device, the code and the machine it ran on. `fields` come
+    after the device; `suites` is filled by the caller."""
+    return {
+        "schema": SCHEMA,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "device": device,
+        **fields,
+        "git_sha": git_sha(),
+        "machine": machine_info(),
+        "versions": versions(),
+        "suites": {},
+    }
+
+
+def run_standalone(
+    name: str, title: str, workdir: Optional[Path], prefix: str, fn: Callable[[Path, SuiteResult], T]
+) -> tuple[SuiteResult, Optional[T]]:
+    """One suite run by its own script (a GPU benchmark without the suite runner): `fn(workdir, suite)` in
+    `workdir` (kept) or a temporary folder (removed). A failure is recorded in `suite.error` with its traceback
+    printed: what was measured before it stays in the suite."""
+    suite = SuiteResult(name, title)
+    started = time.perf_counter()
+    result: Optional[T] = None
+    try:
+        if workdir is not None:
+            workdir.mkdir(parents=True, exist_ok=True)
+            result = fn(workdir, suite)
+        else:
+            with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+                result = fn(Path(tmp), suite)
+    except Exception as exc:  # noqa: BLE001 - the JSON keeps what was measured before the failure
+        traceback.print_exc()
+        suite.error = f"{type(exc).__name__}: {exc}"
+    suite.elapsed_s = time.perf_counter() - started
+    return suite, result
+
+
+def finish_report(report: dict[str, Any], suite: SuiteResult, out: Path, *, table: bool = True) -> None:
+    """Add the suite and its time to the report, write the JSON, print the table (rich is not on every GPU box:
+    without it the JSON has it all)."""
+    report["suites"][suite.name] = suite.to_dict()
+    report["elapsed_s"] = round(suite.elapsed_s, 1)
+    write_json(report, out)
+    if table:
+        try:
+            print_report(report)
+        except ImportError:
+            pass
+    print(f"wrote {out}", file=sys.stderr)

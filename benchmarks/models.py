@@ -44,6 +44,35 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         rope_theta=1_000_000.0,
     ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1_000_000.0,
+    ),
+    "qwen2.5-3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1_000_000.0,
+    ),
+    # Qwen2.5-7B's layers, 20 of its 28, tied embeddings (qwen2() ties them): ~5.2B parameters, sized so the
+    # trainer's full state (~18 bytes per parameter with Megatron's optimizer) leaves the engine room on one H200.
+    "qwen2.5-7b-20l": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=20,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        rope_theta=1_000_000.0,
+    ),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -30,14 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.core import (  # noqa: E402
-    SCHEMA,
     SuiteResult,
-    git_sha,
-    machine_info,
     print_report,
     ratios,
+    report_header,
     sync_device,
-    versions,
     write_json,
 )
 
@@ -208,18 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (
         Path(__file__).resolve().parent / "results" / f"{prefix}-teacher-forced-{_dt.date.today().isoformat()}.json"
     )
-    report = {
-        "schema": SCHEMA,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/teacher_forced_logprobs.py " + " ".join(argv or sys.argv[1:]),
-        "quick": False,
-        "device": args.device,
-        "git_sha": git_sha(),
-        "machine": machine_info(),
-        "versions": versions(),
-        "suites": {"teacher_forced": res.to_dict()},
-        "elapsed_s": round(res.elapsed_s, 1),
-    }
+    command = "python benchmarks/teacher_forced_logprobs.py " + " ".join(argv or sys.argv[1:])
+    report = report_header(command, args.device, quick=False)
+    report["suites"]["teacher_forced"] = res.to_dict()
+    report["elapsed_s"] = round(res.elapsed_s, 1)
     write_json(report, out)
     if not args.no_table:
         print_report(report)

@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
 from rollflow.flows.params import BisectParams
+from rollflow.flows.prefect_ops.heartbeats import with_heartbeats
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.tasks.debug.ima import (
     COREDUMP,
@@ -126,6 +127,7 @@ def _uri(fs, path: str, local: bool) -> str:
 
 
 @flow(name="ima_bisect", flow_run_name=flow_run_name("/bisect"))
+@with_heartbeats
 def ima_bisect(
     params: BisectParams,
     crash_when: str | None = None,  # type: ignore[valid-type]

@@ -21,12 +21,14 @@ from pydantic import (
 
 from rollflow.artifacts.store import validate_run
 from rollflow.infra.placement import ResourcesConfig, plan_placement
+from rollflow.tasks.model.source import MOE_MODEL_TYPES, model_type_of
 from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.rollout.pipeline_settings import PipelineConfig
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
-from rollflow.tasks.rollout.sglang.config import colocated_mem_fraction
+from rollflow.tasks.rollout.sglang.config import check_lora_adapter_sync, colocated_mem_fraction
 from rollflow.tasks.rollout.sglang.from_config import engine_dtype
-from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.lora import PEFT_MISSING, peft_available
+from rollflow.tasks.train.settings import LORA_BACKEND_REFUSED, AlgoConfig, LoraSettings, OptimConfig
 
 
 class _Strict(BaseModel):
@@ -34,7 +36,15 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    path: str = Field("builtin:addition", description="'builtin:addition' or a local HF model directory")
+    path: str = Field(
+        "builtin:addition",
+        description="'builtin:addition', 'builtin:addition-moe' (tiny Qwen3-MoE) or a local HF model directory",
+    )
+    lora: Optional[LoraSettings] = Field(
+        None,
+        description="train low-rank adapters on the frozen model (torch backend, peft; extra 'lora'); "
+        "None = full fine-tuning. Engines receive the merged weights",
+    )
 
 
 def reject_credentials(value: Optional[str], field: str) -> Optional[str]:
@@ -361,6 +371,11 @@ class RunConfig(_Strict):
             raise ValueError("algo.advantage_estimator='rloo' needs rollout.n_samples_per_prompt >= 2")
         if self.algo.advantage_estimator == "ppo":
             _check_ppo(self)
+        elif self.resources.critic_gpus:
+            raise ValueError(
+                f"resources.critic_gpus={self.resources.critic_gpus} only applies to algo.advantage_estimator='ppo' "
+                "(its critic); leave it at 0"
+            )
         self._notices.extend(n for n in self.algo.implied if n not in self._notices)
         if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_norm_constant is None:
             # Dr. GRPO divides by the generation budget, a constant, not by the batch's padded width.
@@ -372,7 +387,11 @@ class RunConfig(_Strict):
     def _resources_and_sglang(self) -> "RunConfig":
         # The GPU budget fails here, at config time, with the arithmetic (infra/placement.py).
         plan_placement(
-            self.placement, self.resources, train=not self.debug.rollout_only, rollout=not self.debug.train_only
+            self.placement,
+            self.resources,
+            train=not self.debug.rollout_only,
+            rollout=not self.debug.train_only,
+            critic=self.algo.advantage_estimator == "ppo",
         )
         if self.rollout.engine != "sglang" and self.resources.num_engines > 1:
             raise ValueError(
@@ -451,6 +470,16 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _lora(self) -> "RunConfig":
+        _check_lora(self)
+        return self
+
+    @model_validator(mode="after")
+    def _moe(self) -> "RunConfig":
+        _check_moe(self)
+        return self
+
+    @model_validator(mode="after")
     def _pipeline(self) -> "RunConfig":
         _check_pipeline(self)
         return self
@@ -500,21 +529,86 @@ def _sglang_dtype_and_memory(cfg: RunConfig) -> None:
 
 
 def _check_ppo(cfg: RunConfig) -> None:
-    """ppo runs a critic actor beside the trainer (flows/group.py); what this build cannot run with it."""
+    """ppo runs a critic actor beside the trainer (flows/group.py); what this build cannot run with it.
+
+    The critic is a torch model in its own actor whatever train.backend says (docs/architecture.md section
+    8): it needs no log-prob alignment with the engine and no weight sync, so the megatron policy
+    trainer and a GPU placement take it as it is (resources.critic_gpus places it)."""
+    if cfg.debug.train_only and cfg.debug.load_debug_rollout_data_subsample is not None:
+        raise ValueError(
+            "algo.advantage_estimator='ppo' cannot replay a subsample "
+            f"(debug.load_debug_rollout_data_subsample={cfg.debug.load_debug_rollout_data_subsample}): the "
+            "critic's GAE covers whole rollouts; drop the subsample"
+        )
+    if cfg.resources.critic_gpus and not cfg.resources.uses_gpus:
+        raise ValueError(
+            "resources.critic_gpus=1 without GPUs (resources.num_gpus=0): ppo's critic then runs on "
+            "train.device; set resources.critic_gpus=0 or give the run GPUs"
+        )
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """model.lora: what the LoRA trainer (tasks/train/lora_backend.py) cannot do, and peft present where it trains;
+    rollout.sglang.lora_sync=adapter: what SGLang's LoRA adapter API needs."""
+    sg = cfg.rollout.sglang
+    if sg.lora_sync == "adapter":
+        _check_lora_adapter_sync(cfg)
+    if cfg.model.lora is None:
+        return
     if cfg.train.backend != "torch":
+        raise ValueError(LORA_BACKEND_REFUSED)
+    if cfg.rollout.logprobs == "teacher_forced":
         raise ValueError(
-            f"algo.advantage_estimator='ppo' needs train.backend='torch' (got {cfg.train.backend!r}): "
-            "the critic and GAE run on the torch backend only; set train.backend=torch"
+            "model.lora with rollout.logprobs='teacher_forced': the engine scores with merged weights and the "
+            "trainer with W x + B A x, so log-probs cannot be bitwise equal; set rollout.logprobs='engine'"
         )
-    if cfg.resources.num_gpus > 0:
-        raise ValueError(
-            "algo.advantage_estimator='ppo' does not run with resources.num_gpus > 0 yet: the critic "
-            "actor has no GPU bundle in the placement plan; set resources.num_gpus=0 (CPU)"
+    if not cfg.debug.rollout_only and not peft_available():
+        raise ValueError(PEFT_MISSING)
+    if cfg.rollout.engine == "sglang" and sg.lora_sync == "merged":
+        cfg._notices.append(
+            "model.lora with rollout.engine='sglang': the engines get merged weights through "
+            "rollout.sglang.weight_sync; rollout.sglang.lora_sync=adapter sends only the adapter "
+            "(SGLang's LoRA adapter API)"
         )
-    if cfg.debug.train_only:
+
+
+def _check_lora_adapter_sync(cfg: RunConfig) -> None:
+    notice = check_lora_adapter_sync(cfg.rollout.sglang, cfg.model.lora, cfg.rollout.engine, cfg.placement)
+    cfg._notices.append(notice)
+
+
+def _check_moe(cfg: RunConfig) -> None:
+    """MoE models run on the hf engine and the torch trainer; routing replay needs an MoE model there."""
+    model_type = model_type_of(cfg.model.path)
+    moe = model_type in MOE_MODEL_TYPES
+    if moe and cfg.train.backend == "megatron" and not cfg.debug.rollout_only:
         raise ValueError(
-            "algo.advantage_estimator='ppo' cannot replay (debug.train_only / load_debug_rollout_data): "
-            "replay_train starts no critic; replay with another estimator, or train ppo with rl_train"
+            f"model.path={cfg.model.path!r} is an MoE model ({model_type}): the megatron backend has no HF "
+            "conversion of its experts yet; set train.backend='torch'"
+        )
+    if not cfg.algo.routing_replay:
+        return
+    if not moe:
+        raise ValueError(
+            f"algo.routing_replay=true needs an MoE model; model.path={cfg.model.path!r} is "
+            f"{model_type or 'not readable'!r}: set algo.routing_replay=false"
+        )
+    if cfg.rollout.engine != "hf" or cfg.train.backend != "torch":
+        raise ValueError(
+            "algo.routing_replay=true runs on rollout.engine='hf' with train.backend='torch' (got "
+            f"{cfg.rollout.engine!r} / {cfg.train.backend!r}); set those or algo.routing_replay=false"
+        )
+    if cfg.rollout.function != "single_turn":
+        raise ValueError(
+            f"algo.routing_replay=true records routes in the single_turn rollout only; rollout.function="
+            f"{cfg.rollout.function!r} builds its samples itself; set rollout.function='single_turn'"
+        )
+    static = cfg.rollout.static_cache
+    if static is True or (static == "auto" and _device_type(cfg.rollout.device) == "cuda"):
+        raise ValueError(
+            "algo.routing_replay=true records routes in transformers' generate, not the static-cache decoder "
+            f"(rollout.static_cache={static!r} on rollout.device={cfg.rollout.device!r}); "
+            "set rollout.static_cache=false"
         )
 
 
@@ -531,18 +625,57 @@ def _check_pipeline(cfg: RunConfig) -> None:
             "algo.advantage_estimator='ppo' scores whole rollouts with its critic; it cannot drop filtered "
             "groups: set pipeline.partial_rollout=false and pipeline.dynamic_sampling.enabled=false"
         )
+    _resolve_off_policy_correction(cfg)
+    if pipe.stale_policy == "wait" and not pipe.partial_rollout:
+        # 'drop' is the default, which a form or a dump carries whether or not the user chose it: no notice for it
+        cfg._notices.append(
+            f"pipeline.stale_policy={pipe.stale_policy!r} has nothing to act on without partial rollouts: the "
+            f"lock-step queue never holds a sample older than pipeline.max_staleness={pipe.max_staleness} (the "
+            "generator waits for the trainer); it applies to cut groups when pipeline.partial_rollout=true"
+        )
     if not pipe.pipelined:
         return
+    if cfg.debug.train_only:
+        # A replay trains on the async run's committed rollouts, as the run trained on them: its config (and so its
+        # off-policy correction) is the run's; only the pipelining has nothing to do.
+        cfg._notices.append(
+            f"pipeline.max_staleness={pipe.max_staleness} has no effect in a replay (no engine); its off-policy "
+            f"correction (algo.use_tis={cfg.algo.use_tis}) is kept, so the replay trains as the run did"
+        )
+        return
+    if cfg.watchdog.trend_window and not cfg.watchdog.probe_every:
+        cfg._notices.append(
+            f"pipeline.max_staleness={pipe.max_staleness} with watchdog.probe_every=0: an async run's mismatch "
+            "trend follows the post-sync probe (its train/rollout gap holds the policy's own move), so the trend "
+            "check sees nothing; set watchdog.probe_every >= 1 to keep it"
+        )
     if cfg.placement == "colocate":
         raise ValueError(
             f"pipeline.max_staleness={pipe.max_staleness} needs placement='disaggregated': colocated "
             "engines and trainer share GPUs and cannot run at the same time; set placement=disaggregated "
             "or pipeline.max_staleness=0"
         )
-    if cfg.debug.rollout_only or cfg.debug.train_only:
+    if cfg.debug.rollout_only:
         raise ValueError(
             f"pipeline.max_staleness={pipe.max_staleness} pipelines generate and train; debug.rollout_only "
-            "/ debug.train_only run one of them; set pipeline.max_staleness=0"
+            "runs generation alone; set pipeline.max_staleness=0"
+        )
+
+
+def _resolve_off_policy_correction(cfg: RunConfig) -> None:
+    """algo.use_tis unset: on for an off-policy run (its tokens come from weights up to max_staleness versions
+    old), off otherwise; the notice names what was taken."""
+    algo, pipe = cfg.algo, cfg.pipeline
+    if algo.use_tis is not None:
+        return
+    on = pipe.pipelined and not algo.use_rollout_logprobs
+    algo.use_tis = on
+    if on:
+        cfg._notices.append(
+            f"algo.use_tis=true (pipeline.max_staleness={pipe.max_staleness}: tokens up to {pipe.max_staleness} "
+            f"weight version{'s' if pipe.max_staleness > 1 else ''} old): importance weights against the engine's "
+            f"log-probs, algo.tis_level={algo.tis_level!r}, algo.tis_mode={algo.tis_mode!r}, "
+            f"algo.tis_upper_bound={algo.tis_upper_bound:g}; set algo.use_tis=false to train without them"
         )
 
 

@@ -20,7 +20,7 @@ from rollflow.artifacts.store import ArtifactRef, RolloutStore
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
 from rollflow.flows.exports import copy_to_dump, dump_uri, side_exports
-from rollflow.flows.group import WorkerGroup, connect_ray
+from rollflow.flows.group import WorkerGroup, connect_ray, has_critic
 from rollflow.flows.iteration import committed_or_generate, eval_metrics
 from rollflow.flows.params import ReplayParams, RolloutParams
 from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
@@ -29,6 +29,7 @@ from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.preflight import model_vocab_size, parse_ids  # noqa: F401 - parse_ids re-exported
 from rollflow.tasks.rollout.evaluation import eval_summary
 from rollflow.tasks.train.checkpoint import state_exists
+from rollflow.tasks.train.critic_worker import CRITIC_PAYLOAD
 
 
 @flow(
@@ -133,6 +134,7 @@ def start_replay_workers(cfg: RunConfig) -> None:
     group = WorkerGroup.for_run(cfg)
     group.start_placement()  # GPUs only (resources.num_gpus > 0); released by stop_all
     group.start_trainer(None)
+    group.start_critic(None)  # ppo only: its state follows the trainer's from step to step
 
 
 @task(name="start-workers", cache_policy=NO_CACHE)
@@ -167,9 +169,10 @@ def replay_keys(cfg: RunConfig, store: RolloutStore, refs: list[ArtifactRef]) ->
     return keys
 
 
-def cached_step(store: RolloutStore, key: str, result_storage) -> bool:
-    """Whether step `key` is a cache hit: its Prefect result and its resulting trainer state both exist."""
-    if not state_exists(replay_cache_uri(store, key)):
+def cached_step(store: RolloutStore, key: str, result_storage, *, critic: bool = False) -> bool:
+    """Whether step `key` is a cache hit: its Prefect result and its resulting trainer (and ppo critic) state
+    exist."""
+    if not states_exist(store, key, critic=critic):
         return False
     from prefect.results import get_result_store
 
@@ -190,14 +193,24 @@ def replay_train_task(
     """Train on one pinned artifact from a fixed starting state; cached on `cache_key`. The train metrics, plus
     each optimizer step's statistics under STEPS_KEY (cached with them, so a cache hit still charts its steps)."""
     trainer = replay_trainer(cfg)
+    critic = None
+    if has_critic(cfg):
+        # The critic restarts where the trainer does (the previous step's states), so the step's GAE is the run's.
+        critic = WorkerGroup.for_run(cfg).critic()
+        critic.restore(critic_state_of(start_state_uri) if start_state_uri else None)
+    reward_key = cfg.rollout.reward_key_for(ref.split)
     metrics = trainer.replay_step(
         ref,
         start_state_uri=start_state_uri,
         out_state_uri=out_state_uri,
         subsample=cfg.debug.load_debug_rollout_data_subsample,
         dump_uri=dump_uri(cfg, ref.rollout_id),
-        reward_key=cfg.rollout.reward_key_for(ref.split),
+        reward_key=reward_key,
+        critic=critic.estimate(ref, reward_key) if critic else None,
     )
+    if critic is not None:
+        metrics |= critic.update().result()
+        critic.save_state(critic_state_of(out_state_uri))
     return metrics | {STEPS_KEY: trainer.train_steps()}
 
 
@@ -205,6 +218,16 @@ def replay_cache_uri(store: RolloutStore, key: str) -> str:
     """Where a replay step's resulting trainer state lives: by cache key, not by run name, so an identical
     replay under another run name reuses it."""
     return store.path_uri(f"_replay_cache/{key}/trainer.pt")
+
+
+def critic_state_of(trainer_state_uri: str) -> str:
+    """ppo: the critic's state of a replay step, beside its trainer state."""
+    return trainer_state_uri.rsplit("/", 1)[0] + "/" + CRITIC_PAYLOAD
+
+
+def states_exist(store: RolloutStore, key: str, *, critic: bool) -> bool:
+    uri = replay_cache_uri(store, key)
+    return state_exists(uri) and (not critic or state_exists(critic_state_of(uri)))
 
 
 def replay_result_storage(cfg: RunConfig):
@@ -229,9 +252,10 @@ def replay_result_storage(cfg: RunConfig):
 
 
 def artifact_digest(store: RolloutStore, ref: ArtifactRef) -> str:
-    """Identity of an artifact's content: its payload checksums (not where it is stored)."""
+    """Identity of an artifact's content: its payload digests (not where it is stored); an old artifact's
+    (sha256) identity is what it was before manifests recorded xxh3-128."""
     manifest = store.manifest(ref.run, ref.split, ref.rollout_id)
-    files = sorted((f.name, f.sha256) for f in manifest.files)
+    files = sorted((f.name, f.content_digest) for f in manifest.files)
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:24]
 
 
@@ -345,7 +369,8 @@ def replay_train(
         result_storage = replay_result_storage(cfg)
         keys = replay_keys(cfg, store, refs)
         # The cache is consulted before any worker exists: an all-hit replay starts no Ray and no trainer.
-        all_cached = use_cache and all(cached_step(store, key, result_storage) for key in keys)
+        ppo = has_critic(cfg)
+        all_cached = use_cache and all(cached_step(store, key, result_storage, critic=ppo) for key in keys)
         # UI cancel of a CLI `rollflow replay`: stop the trainer (if one was started), end Cancelled.
         with actors_running(lambda: WorkerGroup.for_run(cfg).stop_all() if _ray_started() else None) as watcher:
             if not all_cached:
@@ -356,7 +381,8 @@ def replay_train(
                 copy_to_dump(cfg, store, art)
                 out_state = replay_cache_uri(store, key)
                 reporting.stage("train")
-                options: dict = {} if use_cache and state_exists(out_state) else {"refresh_cache": True}
+                hit = use_cache and states_exist(store, key, critic=ppo)
+                options: dict = {} if hit else {"refresh_cache": True}
                 if result_storage is not None:
                     options["result_storage"] = result_storage
                 state = replay_train_task.with_options(**options)(

@@ -97,7 +97,11 @@ class WorkerGroup:
         plan = None
         if uses_placement(cfg):
             plan = plan_placement(
-                cfg.placement, cfg.resources, train=not cfg.debug.rollout_only, rollout=not cfg.debug.train_only
+                cfg.placement,
+                cfg.resources,
+                train=not cfg.debug.rollout_only,
+                rollout=not cfg.debug.train_only,
+                critic=has_critic(cfg),
             )
             plan = None if plan.empty else plan
         return cls(cfg, plan)
@@ -291,6 +295,8 @@ class WorkerGroup:
         named = weights.ref if isinstance(weights, Pending) else weights  # a ref goes trainer -> engine directly
         if cfg.rollout.logprobs == "teacher_forced":
             extra["scoring"] = cfg.scoring_layout()  # the engine rescoring like the trainer (bitwise log-probs)
+        if cfg.algo.routing_replay:
+            extra["record_routes"] = True  # MoE routing replay: every sample carries its experts
         worker_cls = StaleServingWorker if cfg.debug.serve_stale else RolloutWorker  # a fault drill (docs/checks.md)
         return EngineClient(
             start_actor(
@@ -362,6 +368,8 @@ class WorkerGroup:
                 extra["dp"] = dp
             if cfg.debug.slow_train_s:
                 extra["slow_train_s"] = cfg.debug.slow_train_s
+            if cfg.model.lora is not None:
+                extra["lora"] = cfg.model.lora
             ranks.append(
                 start_actor(
                     cfg.run,
@@ -393,11 +401,12 @@ class WorkerGroup:
 
     def start_critic(self, resume_iteration: int | None) -> CriticClient | None:
         """ppo's critic actor (None for other estimators): the policy's base model + a value head, resumed from
-        the critic state saved with checkpoint `resume_iteration`. It runs where the config's train.device
-        says, without a placement bundle of its own (config validation keeps ppo off GPU placements)."""
+        the critic state saved with checkpoint `resume_iteration`. With GPUs it runs in its bundle of the
+        placement (its own GPU, or a share of trainer rank 0's: resources.critic_gpus) on train.device."""
         if not has_critic(self.cfg):
             return None
         cfg = self.cfg
+        options = self.placement_options(CRITIC)
         return CriticClient(
             start_actor(
                 cfg.run,
@@ -409,6 +418,7 @@ class WorkerGroup:
                 store_root=cfg.store.root,
                 run=cfg.run,
                 resume_iteration=resume_iteration or None,
+                **({"options": options} if options else {}),
             )
         )
 

@@ -29,13 +29,13 @@ from rollflow.flows.prefect_ops.retrying import (
     retry_unless_permanent,
 )
 from rollflow.flows.stall_watch import retry_after_stall, watched
-from rollflow.flows.weight_sync.dispatch import push_weights
+from rollflow.flows.weight_sync.dispatch import adapter_sync, push_weights
 from rollflow.flows.weight_sync.probe import probe_due, probe_task
 from rollflow.flows.weight_sync.shared import SyncResult, engine_dtype
 from rollflow.tasks.rollout.dataset import data_state
 from rollflow.tasks.rollout.dynamic_sampling import load_filter, select_groups, split_groups
 from rollflow.tasks.rollout.evaluation import eval_summary
-from rollflow.tasks.rollout.partial import defer_aborted
+from rollflow.tasks.rollout.partial import defer_aborted, mark_waited, too_old_to_continue
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.sync.parity import compare, compare_prefixes
 from rollflow.tasks.train.records import train_record_uri
@@ -197,7 +197,19 @@ def sync_task(cfg: RunConfig, weight_version: int) -> dict:
     # The engine may hold another dtype (e.g. bf16): compare what it should hold, bit for bit.
     cast = engine_dtype(cfg)
     notes: list[str] = []
-    if cfg.rollout.engine == "sglang":
+    if adapter_sync(cfg):
+        # The servers keep the base weights and apply the adapter: the adapter tensors as the servers read them
+        # (decoded from the payload, or read back from the directory) against the trainer's, every server listing
+        # exactly the current adapter, and every server's weight_version (docs/architecture.md, LoRA).
+        served = engine.lora_report()
+        report = compare(trainer.lora_adapter_checksums(), served["checksums"])
+        for url, listed in sorted(served["listed"].items()):
+            if sorted(listed) != [served["name"]]:
+                report.mismatched.append(f"adapters@{url}: lists {sorted(listed)}, expected [{served['name']}]")
+        checks = engine.engine_checks(pushed.weight_version)
+        report.mismatched.extend(checks.mismatched)
+        notes += checks.notes
+    elif cfg.rollout.engine == "sglang":
         # SGLang exports no whole tensors: compare the head of every tensor on every server (a server
         # that disagrees with the first shows up as a mismatch), every server's weight_version, and the
         # servers' whole-tensor checksums with each other; debug.check_weight_update_equal adds the
@@ -256,8 +268,25 @@ def committed_or_generate(
     weight_version: int | None = None,
 ) -> ArtifactRef:
     """The committed artifact of this id if there is one (resume never regenerates), else a new one."""
-    if store.exists(cfg.run, split, rollout_id):
-        return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id)
+    return committed_rollout(cfg, store, rollout_id, split) or generate_rollout(
+        cfg, store, rollout_id, split, greedy, weight_version
+    )
+
+
+def committed_rollout(cfg: RunConfig, store: RolloutStore, rollout_id: int, split: str = "train") -> ArtifactRef | None:
+    """The committed artifact of this id, or None (one existence check: a HEAD and a listing on S3)."""
+    return ArtifactRef(cfg.store.root, cfg.run, split, rollout_id) if store.exists(cfg.run, split, rollout_id) else None
+
+
+def generate_rollout(
+    cfg: RunConfig,
+    store: RolloutStore,
+    rollout_id: int,
+    split: str = "train",
+    greedy: bool = False,
+    weight_version: int | None = None,
+) -> ArtifactRef:
+    """Generate, reward and commit rollout `rollout_id` (not committed yet)."""
     reporting.stage("generate")
     if split == "train" and (cfg.pipeline.dynamic_sampling.enabled or cfg.pipeline.partial_rollout):
         samples = filtered_train_samples(cfg, store, rollout_id, weight_version)
@@ -291,14 +320,18 @@ def filtered_train_samples(
         )
         samples = reward_task(cfg, quote(samples))
         if pipe.partial_rollout:
+            if attempt == 0:
+                log_dropped(cfg, samples)
             samples = defer_aborted(samples, n)
+            late = too_old_to_continue(samples, rollout_id + 1, pipe.max_staleness)
+            if late and pipe.stale_policy == "wait":
+                # Continued next rollout, these groups would exceed the bound: finish them under the weights they
+                # began with, before the sync that waits for this generation.
+                samples = finish_now(cfg, rollout_id, samples, late, waited=True)
             if all(filtered_reason(s) for s in samples) and all(filtered_reason(g[0]) for g in groups):
                 # The abort left nothing to train on: finish the cut generations now (the weights have not
                 # changed yet), rather than train on an empty batch.
-                done = finish_aborted_task(cfg, rollout_id, quote(samples))
-                finished = {g[0].group_index: g for g in split_groups(done, n)}
-                samples = [s for g in split_groups(samples, n) for s in finished.get(g[0].group_index, g)]
-                samples = reward_task(cfg, quote(samples))
+                samples = finish_now(cfg, rollout_id, samples)
         new = split_groups(samples, n)
         groups += new
         keep += [group_filter(g) if group_filter is not None and not filtered_reason(g[0]) else True for g in new]
@@ -309,6 +342,32 @@ def filtered_train_samples(
     marked = [bool(filtered_reason(g[0])) for g in groups]
     target = cfg.data.prompts_per_rollout if ds.enabled else sum(not m for m in marked)
     return select_groups(groups, keep, target, already_marked=marked).samples()
+
+
+def finish_now(
+    cfg: RunConfig, rollout_id: int, samples: list[Sample], groups: set[int] | None = None, waited: bool = False
+) -> list[Sample]:
+    """`samples` with their deferred groups (those of `groups`, or all) generated to the end by the engine's current
+    weights, rewarded and put back in place; `waited` records them as finished before the sync."""
+    n = cfg.rollout.n_samples_per_prompt
+    picked = samples if groups is None else [s for s in samples if s.group_index in groups]
+    done = finish_aborted_task(cfg, rollout_id, quote(picked))
+    finished = {g[0].group_index: mark_waited(g) if waited else g for g in split_groups(done, n)}
+    samples = [s for g in split_groups(samples, n) for s in finished.get(g[0].group_index, g)]
+    return reward_task(cfg, quote(samples))
+
+
+def log_dropped(cfg: RunConfig, samples: list[Sample]) -> None:
+    """pipeline.stale_policy=drop: one warning naming the groups a continuation would have made too stale."""
+    stale = sorted({s.group_index for s in samples if filtered_reason(s) == "stale"})
+    if stale:
+        from prefect import get_run_logger
+
+        get_run_logger().warning(
+            f"dropped {len(stale)} cut group(s) {stale[:8]}{' ...' if len(stale) > 8 else ''}: continued now they "
+            f"would hold tokens more than pipeline.max_staleness={cfg.pipeline.max_staleness} versions old "
+            "(pipeline.stale_policy=drop; 'wait' finishes them before the sync instead)"
+        )
 
 
 def previous_train_artifact(cfg: RunConfig, store: RolloutStore, rollout_id: int) -> str | None:
@@ -324,11 +383,30 @@ def finish_aborted_task(cfg: RunConfig, rollout_id: int, samples: list[Sample]) 
 
 
 @task(name="generate-next", cache_policy=NO_CACHE)
-def prefetch_task(cfg: RunConfig, store: RolloutStore, rollout_id: int, weight_version: int) -> ArtifactRef:
-    """Async training: rollout `rollout_id` generated, rewarded and committed while the trainer trains on the one
-    before it (its generate / reward / persist show as this task's children in the UI)."""
+def prefetch_task(
+    cfg: RunConfig, store: RolloutStore, rollout_ids: list[int], weight_version: int
+) -> tuple[list[ArtifactRef], float]:
+    """Async training: rollouts `rollout_ids` generated (in order, with the engine's weights `weight_version`),
+    rewarded and committed while the trainer trains on an earlier one (their generate / reward / persist show as
+    this task's children in the UI). Returns their refs and the seconds the generator was busy."""
     reporting.STAGE_HOOK.set(None)  # this thread's copy of the context: the progress bar follows the train step
-    return committed_or_generate(cfg, store, rollout_id, weight_version=weight_version)
+    started = time.perf_counter()
+    refs = [committed_or_generate(cfg, store, rid, weight_version=weight_version) for rid in rollout_ids]
+    return refs, time.perf_counter() - started
+
+
+def rollouts_ahead(cfg: RunConfig, store: RolloutStore, rollout_id: int) -> list[int]:
+    """The train rollouts iteration `rollout_id` generates beside its train step: those up to `pipeline.depth`
+    ahead (and before the run's last) not committed yet. Lock step: in steady state that is rollout_id + depth,
+    generated with weights rollout_id; the first iteration fills the queue (weights 0); a resumed run finds
+    the queue committed before its checkpoint and generates what the uninterrupted run generated there."""
+    last = min(rollout_id + cfg.pipeline.depth, cfg.iterations - 1)
+    return [j for j in range(rollout_id + 1, last + 1) if not store.exists(cfg.run, "train", j)]
+
+
+def queue_depth(cfg: RunConfig, store: RolloutStore, rollout_id: int) -> int:
+    """Committed train rollouts ahead of the one being trained (what the trainer can consume without waiting)."""
+    return sum(1 for j in store.list_ids(cfg.run, "train") if j > rollout_id)
 
 
 @task(name="abort-generation", cache_policy=NO_CACHE)
@@ -375,7 +453,11 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
     if cfg.eval_every and rollout_id % cfg.eval_every == 0:
         reporting.stage("eval")
         row.update(eval_metrics(cfg, store, rollout_id))
-    ref = committed_or_generate(cfg, store, rollout_id)
+    generating = time.perf_counter()
+    ref = committed_rollout(cfg, store, rollout_id)
+    generated_here = ref is None  # the queue was empty (first iteration)
+    ref = ref or generate_rollout(cfg, store, rollout_id)
+    generator_busy_s = time.perf_counter() - generating if generated_here else 0.0
     side_exports(cfg, store, ref)
     reporting.stage("train")
     offload = offloads(cfg)
@@ -386,16 +468,23 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
         trainer_onload_task(cfg)
     load_task(cfg, ref)
     prefetch = None
-    if cfg.pipeline.pipelined and iteration < cfg.iterations:
-        # One step off: the engine (weights of version rollout_id) generates the next rollout while the trainer
-        # trains on this one; it is committed before this iteration's checkpoint, so a resume never redoes it.
-        prefetch = prefetch_task.submit(cfg, store, iteration, rollout_id)
+    ahead = rollouts_ahead(cfg, store, rollout_id) if cfg.pipeline.pipelined else []
+    if ahead:
+        # The engine (weights of version rollout_id) generates the rollouts ahead while the trainer trains on this
+        # one; they are committed before this iteration's checkpoint, so a resume never redoes them.
+        prefetch = prefetch_task.submit(cfg, store, ahead, rollout_id)
     metrics, steps = train_task(cfg, ref)
     row.update(metrics)
     if prefetch is not None:
+        trained = time.perf_counter()
         if cfg.pipeline.partial_rollout and not prefetch.state.is_final():
             abort_task(cfg)
-        prefetch.result()  # committed (or raises) before the engine's weights change
+        _refs, busy_s = prefetch.result()  # committed (or raises) before the engine's weights change
+        row["pipeline/trainer_wait_s"] = time.perf_counter() - trained
+        generator_busy_s += busy_s
+        row["pipeline/generated_ahead"] = float(len(ahead))
+    if cfg.pipeline.pipelined:
+        row["pipeline/queue_depth"] = float(queue_depth(cfg, store, rollout_id))
     if pipeline_metrics_on(cfg):
         row.update(pipeline_metrics(cfg, store, ref, trainer_version=rollout_id))
     reporting.stage("sync")
@@ -411,6 +500,9 @@ def rl_iteration(cfg: RunConfig, rollout_id: int) -> dict:
         row["sync/probe_logprob_diff"] = probe_task(cfg, parity["weight_version"])
         row["perf/sync_probe_s"] = time.perf_counter() - probe_started
     row["perf/iteration_s"] = time.perf_counter() - started
+    if cfg.pipeline.pipelined:
+        row["pipeline/generator_busy_s"] = generator_busy_s
+        row["pipeline/generator_idle_s"] = max(0.0, row["perf/iteration_s"] - generator_busy_s)
     row["rollout_uri"] = ref.uri
     trend = trend_with(cfg, row)
     if trend.verdict != "short":

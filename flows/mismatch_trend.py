@@ -13,7 +13,7 @@ from prefect.events import emit_event
 
 from rollflow.flows import reporting
 from rollflow.flows.config import RunConfig
-from rollflow.tasks.debug.trend import TrendReport, mismatch_points, mismatch_trend
+from rollflow.tasks.debug.trend import MISMATCH_KEY, PROBE_KEY, TrendReport, mismatch_points, mismatch_trend
 
 WARNING_EVENT = "rollflow.check.warning"
 SLOPE_METRIC = "mismatch/logprob_diff_slope"
@@ -23,13 +23,23 @@ def trend_with(cfg: RunConfig, row: dict) -> TrendReport:
     """The trend over the recorded iterations before `row` and `row` itself (read before `row` is recorded, so its
     slope goes into the same row)."""
     wd = cfg.watchdog
+    metric = trend_metric(cfg)
     history = [r for r in reporting.read_metrics(cfg) if r["iteration"] < row["iteration"]] if wd.trend_window else []
     return mismatch_trend(
-        mismatch_points([*history, row]),
+        mismatch_points([*history, row], metric),
         window=wd.trend_window,
         warn_slope=wd.trend_warn_slope,
         fail_slope=wd.trend_fail_slope,
+        metric=metric,
     )
+
+
+def trend_metric(cfg: RunConfig) -> str:
+    """What the trend follows. Synchronous runs: the train/rollout log-prob gap (same weights on both sides). Async
+    runs: that gap also holds the policy's move since the rollout's weights, which grows by design while the queue
+    fills (a false alarm at max_staleness >= 2), so the post-sync probe's gap (same weights) is followed instead;
+    with no probe every iteration there is no such series and the check sees none (config.py says so)."""
+    return PROBE_KEY if cfg.pipeline.pipelined else MISMATCH_KEY
 
 
 @task(name="mismatch-trend", cache_policy=NO_CACHE)

@@ -40,8 +40,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "pipeline",
         "watchdog",
     ),  # retries, timeout_s: flow-run settings, not parameters (flows/prefect_ops/submit.py)
-    # pipeline: dynamic sampling; watchdog: the stall deadline of generate
-    "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout", "pipeline", "watchdog"),
+    # pipeline: dynamic sampling; watchdog: the stall deadline of generate; algo: routing_replay records each
+    # sample's experts for a later replay (and the config's checks read the algorithm the rollouts are for)
+    "rollout_only": (*_COMMON, "iterations", "eval_every", "data", "rollout", "algo", "pipeline", "watchdog"),
     "replay_train": (*_COMMON, "rollout", "algo", "train"),
     # iterations: the length of the reproducibility gate's and the kill-and-resume drill's runs
     "alignment_check": (

@@ -26,6 +26,7 @@ from rollflow.tasks.debug.faults import AlignmentFaults
 from rollflow.tasks.debug.repro import IterationTrace, RunTrace, diversity_check, repro_check
 from rollflow.tasks.debug.repro_faults import engine_greedy_sampling, trainer_logit_noise
 from rollflow.tasks.train.checkpoint import load_checkpoint
+from rollflow.tasks.train.lora import LORA_FORMAT
 from rollflow.tasks.train.records import read_records, train_record_uri
 
 PASSES = ("a", "b")
@@ -93,7 +94,8 @@ def read_trace(cfg: RunConfig) -> RunTrace:
     state = torch.load(
         io.BytesIO(load_checkpoint(cfg.store.root, cfg.run, cfg.iterations)), map_location="cpu", weights_only=True
     )
-    return RunTrace(cfg.run, iterations, dict(state["model"]))
+    # A LoRA run's checkpoint holds its adapter (the base is model.path's): the adapter is what the runs trained.
+    return RunTrace(cfg.run, iterations, dict(state["adapter" if state.get("format") == LORA_FORMAT else "model"]))
 
 
 def run_repro_gate(

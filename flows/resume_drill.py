@@ -61,33 +61,42 @@ def _committed(cfg: RunConfig) -> list[int]:
 
 def run_train(cfg: RunConfig, *, kill_after: int | None = None, env: dict[str, str] | None = None) -> None:
     """`rollflow train --config` in its own session; with `kill_after`, SIGKILL the whole session once that
-    checkpoint is committed. Without it the run must exit 0."""
+    checkpoint is committed. Without it the run must exit 0. Its output goes to a file (a pipe nobody reads while
+    the drill waits for the checkpoint would fill and block the run); a leg that fails says why with its tail."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg.model_dump(mode="json"), f)
     cmd = [sys.executable, "-m", "rollflow.flows.cli", "train", "--config", f.name]
+    log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
+
+    def tail() -> str:
+        log.flush()
+        return Path(log.name).read_bytes()[-3000:].decode(errors="replace")
+
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         if kill_after is not None:
             while kill_after not in _committed(cfg):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"run {cfg.run!r} ended or stalled before checkpoint {kill_after} was committed")
+                    how = f"exited {proc.returncode}" if proc.returncode is not None else f"ran {RUN_TIMEOUT_S:.0f} s"
+                    raise RuntimeError(f"run {cfg.run!r} {how} before checkpoint {kill_after} was committed:\n{tail()}")
                 time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
             return
-        output = proc.communicate(timeout=RUN_TIMEOUT_S)[0].decode(errors="replace")
+        try:
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"run {cfg.run!r} ran {RUN_TIMEOUT_S:.0f} s without finishing:\n{tail()}") from None
         if proc.returncode != 0:
-            raise RuntimeError(f"run {cfg.run!r} exited {proc.returncode}:\n{output[-3000:]}")
+            raise RuntimeError(f"run {cfg.run!r} exited {proc.returncode}:\n{tail()}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        Path(log.name).unlink(missing_ok=True)
         Path(f.name).unlink(missing_ok=True)
 
 

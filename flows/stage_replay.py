@@ -24,6 +24,7 @@ from rollflow.flows.config import RunConfig
 from rollflow.flows.group import WorkerGroup, connect_ray
 from rollflow.flows.params import ReplayParams
 from rollflow.flows.prefect_ops.cancellation import actors_running
+from rollflow.flows.prefect_ops.heartbeats import with_heartbeats
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
 from rollflow.tasks.debug.replay_reward import replay_reward
 from rollflow.tasks.debug.stage_replay import (
@@ -167,6 +168,7 @@ def stage_check(result: dict) -> dict:
 
 
 @flow(name="stage_replay", flow_run_name=flow_run_name("/stage-replay"))
+@with_heartbeats
 def stage_replay(
     params: ReplayParams,
     stages: list[str],

@@ -97,6 +97,8 @@ def rl_train(params: TrainParams) -> dict:  # type: ignore[valid-type]
     from prefect.runtime import flow_run
 
     tag_current_run(cfg.run, "train")
+    for text in cfg.notices:  # settings the config implied: in the run's log, where a deployment's user looks
+        get_run_logger().warning(text)
     if (flow_run.run_count or 1) > 1 and not cfg.resume:
         cfg = cfg.model_copy(update={"resume": True})  # a retry of this flow run continues it
     store = RolloutStore(cfg.store.root)  # one per flow run

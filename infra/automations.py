@@ -1,11 +1,14 @@
 """Prefect automations rollflow relies on, created idempotently (by name) through Prefect's Python API.
 
-- `ensure_crash_detection()`: a flow run that stops sending heartbeats (its process was SIGKILLed, the
-  machine died) becomes `Crashed` without anyone acting. The flow engine emits
-  `prefect.flow-run.heartbeat` every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect's floor is
-  30 s; rollflow sets `HEARTBEAT_S`); a proactive trigger expects, within `CRASH_AFTER_S` of each
-  heartbeat, another heartbeat or a terminal event of the same flow run, and otherwise changes the
-  run's state to Crashed. This is Prefect's own "zombie flow" mechanism (docs: detect-zombie-flows).
+- `ensure_crash_detection()`: a rollflow flow run that stops sending heartbeats (its process was
+  SIGKILLed, the machine died) becomes `Crashed` without anyone acting. Every rollflow flow body emits
+  `rollflow.flow-run.heartbeat` every `HEARTBEAT_S` (flows/prefect_ops/heartbeats.py); a proactive
+  trigger expects, within `CRASH_AFTER_S` of each, another one or a terminal event of the same flow run,
+  and otherwise changes the run's state to Crashed. This is Prefect's "zombie flow" mechanism (docs:
+  detect-zombie-flows) on rollflow's own event rather than Prefect's `prefect.flow-run.heartbeat`: the
+  automation lives on a server other teams share, and their flows beat at whatever interval they chose
+  (Prefect 3.9 defaults to 180 s), so an automation on Prefect's event would mark their healthy runs
+  Crashed. Only runs that sent a rollflow beat are ever judged.
 - `ensure_deployment_alert(deployment_id)`: fires on a Failed, Crashed or Late run of one deployment
   (the nightly alignment check). Its action sends a notification when a notification block is named
   (`ROLLFLOW_ALERT_BLOCK`, any Prefect notification block, e.g. a Slack webhook), else does nothing:
@@ -27,7 +30,7 @@ HEARTBEAT_S = 30  # Prefect's minimum heartbeat interval (flow_engine.MINIMUM_HE
 CRASH_AFTER_S = 90  # no heartbeat (nor terminal event) for this long after one: the run is Crashed
 CRASH_AUTOMATION = "rollflow: crash flow runs without heartbeat"
 ALERT_PREFIX = "rollflow: alert on failed, crashed or late runs of"
-HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+HEARTBEAT_EVENT = "rollflow.flow-run.heartbeat"  # sent by rollflow flow bodies only (see the module docstring)
 TERMINAL_EVENTS = ("Completed", "Failed", "Cancelled", "Crashed")
 ALERT_EVENTS = ("Failed", "Crashed", "Late")
 ALERT_BLOCK_ENV = "ROLLFLOW_ALERT_BLOCK"  # "<block-type-slug>/<block-name>" of a notification block
@@ -79,9 +82,10 @@ def crash_detection_automation(crash_after_s: float = CRASH_AFTER_S):
     return AutomationCore(
         name=CRASH_AUTOMATION,
         description=(
-            f"Marks a flow run Crashed when {crash_after_s:.0f} s pass after one of its heartbeats "
-            "without another heartbeat or a terminal state (its process was killed). Created by rollflow; "
-            f"flow runs send heartbeats when PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set ({HEARTBEAT_S} s)."
+            f"Marks a rollflow flow run Crashed when {crash_after_s:.0f} s pass after one of its "
+            f"{HEARTBEAT_EVENT} events without another one or a terminal state (its process was killed). "
+            f"Created by rollflow; its flow bodies send that event every {HEARTBEAT_S} s. Other flows on "
+            "this server are never matched."
         ),
         trigger=EventTrigger(
             posture=Posture.Proactive,
@@ -199,8 +203,8 @@ def prepare_flow_runs(api: str) -> str:
     if api in _prepared:
         return api
     _prepared.add(api)
-    # prefect imported before this (a Python-API user): its engine sends no heartbeats, and rollflow's flows send
-    # their own (flows/prefect_ops/heartbeats.py)
+    # the automation judges rollflow's own heartbeat event, sent by every rollflow flow body
+    # (flows/prefect_ops/heartbeats.py) whatever Prefect's heartbeat setting in this process is
     try:
         ensure_crash_detection()
     except Exception as exc:  # noqa: BLE001 - the run itself must not fail for this

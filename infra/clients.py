@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-WeightSyncMode = Literal["object_store", "disk", "tensor", "distributed"]
+WeightSyncMode = Literal["object_store", "disk", "tensor", "distributed", "lora_adapter"]
 ALIVE_TIMEOUT_S = 60.0
 
 
@@ -217,8 +217,11 @@ class TrainerClient:
         subsample: float | None = None,
         dump_uri: str | None = None,
         reward_key: str | None = None,
+        critic: Pending[CriticEstimate] | None = None,
     ) -> dict[str, float]:
-        """Train on a pinned artifact from a saved state (None: the initial one), save the result."""
+        """Train on a pinned artifact from a saved state (None: the initial one), save the result. `critic` (ppo):
+        the replay's critic estimate of this artifact, as for `train_on_artifact`."""
+        extra = {"critic": critic.ref} if critic is not None else {}
         return self._rank0_of_all(
             [
                 a.replay_step.remote(
@@ -228,6 +231,7 @@ class TrainerClient:
                     subsample=subsample,
                     dump_uri=dump_uri,
                     reward_key=reward_key,
+                    **extra,
                 )
                 for a in self.ranks
             ]
@@ -262,6 +266,13 @@ class TrainerClient:
 
     def weight_prefixes(self, n: int, as_dtype: str | None = None) -> dict[str, list[float]]:
         return self._on(0, lambda a: a.weight_prefixes.remote(n, as_dtype))
+
+    def lora_adapter(self) -> Pending[dict[str, Any]]:
+        """Rank 0's adapter in PEFT form ({"tensors", "config"}), left in Ray's object store for the engine."""
+        return Pending(self.actor.lora_adapter.remote())
+
+    def lora_adapter_checksums(self) -> dict[str, str]:
+        return self._on(0, lambda a: a.lora_adapter_checksums.remote())
 
     def weight_checksums(self, as_dtype: str | None = None, *, rank: int = 0) -> dict[str, str]:
         return self._on(rank, lambda a: a.weight_checksums.remote(as_dtype))
@@ -350,6 +361,13 @@ class CriticClient:
         """The critic's state beside checkpoint `iteration`'s payload (before its commit marker); its URI."""
         return _get(self.actor.save_checkpoint.remote(iteration))
 
+    def restore(self, state_uri: str | None) -> None:
+        """Replay: load a state saved by `save_state` (None: the critic's initial state)."""
+        _get(self.actor.restore.remote(state_uri))
+
+    def save_state(self, uri: str) -> str:
+        return _get(self.actor.save_state.remote(uri))
+
 
 # -- rollout worker ------------------------------------------------------------------------------------
 class EngineClient:
@@ -423,6 +441,15 @@ class EngineClient:
 
     def weight_checksums(self) -> dict[str, str]:
         return _get(self.actor.weight_checksums.remote())
+
+    def update_lora_adapter(self, adapter: Pending[dict[str, Any]] | dict[str, Any], weight_version: int) -> int:
+        """Load a LoRA adapter (e.g. `trainer.lora_adapter()`, actor to actor) as the served one; the new version."""
+        ref = adapter.ref if isinstance(adapter, Pending) else adapter
+        return int(_get(self.actor.update_lora_adapter.remote(ref, weight_version)))
+
+    def lora_report(self) -> dict[str, Any]:
+        """The served adapter's name, its tensors' fingerprints as sent, and what every server lists."""
+        return _get(self.actor.lora_report.remote())
 
     def weight_prefixes(self, names: list[str], n: int) -> dict[str, list[float]] | None:
         """First `n` values of the named tensors as served (None: the model cannot export them)."""

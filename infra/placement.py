@@ -8,6 +8,11 @@ One bundle per GPU (`{gpu_resource: 1}` plus `cpus_per_bundle` CPUs), packed:
   E*G == T, each engine GPU being one trainer GPU; actors take a fraction of their bundle's GPU
   (trainer 0.4, engine 0.2, as slime does) so both fit.
 
+A ppo run's critic (one process, torch) gets its own bundle after the engines with
+`resources.critic_gpus=1`, or shares trainer rank 0's GPU with `critic_gpus=0` (the default): its
+fraction then comes out of that bundle (colocate: 0.2 of the 1 - 0.4 - 0.2 left; disaggregated: the
+trainer's 1.0 becomes 0.6 + 0.4). Ray's fractions only schedule; memory is shared as in colocate.
+
 An engine with G > 1 GPUs runs one actor on its first bundle; its SGLang server drives all G GPUs
 (tensor parallel, `--base-gpu-id` = the first bundle's GPU), which the other G-1 bundles reserve.
 With zero GPUs (the CPU default) there is no placement group and nothing changes.
@@ -24,6 +29,7 @@ from rollflow.tasks.net import free_port, node_ip
 
 Placement = Literal["colocate", "disaggregated"]
 COLOCATE_FRACTIONS = {"trainer": 0.4, "engine": 0.2}
+SHARED_CRITIC_FRACTIONS = {"colocate": {"critic": 0.2}, "disaggregated": {"trainer": 0.6, "critic": 0.4}}
 
 
 class ResourcesConfig(BaseModel):
@@ -37,6 +43,13 @@ class ResourcesConfig(BaseModel):
     gpus_per_engine: int = Field(0, ge=0, description="GPUs per engine (its tensor parallel size)")
     gpu_resource: str = Field("GPU", description="Ray resource that counts GPUs (tests use a custom one)")
     cpus_per_bundle: float = Field(0, ge=0, description="CPUs reserved with each GPU bundle")
+    critic_gpus: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="ppo's critic: 1 = a GPU of its own (a bundle after the engines), 0 = a share of "
+        "trainer rank 0's GPU",
+    )
 
     @property
     def uses_gpus(self) -> bool:
@@ -56,6 +69,7 @@ class PlacementPlan:
     gpu_fractions: dict[str, float]  # GPU each actor requests from its bundle
     needed: int
     arithmetic: str
+    critic_bundle: int | None = None  # ppo's critic actor (None: no critic)
 
     @property
     def empty(self) -> bool:
@@ -66,17 +80,20 @@ class PlacementPlan:
             return self.trainer_bundles[index]
         if role == "engine":
             return self.engine_bundles[index][0]
-        raise ValueError(f"unknown role {role!r}: trainer or engine")
+        if role == "critic" and self.critic_bundle is not None:
+            return self.critic_bundle
+        raise ValueError(f"unknown role {role!r} in this plan: trainer, engine (or critic in a ppo run's plan)")
 
 
 def plan_placement(
-    placement: Placement, res: ResourcesConfig, *, train: bool = True, rollout: bool = True
+    placement: Placement, res: ResourcesConfig, *, train: bool = True, rollout: bool = True, critic: bool = False
 ) -> PlacementPlan:
     """The bundle layout for `placement`; raises PlacementError (with the arithmetic) when it does not fit.
 
     `train` / `rollout` = whether the run has a trainer / engines (rollout-only and replay runs
-    have one side only).
+    have one side only); `critic` = whether a ppo critic runs beside the trainer.
     """
+    critic = critic and train
     T = res.trainer_gpus if train else 0
     E, G = (res.num_engines, res.gpus_per_engine) if rollout else (0, 0)
     if not res.uses_gpus:
@@ -104,6 +121,22 @@ def plan_placement(
         trainer = list(range(T))
         engine = [list(range(T + k * G, T + (k + 1) * G)) for k in range(E)]
         fractions = {"trainer": 1.0, "engine": 1.0}
+    critic_bundle = None
+    if critic and res.critic_gpus:
+        critic_bundle = needed
+        needed += 1
+        arithmetic += f" + critic 1 = {needed} GPUs"
+        fractions["critic"] = 1.0
+    elif critic:
+        if T == 0:
+            raise PlacementError(
+                "resources.critic_gpus=0 puts ppo's critic on trainer rank 0's GPU, but resources.trainer_gpus=0: "
+                "set resources.trainer_gpus >= 1 or resources.critic_gpus=1"
+            )
+        critic_bundle = trainer[0]
+        shared_with_engines = placement == "colocate" and rollout
+        fractions.update(SHARED_CRITIC_FRACTIONS["colocate" if shared_with_engines else "disaggregated"])
+        arithmetic += f" (critic shares trainer GPU 0: {fractions['critic']:g} of it)"
     if needed > res.num_gpus:
         raise PlacementError(f"{arithmetic}, cluster has {res.num_gpus} (resources.num_gpus)")
     bundle: dict[str, float] = {res.gpu_resource: 1}
@@ -117,6 +150,7 @@ def plan_placement(
         fractions,
         needed,
         f"{arithmetic}, cluster has {res.num_gpus}",
+        critic_bundle,
     )
 
 

@@ -7,10 +7,15 @@ through the typed clients of `rollflow.infra.clients`, passing artifact referenc
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 NAMESPACE = "rollflow"
+# A local Ray start that times out registering its node (a saturated host) is tried once more.
+LOCAL_START_ATTEMPTS = 2
 # Every actor has a small "control" concurrency group next to its serial default group, so ping,
 # abort and describe answer while a long rollout or train step runs.
 CONTROL = "control"
@@ -33,16 +38,26 @@ def ensure_ray(
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
-    else:
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=True,
-            resources=resources,
-        )
+        return
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=True,
+                resources=resources,
+            )
+            return
+        except Exception as exc:
+            # Ray gives a new local node a fixed 30 s to register its raylet (not configurable); on a host whose
+            # CPUs are saturated that can pass. The half-started node is shut down and started once more.
+            if "timed out during startup" not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            logger.warning("local Ray node did not register in time (a loaded host?): starting it again")
+            ray.shutdown()
 
 
 def actor_name(run: str, role: str) -> str:

@@ -195,6 +195,13 @@ class FakeSGLang:
         # SGLang's tied-embedding models skip lm_head.weight when loading (the head IS the embedding)
         self.tied = _tied_embeddings(model_path)
         self.snapshot: dict[str, Any] | None = None  # /weights_checker snapshot
+        # LoRA (--enable-lora): the registry of loaded adapters, every name ever loaded (SGLang's lora_ref_cache,
+        # from which a generate naming an unloaded adapter reloads it) and the requests using each adapter
+        self.lora_enabled, self.lora_max_rank, self.lora_targets = _lora_flags(self.extra_args)
+        self.loras: dict[str, dict] = {}  # name -> {"path", "config", "tensors", "fingerprint"}
+        self.lora_ref_cache: dict[str, str] = {}
+        self.lora_users: dict[str, int] = {}
+        self._base_fp: str | None = None
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
@@ -337,6 +344,7 @@ class FakeSGLang:
                 "generated": self.generated,
                 "extra_args": self.extra_args,
                 "weights": {n: [list(t.shape), _sha(t)] for n, t in self.weights.items()},
+                "loras": {n: a["path"] for n, a in self.loras.items()},
             }
 
     # -- weights held (test helpers, not SGLang's) ----------------------------------------------
@@ -382,6 +390,7 @@ class FakeSGLang:
                     dropped.append(name)
                     continue
                 self.weights[name] = self._as_served(tensor)
+            self._base_fp = None
         if dropped:
             print(f"fake-sglang: ignored the update of {dropped} (--ignore-update-of)", flush=True)
         return dropped
@@ -678,6 +687,191 @@ class FakeSGLang:
             dist.destroy_process_group(entry["pg"])
         return 200, ENDPOINTS["/destroy_weights_update_group"]["example_response"]
 
+    # -- LoRA adapters (SGLang 0.5.23: tokenizer_control_mixin.py, lora/lora_manager.py, lora/lora_registry.py) --
+    def _lora_refuse(self, path: str, message: str) -> tuple[int, dict]:
+        with self.lock:
+            self.refusals.append((path, message))
+        return 400, {"success": False, "error_message": message, "loaded_adapters": None}
+
+    def _lora_answer(self) -> tuple[int, dict]:
+        return 200, {"success": True, "error_message": None, "loaded_adapters": self._loaded_adapters()}
+
+    def _loaded_adapters(self) -> dict[str, str]:
+        with self.lock:
+            return {n: a["path"] for n, a in self.loras.items()}
+
+    def ep_load_lora_adapter(self, payload):
+        path = "/load_lora_adapter"
+        if not self.lora_enabled:
+            return self._lora_refuse(path, LORA_NOT_ENABLED)
+        directory = Path(payload["lora_path"])
+        try:  # LoRAConfig + LoRAAdapter.initialize_weights, inside the manager's try: a failure is success=False
+            if not directory.is_dir():  # SGLang would try the Hub (snapshot_download); nothing is reachable here
+                raise OSError(f"{directory} is not a directory (and the fake reaches no model hub)")
+            config = json.loads((directory / "adapter_config.json").read_text())
+            tensors = _load_safetensors_dir(directory)
+        except (OSError, ValueError) as exc:
+            return self._lora_refuse(path, str(exc))
+        return self._register_lora(path, payload["lora_name"], str(directory), config, tensors)
+
+    def ep_load_lora_adapter_from_tensors(self, payload):
+        path = "/load_lora_adapter_from_tensors"
+        if not self.lora_enabled:
+            return self._lora_refuse(path, LORA_NOT_ENABLED)
+        ranks = payload["serialized_named_tensors"]
+        if len(ranks) < self.tp_size:  # rank r reads serialized_named_tensors[r], unguarded in the scheduler
+            self._die(path, f"IndexError: list index out of range ({len(ranks)} payloads for tp_size {self.tp_size})")
+        per_rank = []
+        for data in ranks[: self.tp_size]:  # tp_worker.load_lora_adapter_from_tensors: no try around the load
+            try:
+                named = self._load_payload(data, payload.get("load_format"))
+            except Exception as exc:  # noqa: BLE001 - the scheduler dies of it
+                self._die(path, f"{type(exc).__name__}: {exc}")
+            per_rank.append(named)
+        expected = payload.get("expected_checksums")
+        if expected is not None:  # tp_worker's [LORA-CHECK]: a RuntimeError in the scheduler
+            got = {n: hashlib.sha256(_raw(t)).hexdigest() for n, t in per_rank[0]}
+            if got != expected:
+                self._die(path, "RuntimeError: [LORA-CHECK] adapter sync MISMATCH")
+        digests = [[(n, _sha(t)) for n, t in named] for named in per_rank]
+        if any(d != digests[0] for d in digests):  # stricter than SGLang, as for the tensor weight path
+            return self._lora_refuse(path, "TP ranks received different adapter tensors")
+        return self._register_lora(path, payload["lora_name"], "__tensor__", payload["config_dict"], dict(per_rank[0]))
+
+    def _register_lora(self, path: str, name: str, lora_path: str, config: dict, tensors: dict) -> tuple[int, dict]:
+        """lora_manager._load_lora_adapter*: LoRAConfig, validate_new_adapter, the weights; any error there is
+        caught (success=False, HTTP 400)."""
+        try:
+            rank, alpha, targets = int(config["r"]), float(config["lora_alpha"]), list(config["target_modules"])
+        except KeyError as exc:
+            return self._lora_refuse(path, f"adapter_config has no {exc}")
+        if config.get("use_dora"):
+            return self._lora_refuse(
+                path, f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters"
+            )
+        with self.lock:
+            loaded = name in self.loras
+        if loaded:
+            return self._lora_refuse(path, f"Failed to load LoRA adapter {name} because it is already loaded")
+        if rank > (self.lora_max_rank or 0) or not (
+            "all" in self.lora_targets or set(targets) <= set(self.lora_targets)
+        ):
+            return self._lora_refuse(
+                path,
+                f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool "
+                "configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.",
+            )
+        problems = self._lora_problems(tensors, rank, targets)  # stricter: SGLang skips names it cannot place
+        if problems:
+            return self._lora_refuse(path, "; ".join(problems[:3]))
+        adapter = {"path": lora_path, "config": dict(config), "scaling": alpha / rank}
+        adapter["tensors"] = {n: t.detach().to("cpu").clone() for n, t in tensors.items()}
+        adapter["fingerprint"] = self._fingerprint(self._merged_with(adapter))
+        with self.lock:
+            self.loras[name] = adapter
+            self.lora_ref_cache[name] = lora_path
+        return self._lora_answer()
+
+    def _lora_problems(self, tensors: dict, rank: int, targets: list[str]) -> list[str]:
+        """Every tensor is a PEFT `...<module>.lora_A.weight` / `lora_B.weight` of a target module the model
+        has, A [r, in] and B [out, r] against the module's weight [out, in]."""
+        problems = []
+        for name, t in tensors.items():
+            module, part = _lora_module(name)
+            if module is None or module.rsplit(".", 1)[-1] not in targets:
+                problems.append(f"{name}: not a lora_A / lora_B weight of a target module")
+                continue
+            base = self.weights.get(f"{module}.weight")
+            if base is None:
+                if self.model_shapes:
+                    problems.append(f"{name}: the model has no {module}.weight")
+                continue
+            want = (rank, base.shape[1]) if part == "A" else (base.shape[0], rank)
+            if tuple(t.shape) != want:
+                problems.append(f"{name}: shape {tuple(t.shape)} != {want}")
+        return problems
+
+    def _merged_with(self, adapter: dict) -> dict:
+        """The weights a request naming this adapter computes with: W + scaling * B @ A per adapted module."""
+        out = dict(self.weights)
+        for name, a in adapter["tensors"].items():
+            module, part = _lora_module(name)
+            if part != "A" or f"{module}.weight" not in out:
+                continue
+            b = adapter["tensors"][name.replace(".lora_A.", ".lora_B.")]
+            w = self.weights[f"{module}.weight"]
+            out[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * adapter["scaling"]).to(w.dtype)
+        return out
+
+    def lora_served(self, name: str | None) -> dict:
+        """Test helper: the weights a request naming `name` (None: no adapter) is served with."""
+        with self.lock:
+            adapter = self.loras.get(name) if name else None
+        return dict(self.weights) if adapter is None else self._merged_with(adapter)
+
+    def _served_fingerprint(self, lora: str | None) -> str:
+        with self.lock:
+            if lora:
+                return self.loras[lora]["fingerprint"]
+            if self._base_fp is None:
+                self._base_fp = self._fingerprint(self.weights)
+            return self._base_fp
+
+    def _fingerprint(self, weights: dict) -> str:
+        # a tied head is the embedding (SGLang never loads lm_head.weight there): only the held tensors count
+        return _fingerprint({n: t for n, t in weights.items() if not (self.tied and n == "lm_head.weight")})
+
+    def ep_unload_lora_adapter(self, payload):
+        path = "/unload_lora_adapter"
+        if not self.lora_enabled:
+            return self._lora_refuse(path, LORA_NOT_ENABLED)
+        name = payload["lora_name"]
+        with self.lock:
+            known = name in self.loras
+        if not known:
+            return self._lora_refuse(
+                path, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self._loaded_adapters())}"
+            )
+        deadline = time.monotonic() + 60  # lora_registry.wait_for_unload: after the requests using it
+        while self.lora_users.get(name, 0) > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self.lock:
+            self.loras.pop(name, None)
+        return self._lora_answer()
+
+    def _resolve_loras(self, names: set[str]) -> str | None:
+        """tokenizer_manager._validate_and_resolve_lora: the error message of a refused generate, or None."""
+        if not self.lora_enabled:
+            first = sorted(names)[0]
+            return (
+                f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
+                "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        for name in sorted(names):
+            with self.lock:
+                loaded, cached = name in self.loras, self.lora_ref_cache.get(name)
+            if loaded:
+                continue
+            if cached is None:
+                cache = list(self.lora_ref_cache)
+                return f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {cache}."
+            # an unloaded adapter is loaded again from its path (a tensor load's `__tensor__` cannot be)
+            status, body = self.ep_load_lora_adapter({"lora_name": name, "lora_path": cached})
+            if status != 200:
+                return f"Failed to implicitly load LoRA adapter {name}: {body['error_message']}"
+        return None
+
+    def ep_update_weight_version(self, payload):
+        if payload.get("abort_all_requests", True):
+            self.abort_all_flag.set()
+        self.weight_version = payload["new_version"]
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {payload['new_version']}",
+            "new_version": payload["new_version"],
+        }
+
     def ep_get_weights_by_name(self, payload):
         """SGLang's Llama-family `get_weights_by_name` at tp 1: the tensor as float32 `.tolist()`, cut to
         the first `truncate_size` entries of its first dimension (rows of a 2-D tensor); an unknown
@@ -820,6 +1014,12 @@ class FakeSGLang:
         sps = payload.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         n = sps[0].get("n", 1)
+        lora = payload.get("lora_path")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if any(loras):
+            error = self._resolve_loras({x for x in loras if x})
+            if error:
+                return 400, {"error": {"message": error}}
         rid = payload.get("rid") or f"fake-{count}"
         # SGLang's rids (GenerateReqInput._normalize_rid): a list names each prompt; a string is the
         # prompt's own rid (one prompt, n == 1) or the prefix of `rid_i` children
@@ -830,16 +1030,21 @@ class FakeSGLang:
                     sub = rid[p_idx] if n == 1 else f"{rid[p_idx]}_{j}"
                 else:
                     sub = rid if (len(prompts) == 1 and n == 1) else f"{rid}_{p_idx * n + j}"
-                outs.append(self._one(ids, sps[p_idx], sub))
+                outs.append(self._one(ids, sps[p_idx], sub, loras[p_idx]))
         return 200, outs if (batch or n > 1) else outs[0]
 
-    def _one(self, ids: list[int], sp: dict, rid: str) -> dict:
+    def _one(self, ids: list[int], sp: dict, rid: str, lora: str | None = None) -> dict:
         max_new = int(sp.get("max_new_tokens", 128))
         stops = set(sp.get("stop_token_ids") or []) | {self.eos_token_id}
-        seed = int(hashlib.sha256(f"{ids}|{rid}|{sp.get('sampling_seed')}".encode()).hexdigest()[:8], 16)
+        served = ""
+        if self.lora_enabled:  # a LoRA server's tokens follow the weights it serves: base, or base + adapter
+            served = "|" + self._served_fingerprint(lora)
+        seed = int(hashlib.sha256(f"{ids}|{rid}|{sp.get('sampling_seed')}{served}".encode()).hexdigest()[:8], 16)
         tokens, logprobs, finish = [], [], None
         with self.lock:
             self.inflight.add(rid)
+            if lora:
+                self.lora_users[lora] = self.lora_users.get(lora, 0) + 1
         try:
             for i in range(max_new):
                 if self._aborted(rid):
@@ -864,6 +1069,8 @@ class FakeSGLang:
         finally:
             with self.lock:
                 self.inflight.discard(rid)
+                if lora:
+                    self.lora_users[lora] -= 1
         if finish is None:
             finish = {"type": "length", "length": max_new}
         meta = {
@@ -901,6 +1108,46 @@ FUSED = [
     ("gate_proj", "gate_up_proj", 0),
     ("up_proj", "gate_up_proj", 1),
 ]
+
+
+LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+
+
+def _lora_flags(argv: list[str]) -> tuple[bool, int | None, list[str]]:
+    """--enable-lora, --max-lora-rank N, --lora-target-modules M... from a launch command line."""
+    enabled, rank, targets = "--enable-lora" in argv, None, []
+    for i, item in enumerate(argv):
+        if item == "--max-lora-rank":
+            rank = int(argv[i + 1])
+        elif item == "--lora-target-modules":
+            for value in argv[i + 1 :]:
+                if value.startswith("--"):
+                    break
+                targets.append(value)
+    return enabled, rank, targets
+
+
+def _lora_module(name: str) -> tuple[str | None, str | None]:
+    """`base_model.model.<module>.lora_A.weight` -> (<module>, "A"); (None, None) for anything else."""
+    for part in ("A", "B"):
+        suffix = f".lora_{part}.weight"
+        if name.endswith(suffix):
+            return name.removeprefix("base_model.model.").removesuffix(suffix), part
+    return None, None
+
+
+def _raw(t) -> bytes:
+    import torch
+
+    return t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+
+
+def _fingerprint(weights: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(_sha(weights[name]).encode())
+    return h.hexdigest()[:16]
 
 
 class SchedulerDied(Exception):

@@ -52,6 +52,10 @@ ROUTE_STRUCTS = {
     "/weights_checker": "CheckWeightsReqInput",
     "/open_session": "OpenSessionReqInput",
     "/close_session": "CloseSessionReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
 }
 
 

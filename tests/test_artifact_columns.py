@@ -81,7 +81,8 @@ def test_store_holds_columns_and_builds_samples_only_when_asked(tmp_path):
     assert artifact.samples is artifact.samples  # built once, then kept (callers may edit them)
     assert store.load_columns("run-c", "train", 0) == artifact.columns
     manifest = artifact.manifest
-    assert manifest.schema_version == 2 and manifest.file("samples.parquet").format == PAYLOAD_FORMAT
+    assert manifest.schema_version == 3 and manifest.file("samples.parquet").format == PAYLOAD_FORMAT
+    assert manifest.file("samples.parquet").integrity[0] == "xxh3_128"
 
 
 def test_write_columns_directly_equals_write_samples(tmp_path):
@@ -90,7 +91,7 @@ def test_write_columns_directly_equals_write_samples(tmp_path):
     write(store, samples, 0)
     write(store, SampleColumns.from_samples(samples), 1)
     files = [store.manifest("run-c", "train", i).file("samples.parquet") for i in (0, 1)]
-    assert files[0].sha256 == files[1].sha256
+    assert files[0].xxh3_128 == files[1].xxh3_128
     assert_same_samples(store.load("run-c", "train", 1).samples, samples)
 
 
@@ -207,9 +208,8 @@ def test_corrupted_payload_gives_the_one_line_checksum_error(tmp_path):
             load("run-c", "train", 0)
         message = str(info.value)
         assert "\n" not in message
-        assert message.startswith(
-            f"checksum mismatch for {store.artifact_uri('run-c', 'train', 0)}/samples.parquet: manifest expects sha256="
-        )
+        uri = f"{store.artifact_uri('run-c', 'train', 0)}/samples.parquet"
+        assert message.startswith(f"checksum mismatch for {uri}: manifest expects xxh3_128=")
         assert info.value.actual_size == info.value.expected_size == len(data)
 
 

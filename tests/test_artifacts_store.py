@@ -160,9 +160,9 @@ def test_parquet_is_plain_columnar(local_store):
     write(local_store, 0)
     table = pq.read_table(samples_file(local_store))
     types = {f.name: f.type for f in table.schema}
-    assert types["tokens"] == pa.list_(pa.int32())  # payload format 2 (format 1: int64, still read)
-    assert types["loss_mask"] == pa.list_(pa.int8())
-    assert types["rollout_log_probs"] == pa.list_(pa.float64())
+    # payload format 2 (format 1: int64 ids, still read); list values are required (never null) fields
+    for name, value_type in (("tokens", pa.int32()), ("loss_mask", pa.int8()), ("rollout_log_probs", pa.float64())):
+        assert types[name] == pa.list_(pa.field("element", value_type, nullable=False))
     assert types["reward"] == pa.float64() and types["reward_json"] == pa.string()
     for name in ("group_index", "index", "response_length", "weight_version"):
         assert types[name] == pa.int64()
@@ -426,13 +426,13 @@ def test_manifest_rejects_unknown_fields_and_non_utc():
         config_hash="h",
         files=[],
     )
-    assert Manifest(**base).schema_version == 2 and Manifest(**base, schema_version=1).schema_version == 1
+    assert Manifest(**base).schema_version == 3 and Manifest(**base, schema_version=1).schema_version == 1
     with pytest.raises(ValueError, match="surprise"):
         Manifest(**base, surprise=1)
     with pytest.raises(ValueError, match="UTC"):
         Manifest(**base, created_at="2025-01-01T00:00:00+02:00")
-    with pytest.raises(ValueError, match="schema_version 3"):
-        Manifest(**base, schema_version=3)
+    with pytest.raises(ValueError, match="schema_version 4"):
+        Manifest(**base, schema_version=4)
 
 
 # ----------------------------------------------------------------------------- S3 (moto server on loopback)

@@ -34,9 +34,14 @@ def task_runs_by_name(flow_name_prefix: str) -> dict[str, list[tuple[float, floa
                 flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=flow_name_prefix))
             )
             ids = [f.id for f in flows if f.name.startswith(flow_name_prefix)]
-            runs = await client.read_task_runs(
-                task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)), limit=200
-            )
+            runs, page = [], None
+            while page is None or len(page) == 200:  # the API's page size at most
+                page = await client.read_task_runs(
+                    task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)),
+                    limit=200,
+                    offset=len(runs),
+                )
+                runs += page
         out: dict[str, list[tuple[float, float]]] = {}
         for run in runs:
             if run.start_time and run.end_time:
@@ -179,6 +184,89 @@ def test_partial_rollout_continues_aborted_samples_with_per_token_versions(tmp_p
     assert any(rec["metadata"].get("weight_versions") == token_weight_versions(s) for rec in shown["samples"])
 
 
+def test_a_group_cut_twice_is_dropped_or_finished_before_the_sync(tmp_path):
+    """pipeline.stale_policy at max_staleness=2: a group cut in rollout 1 (weights 0) and cut again while rollout 2
+    continues it (weights 1) would hold v0 tokens when rollout 3 is trained by trainer 3 (3 versions). drop: the
+    continuing rollout marks it `stale`, its rows counted as dropped; wait: it is picked before the sync of
+    rollout 2 and finished under weights 1, trained in rollout 2 with nothing older than 2 versions."""
+    from rollflow.artifacts.manifest import EngineInfo
+    from rollflow.artifacts.pipeline_meta import pipeline_stats
+    from rollflow.tasks.rollout.partial import defer_aborted, mark_waited, too_old_to_continue
+    from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+    from rollflow.tasks.rollout.worker import RolloutWorker
+    from tests.hf_fixtures import build_model_dir
+
+    model = build_model_dir(tmp_path / "model", arch="qwen2", chat_template=False)  # rarely emits eos
+    rollout = RolloutConfig(max_new_tokens=48, n_samples_per_prompt=2, reward="exact_match")
+    worker = RolloutWorker(str(model), rollout, DataConfig(prompts_per_rollout=3))
+    store = RolloutStore(str(tmp_path / "root"))
+
+    def cut_at_forward(k: int):
+        calls = []
+
+        def hook(*args) -> None:
+            calls.append(1)
+            if len(calls) == k:
+                worker.abort()
+
+        return worker.engine.model.register_forward_hook(hook)
+
+    def commit(rollout_id: int, samples: list[Sample], version: int, run: str = "p") -> str:
+        for s in samples:
+            s.reward = 0.0
+        engine = EngineInfo(backend="hf", model="m", weight_version=version)
+        store.write(run, "train", rollout_id, samples, n_samples_per_prompt=2, engine=engine, config_hash="h")
+        return f"{tmp_path}/root/{run}/rollouts/train/{rollout_id:06d}"
+
+    hook = cut_at_forward(6)
+    first = defer_aborted(worker.rollout(1), 2)
+    hook.remove()
+    once = {s.group_index for s in first if filtered_reason(s) == "aborted"}
+    assert once
+    # continued by trainer 2 the v0 tokens are 2 versions old: within the bound, nothing to wait for
+    assert too_old_to_continue(first, 2, 2) == set()
+    uri1 = commit(1, first, 0)
+
+    worker.update_weights({k: v + 0.01 for k, v in worker.named_weights().items()}, 1)
+    hook = cut_at_forward(3)  # the continuation runs first: cut again after two more tokens
+    second = defer_aborted(worker.rollout(2, continue_from=uri1, max_staleness=2), 2)
+    hook.remove()
+    twice = {
+        s.group_index
+        for s in second
+        if filtered_reason(s) == "aborted" and s.metadata.get("continued_from") and 0 in token_weight_versions(s)
+    }
+    assert twice, [(s.group_index, s.status, s.metadata) for s in second]
+    # trainer 3 would train v0 tokens: 3 > 2; groups first cut under weights 1 are fine (3 - 1 = 2)
+    late = too_old_to_continue(second, 3, 2)
+    assert late == twice
+    assert too_old_to_continue(second, 3, 3) == set()  # a looser bound keeps them
+
+    # wait: finished now, under weights 1 (the sync has not happened), back in place and trained in rollout 2
+    done = {s.index: s for s in mark_waited(worker.finish_aborted(2, [s for s in second if s.group_index in late]))}
+    waited = [done.get(s.index, s) if s.group_index in late else s for s in second]
+    for s in waited:
+        if s.group_index in late:
+            assert filtered_reason(s) is None and s.status in (Status.COMPLETED, Status.TRUNCATED)
+            assert set(token_weight_versions(s)) <= {0, 1} and s.metadata.get("waited_at_sync") is True
+    commit(2, waited, 1)
+    stats = pipeline_stats(store.load("p", "train", 2).columns, trainer_version=2, group_size=2)
+    assert stats.staleness_max <= 2 and stats.dropped_samples == 0
+    assert stats.waited_samples == 2 * len(late)
+
+    # drop: rollout 2 committed with the groups still deferred (another run); rollout 3 (trainer 3) drops them
+    uri2 = commit(2, second, 1, run="p-drop")
+    worker.update_weights({k: v + 0.01 for k, v in worker.named_weights().items()}, 2)
+    third = worker.rollout(3, continue_from=uri2, max_staleness=2)
+    stale = [s for s in third if filtered_reason(s) == "stale"]
+    # the same samples, not generated further (group indices are renumbered per rollout: compare tokens)
+    assert sorted(s.tokens for s in stale) == sorted(s.tokens for s in second if s.group_index in late)
+    commit(3, third, 2, run="p-drop")
+    stats = pipeline_stats(store.load("p-drop", "train", 3).columns, trainer_version=3, group_size=2)
+    assert stats.dropped_samples == 2 * len(late) and stats.filtered_groups["stale"] == len(late)
+    assert stats.staleness_max <= 2  # what is trained stays within the bound
+
+
 # ----------------------------------------------------------------------------- dynamic sampling
 def half_constant(sample: Sample) -> float:
     """A reward for the dynamic sampling test: prompts with an even first operand get 0 for every sample (a
@@ -223,16 +311,19 @@ def test_dynamic_sampling_trains_full_batches_of_nonconstant_groups(tmp_path, pr
 
 
 # ----------------------------------------------------------------------------- kill + resume
+ITERATIONS, DEPTH = 4, 2  # rollouts 0-2 from weights 0 (the queue filled in iteration 1), rollout 3 from weights 1
+
+
 def _async_sets(root, run: str) -> list[str]:
     return [
         f"run={run}",
-        "iterations=3",
+        f"iterations={ITERATIONS}",
         f"store.root={root}",
         "data.prompts_per_rollout=32",
         "rollout.n_samples_per_prompt=4",
         "train.num_steps_per_rollout=1",
         "train.micro_batch_size=64",
-        "pipeline.max_staleness=1",
+        f"pipeline.max_staleness={DEPTH}",
     ]
 
 
@@ -248,8 +339,8 @@ def _final_weights(root, run: str, iteration: int) -> dict:
 
 @pytest.mark.slow
 def test_async_run_killed_and_resumed_matches_uninterrupted_run(tmp_path, prefect_api, ray_local):
-    """SIGKILL of `rollflow train` (and its Ray workers) mid async run, rerun: the final weights equal an
-    uninterrupted async run's with the same seed, and nothing committed is regenerated."""
+    """SIGKILL of `rollflow train` (and its Ray workers) mid async run with a queue two rollouts deep, rerun: the
+    final weights equal an uninterrupted async run's with the same seed, and nothing committed is regenerated."""
     import torch
 
     from rollflow.flows.config import load_config
@@ -274,20 +365,20 @@ def test_async_run_killed_and_resumed_matches_uninterrupted_run(tmp_path, prefec
     assert alive, output[-3000:]
     rollouts = tmp_path / "killed" / "rollouts" / "train"
     before = {p.parent.name: p.read_bytes() for p in rollouts.glob("*/manifest.json")}
-    assert "000001" in before  # the next rollout was committed before checkpoint 1 (generated beside train 0)
-    assert not (tmp_path / "killed" / "checkpoints" / "000003" / "meta.json").exists()
+    assert {"000001", "000002"} <= set(before)  # the queue was committed before checkpoint 1 (beside train 0)
+    assert not (tmp_path / "killed" / "checkpoints" / f"{ITERATIONS:06d}" / "meta.json").exists()
 
     summary = rl_train(load_config(None, _async_sets(tmp_path, "killed")))  # the rerun, here in-process
     assert summary["resumed_from"] >= 1
     after = {p.parent.name: p.read_bytes() for p in rollouts.glob("*/manifest.json")}
-    assert sorted(after) == ["000000", "000001", "000002"]
+    assert sorted(after) == [f"{r:06d}" for r in range(ITERATIONS)]
     assert all(after[name] == manifest for name, manifest in before.items()), "a committed rollout was regenerated"
     store = RolloutStore(str(tmp_path))
-    for r in range(3):
-        assert [s.tokens for s in store.load("killed", "train", r).samples] == [
-            s.tokens for s in store.load("whole", "train", r).samples
-        ], r
-    whole, resumed = _final_weights(tmp_path, "whole", 3), _final_weights(tmp_path, "killed", 3)
+    for r in range(ITERATIONS):
+        killed = store.load("killed", "train", r).samples
+        assert [s.tokens for s in killed] == [s.tokens for s in store.load("whole", "train", r).samples], r
+        assert {s.weight_version for s in killed} == {max(0, r - DEPTH)}, r  # lock step, whatever the timing
+    whole, resumed = _final_weights(tmp_path, "whole", ITERATIONS), _final_weights(tmp_path, "killed", ITERATIONS)
     assert sorted(whole) == sorted(resumed)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole), "resumed async run ended on other weights"
 
@@ -308,6 +399,104 @@ def test_pipeline_config_errors_name_the_field_and_the_fix():
             load_config(None, list(sets))
         assert expected in str(err.value), (sets, str(err.value))
     assert load_config(None, []).pipeline.max_staleness == 0  # default: today's synchronous loop
+
+
+def test_off_policy_correction_is_on_by_default_for_async_runs_and_kept_in_their_replay():
+    from rollflow.flows.config import RunConfig, load_config
+
+    sync = load_config(None, [])
+    assert sync.algo.use_tis is False and not sync.notices
+    deep = load_config(None, ["pipeline.max_staleness=3"])
+    assert deep.algo.use_tis is True
+    assert any("algo.use_tis=true" in n and "pipeline.max_staleness=3" in n for n in deep.notices), deep.notices
+    assert load_config(None, ["pipeline.max_staleness=3", "algo.use_tis=false"]).algo.use_tis is False
+    # excluded by slime's --use-rollout-logprobs (the ratio would be 1 by construction): not switched on
+    assert load_config(None, ["pipeline.max_staleness=1", "algo.use_rollout_logprobs=true"]).algo.use_tis is False
+    # the replay of an async run keeps its correction (pipelining itself has nothing to do there)
+    replay = load_config(None, ["pipeline.max_staleness=3", "debug.train_only=true"])
+    assert replay.algo.use_tis is True and any("no effect in a replay" in n for n in replay.notices)
+    # a form or a dump carries the resolved value: the same config again
+    assert RunConfig.model_validate(deep.model_dump()).algo.use_tis is True
+    # the queue depth: N rollouts ahead without partial rollouts, one with them
+    assert deep.pipeline.depth == 3 and sync.pipeline.depth == 0
+    partial = load_config(None, ["pipeline.max_staleness=3", "pipeline.partial_rollout=true"])
+    assert partial.pipeline.depth == 1
+    # pipeline.stale_policy: drop by default; set without partial rollouts it has nothing to act on, and says so
+    assert partial.pipeline.stale_policy == "drop"
+    idle = load_config(None, ["pipeline.max_staleness=3", "pipeline.stale_policy=wait"])
+    assert any(n.startswith("pipeline.stale_policy='wait' has nothing to act on") for n in idle.notices)
+    # the default, as a form or a dump carries it: no notice
+    drop = load_config(None, ["pipeline.max_staleness=3", "pipeline.stale_policy=drop"])
+    assert drop.pipeline.stale_policy == "drop" and not any("stale_policy" in n for n in drop.notices)
+    wait_sets = ["pipeline.max_staleness=2", "pipeline.partial_rollout=true", "pipeline.stale_policy=wait"]
+    wait = load_config(None, wait_sets)
+    assert wait.pipeline.stale_policy == "wait" and not any("stale_policy" in n for n in wait.notices)
+    with pytest.raises(ValueError, match="stale_policy"):
+        load_config(None, ["pipeline.stale_policy=later"])
+
+
+@pytest.mark.slow
+def test_queue_three_rollouts_deep_keeps_the_staleness_bound_in_lock_step(tmp_path, prefect_api, ray_local):
+    """pipeline.max_staleness=3: rollout r comes from weights max(0, r - 3) (read back from the committed
+    artifacts), no trained token is more than 3 versions old, one version per sample (no partial rollouts), the
+    queue is filled in the first iteration and then holds what the trainer has not consumed, and the first
+    iteration's train step overlaps the generation of the rollouts ahead (Prefect's task run times)."""
+    from rollflow.artifacts.pipeline_meta import WEIGHT_VERSIONS
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
+
+    iterations, depth = 6, 3
+    cfg = small_config(
+        tmp_path,
+        run="deep",
+        iterations=iterations,
+        eval_every=0,
+        data={"prompts_per_rollout": 8},
+        # Over-sampling re-draws prompts within a rollout (slime#2092: requeued samples spanned versions 2, 4 and 6
+        # with partial rollouts off): every draw of rollout r still comes from weights r - 3, one version a sample.
+        rollout={"reward": "tests.test_async_pipeline:half_constant"},
+        pipeline={"max_staleness": depth, "dynamic_sampling": {"enabled": True, "max_tries": 3}},
+    )
+    state = rl_train(cfg, return_state=True)
+    assert state.is_completed()
+    rows = read_metrics(cfg)
+    store = RolloutStore(str(tmp_path))
+    for r, row in enumerate(rows):
+        samples = store.load("deep", "train", r).samples
+        assert {s.weight_version for s in samples} == {max(0, r - depth)}, r
+        assert not any(s.metadata.get(WEIGHT_VERSIONS) for s in samples)
+        trainer_version = r
+        assert row["pipeline/staleness_max"] == trainer_version - max(0, r - depth) <= depth
+        assert row["pipeline/versions_per_sample_max"] == 1.0
+        assert row["train/tis"] > 0  # the correction is on (default for an async run)
+        ahead = [j for j in range(r + 1, iterations) if j <= r + depth]
+        assert row["pipeline/queue_depth"] == len(ahead), (r, row["pipeline/queue_depth"])
+        assert row["sync/parity_ok"] == 1.0
+    assert rows[0]["pipeline/generated_ahead"] == depth and rows[1]["pipeline/generated_ahead"] == 1
+    assert "pipeline/generated_ahead" not in rows[-1]  # nothing left to generate beside the last train step
+    runs = task_runs_by_name("deep/iter-")
+    assert overlap_s(sorted(runs["train"])[:1], runs["generate-next"]) > 0.05
+    assert len(runs["generate-train"]) > iterations  # over-sampling drew again
+    assert "abort-generation" not in runs  # partial rollouts off: a generation is never cut
+    # the settings the config took for the user (here the correction) are in the run's log, where a deployment's
+    # user looks (rl_train logs its notices)
+    implied = [n for n in cfg.notices if n.startswith("algo.use_tis=true")]
+    assert implied and implied[0] in _flow_run_logs(state.state_details.flow_run_id, implied[0])
+
+
+def _flow_run_logs(flow_run_id, needle: str, timeout: float = 30) -> str:
+    """The flow run's log lines from the Prefect API (they arrive in batches, after the final state)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        text = "\n".join(entry.message for entry in logs)
+        if needle in text or time.monotonic() > deadline:
+            return text
+        time.sleep(1)
 
 
 def _group(g: int, rewards: list[float]) -> list[Sample]:

@@ -28,12 +28,13 @@ def test_figure_summary_and_goals():
 
 
 def test_suite_selection_aliases_and_order():
-    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 9
+    assert resolve_suites(None, "cpu")[0] == "orchestration" and len(resolve_suites(None, "cpu")) == 10
     assert resolve_suites(None, "cuda") == ["rollout", "train", "sync"]
     assert resolve_suites(["3,io"], "cpu") == ["rollout", "artifact_io"]
     assert resolve_suites(["replay", "1"], "cpu") == ["orchestration", "replay"]
     assert resolve_suites(["8"], "cpu") == resolve_suites(["watchdog_cost"], "cpu") == ["watchdog"]
     assert resolve_suites(["9"], "cpu") == ["cluster"]
+    assert resolve_suites(["10"], "cpu") == resolve_suites(["end-to-end"], "cpu") == ["e2e"]
     with pytest.raises(SystemExit):
         resolve_suites(["nope"], "cpu")
 

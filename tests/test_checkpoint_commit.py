@@ -233,12 +233,18 @@ def assert_bitwise_equal(a, b, where: str = "") -> None:
 def test_rollflow_train_killed_between_payload_and_marker_resumes_from_previous(tmp_path, prefect_api):
     """`rollflow train` SIGKILLed (driver, Ray, actors) with checkpoint 2's payload written and its marker not; the
     same command again resumes from checkpoint 1, never reads the orphan payload, and ends with the weights (and
-    optimizer state) of a run that was never interrupted."""
+    optimizer state) of a run that was never interrupted. The killed run tracks to a local MLflow store: the
+    resume continues the same MLflow run (its id kept in `{run}/tracking.json`), which ends FINISHED with one
+    point per committed step and no gap."""
     import torch
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_tracking import mlflow_steps
 
     root = tmp_path / "store"
+    two_steps = "train.num_steps_per_rollout=2"  # two optimizer steps per iteration: MLflow's step axis is checked
     reference = subprocess.run(
-        train_cmd(root, "straight", 3),
+        train_cmd(root, "straight", 3, two_steps),
         cwd=REPO,
         env=train_env(prefect_api),
         capture_output=True,
@@ -248,7 +254,9 @@ def test_rollflow_train_killed_between_payload_and_marker_resumes_from_previous(
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     assert checkpoint_status(str(root), "straight") == ([1, 2, 3], {})
 
-    cmd = train_cmd(root, "crash", 3)
+    tracking = ['tracking.backends=["mlflow"]', f"tracking.uri={tmp_path / 'mlruns'}", "tracking.project=rollflow-test"]
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"  # what a folder as tracking.uri means (flows/tracking.py)
+    cmd = train_cmd(root, "crash", 3, two_steps, *tracking)
     folder = root / "crash" / "checkpoints" / "000002"
     sigkill_at_held_checkpoint(cmd, train_env(prefect_api, "checkpoint-hold-before-marker:2"), folder / "trainer.pt")
     assert not (folder / "meta.json").exists()
@@ -258,6 +266,13 @@ def test_rollflow_train_killed_between_payload_and_marker_resumes_from_previous(
     assert {p.name for p in (root / "crash" / "checkpoints").rglob("*") if p.is_file()} == {"trainer.pt", "meta.json"}
     with pytest.raises(CheckpointError, match="no committed checkpoint 2 .*no commit marker"):
         load_checkpoint(str(root), "crash", 2)
+    # Nothing ran to end the MLflow run: it shows RUNNING, with the committed iteration only (iteration 2's row was
+    # in metrics.jsonl when the kill came, but its checkpoint never committed, so it was never logged).
+    run_id = json.loads((root / "crash" / "tracking.json").read_text())["mlflow_run_id"]
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "RUNNING"
+    logged = mlflow_steps(uri, run_id)
+    assert sorted(s for s, keys in logged.items() if "train/loss" in keys) == [1]
+    assert sorted(s for s, keys in logged.items() if "train_step/loss" in keys) == [1, 2]
     # The orphan holds what the trainer had after iteration 2, which a correct resume recomputes bit for bit; shift
     # its weights so that a resume reading it (instead of recomputing) cannot end with the reference's weights.
     orphan = torch.load(folder / "trainer.pt", weights_only=True)
@@ -277,3 +292,21 @@ def test_rollflow_train_killed_between_payload_and_marker_resumes_from_previous(
             checkpoint_state(root, "straight", iteration),
             f"ckpt{iteration}",
         )
+
+    assert json.loads((root / "crash" / "tracking.json").read_text())["mlflow_run_id"] == run_id
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("rollflow-test").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rollflow.resumed_from"] == "1"
+    assert {"train/loss", "train_step/loss", "train_step/grad_norm"} <= set(run.data.metrics)
+    for key in run.data.metrics:
+        # optimizer steps: 2 per iteration, numbered on across the resume (iteration 2's are 3 and 4)
+        want = [1, 2, 3, 4, 5, 6] if key.startswith("train_step/") else [1, 2, 3]
+        assert sorted(p.step for p in client.get_metric_history(run_id, key)) == want, key
+    # Each committed iteration's values as metrics.jsonl holds them: iteration 2's, logged after the resume, are
+    # those of its rerun, not of the killed attempt.
+    rows = {m["iteration"]: m for m in metrics}
+    for point in client.get_metric_history(run_id, "train/loss"):
+        assert point.value == rows[point.step]["train/loss"]

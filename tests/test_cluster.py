@@ -563,17 +563,31 @@ def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cl
     requests = S3Requests(cluster)
     flow_run_id = _submit(cluster, run, 2)
     frozen: dict[str, float] = {}
+    persist_seen: str | None = None
     try:
-        # rollout 1 is not committed yet (the last request of that check: a prefix listing) -> its generate starts
-        # (a second or more, no S3 request) -> the endpoint is frozen -> its persist starts against the frozen
-        # endpoint (a persist is over in ~0.1 s: too short to aim at from outside)
+        # rollout 1 is not committed yet (the iteration's one check before generating; its last request: a prefix
+        # listing) -> its generate starts (no S3 request) -> the endpoint is frozen -> its persist starts against
+        # the frozen endpoint (a persist is over in ~0.1 s: too short to aim at from outside). A loaded box can
+        # make the generate outlast any fixed freeze, so the freeze lasts until the persist is seen running (its
+        # state goes to the Prefect server, not to S3) and 15 s more
         line = requests.wait_for(
             rf"GET /{cl.BUCKET}\?list-type=2&prefix=runs/{run}/rollouts/train/000001/manifest", 300
         )
         assert line, _logs(flow_run_id)
         os.kill(s3_pid, signal.SIGSTOP)
         frozen["at"] = time.monotonic()
-        time.sleep(20)
+        running_at = None
+        while time.monotonic() - frozen["at"] < 180:
+            persists = _iteration_tasks(run, 1).get("persist", [])
+            if persists and running_at is None:
+                persist_seen = persists[0].state.name if persists[0].state else None
+                if persist_seen == "Running":
+                    running_at = time.monotonic()
+                elif persist_seen in ("Completed", "Failed", "Crashed"):
+                    break  # it ran before the freeze: reported below
+            if running_at is not None and time.monotonic() - running_at >= 15:
+                break
+            time.sleep(0.5)
     finally:
         thaw_offset = cl.log_path(cluster, "s3").stat().st_size
         os.kill(s3_pid, signal.SIGCONT)
@@ -585,6 +599,7 @@ def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cl
     took = (persist.end_time - persist.start_time).total_seconds()
     print(f"endpoint frozen {frozen['for']:.1f}s; persist of rollout 1: {took:.1f}s, {persist.run_count} attempt(s)")
     assert persist.state.name == "Completed"
+    assert persist_seen == "Running", f"the persist of rollout 1 was {persist_seen} while the endpoint was frozen"
     assert took >= 10, (took, persist.run_count)  # it waited the freeze out instead of failing or skipping it
     # botocore timed the frozen request out and sent it again: both copies reach the endpoint when it thaws
     after = S3Requests.lines_since(cluster, thaw_offset)

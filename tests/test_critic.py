@@ -146,9 +146,13 @@ def test_explained_variance():
     "overrides, needle",
     [
         (["algo.advantage_estimator=ppo", "algo.kl_coef=0.1"], "algo.kl_coef=0.1"),
-        (["algo.advantage_estimator=ppo", "train.backend=megatron"], "train.backend='torch'"),
-        (["algo.advantage_estimator=ppo", "debug.train_only=true"], "replay"),
+        (
+            ["algo.advantage_estimator=ppo", "debug.train_only=true", "debug.load_debug_rollout_data_subsample=0.5"],
+            "cannot replay a subsample",
+        ),
+        (["algo.advantage_estimator=ppo", "resources.critic_gpus=1"], "resources.critic_gpus=1 without GPUs"),
         (["algo.lambd=0.9"], "algo.lambd=0.9 only applies"),
+        (["resources.critic_gpus=1"], "resources.critic_gpus=1 only applies to algo.advantage_estimator='ppo'"),
     ],
 )
 def test_ppo_config_rejections_name_the_field(overrides, needle):
@@ -157,6 +161,25 @@ def test_ppo_config_rejections_name_the_field(overrides, needle):
     with pytest.raises(ConfigError, match="ppo|lambd") as err:
         load_config(None, overrides)
     assert needle in str(err.value)
+
+
+def test_ppo_config_accepts_megatron_gpus_and_replay():
+    """What this build refused before: ppo with the megatron trainer, on GPUs, and replayed."""
+    from rollflow.flows.config import load_config
+
+    load_config(None, ["algo.advantage_estimator=ppo", "train.backend=megatron"])
+    load_config(None, ["algo.advantage_estimator=ppo", "debug.train_only=true"])
+    gpus = load_config(
+        None,
+        [
+            "algo.advantage_estimator=ppo",
+            "resources.num_gpus=3",
+            "resources.trainer_gpus=1",
+            "resources.gpus_per_engine=1",
+            "resources.critic_gpus=1",
+        ],
+    )
+    assert gpus.resources.critic_gpus == 1
 
 
 def test_ppo_config_accepts_gamma_lambd_and_kl_loss():
@@ -295,8 +318,41 @@ def test_ppo_rl_train_runs_a_critic_actor_and_resumes_it(tmp_path, prefect_api, 
     assert rows[1]["critic/values"] != 0.0  # the critic trained on rollout 0
     for it in (1, 2):
         assert (tmp_path / "ppo-e2e" / "checkpoints" / f"{it:06d}" / "critic.pt").stat().st_size > 1000
+    _replay_equals_the_ppo_run(tmp_path, cfg, rows, algo)
     # resume: a third iteration starts the critic from checkpoint 2's state
     cfg3 = small_config(tmp_path, run="ppo-e2e", iterations=3, algo=algo)
     summary = rl_train(cfg3)
     assert summary["resumed_from"] == 2
     assert len(read_metrics(cfg3)) == 3
+
+
+def _weights(data: bytes) -> dict[str, torch.Tensor]:
+    import io
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["model"]
+
+
+def _replay_equals_the_ppo_run(tmp_path, cfg, rows: list[dict], algo: dict) -> None:
+    """Replay of the ppo run's rollouts 0 and 1 (no engine): the critic starts fresh and follows the trainer from
+    step to step, so both end exactly where the run's checkpoint 2 is (policy and critic, bit for bit)."""
+    from rollflow.flows.debug import replay_train
+    from rollflow.tasks.train.checkpoint import load_checkpoint, load_state
+    from tests.conftest import small_config
+
+    replay_cfg = small_config(tmp_path, run="ppo-replay", iterations=2, algo=algo, debug={"train_only": True})
+    out = replay_train(replay_cfg, rollout_ids=[0, 1], source_run=cfg.run)
+    steps = out["steps"]
+    assert [s["rollout_id"] for s in steps] == [0, 1] and not any(s["cached"] for s in steps)
+    for step, row in zip(steps, rows):
+        for key in ("train/loss", "train/grad_norm", "critic/value_loss", "critic/values", "rollout/advantages"):
+            assert step[key] == row[key], (step["rollout_id"], key)
+    run_policy = _weights(load_checkpoint(str(tmp_path), cfg.run, 2))
+    replay_policy = _weights(load_state(out["final_state"]))
+    assert run_policy.keys() == replay_policy.keys()
+    assert all(torch.equal(run_policy[k], replay_policy[k]) for k in run_policy)
+    run_critic = _weights((tmp_path / cfg.run / "checkpoints" / "000002" / "critic.pt").read_bytes())
+    replay_critic = _weights(load_state(out["final_state"].rsplit("/", 1)[0] + "/critic.pt"))
+    assert all(torch.equal(run_critic[k], replay_critic[k]) for k in run_critic)
+    # the same replay again: both steps cached (trainer and critic states kept), no worker started
+    again = replay_train(replay_cfg, rollout_ids=[0, 1], source_run=cfg.run)
+    assert all(s["cached"] for s in again["steps"]) and again["workers_started"] is False

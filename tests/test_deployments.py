@@ -253,14 +253,21 @@ def test_failed_rl_train_retried_from_ui_resumes_in_the_same_run(worker, tmp_pat
     from prefect.client.orchestration import get_client
     from prefect.states import AwaitingRetry
 
-    root = tmp_path / "runs"
+    # An async run with a queue two rollouts deep (issue 38): the UI's Retry resumes the queue as committed.
+    root, queue = tmp_path / "runs", {"max_staleness": 2}
     failed = _run(
-        "rl_train", {"params": _params("rl_train", "retry", root, iterations=3, debug={"fail_after_iteration": 2})}
+        "rl_train",
+        {"params": _params("rl_train", "retry", root, iterations=3, debug={"fail_after_iteration": 2}, pipeline=queue)},
     )
     assert failed.state.name == "Failed", _logs(failed.id)
     assert failed.name == "retry", _logs(failed.id)  # flow runs are named after the rollflow run
     before = _manifests(root, "retry")
-    assert len(before) == 2
+    # rollouts 0-2: the queue (1 and 2, from weights 0) was committed beside train 0, before the failure
+    assert sorted(Path(k).parent.name for k in before) == ["000000", "000001", "000002"], (
+        sorted(str(p) for p in tmp_path.rglob("*"))[:60],
+        failed.run_count,
+        failed.empirical_policy,
+    )
 
     with get_client(sync_client=True) as client:  # the UI's Retry button
         client.set_flow_run_state(failed.id, AwaitingRetry(message="Retry from the UI"), force=True)
@@ -274,7 +281,7 @@ def test_failed_rl_train_retried_from_ui_resumes_in_the_same_run(worker, tmp_pat
     assert {k: v for k, v in after.items() if k in before} == before  # no rollout regenerated
     assert len(after) == 3
 
-    reference = _run("rl_train", {"params": _params("rl_train", "straight", root, iterations=3)})
+    reference = _run("rl_train", {"params": _params("rl_train", "straight", root, iterations=3, pipeline=queue)})
     assert reference.state.name == "Completed", _logs(reference.id)
     resumed, straight = _weights(root, "retry", 3), _weights(root, "straight", 3)
     assert resumed.keys() == straight.keys()

@@ -81,6 +81,38 @@ def test_group_start_puts_actors_in_their_bundles_and_restarts_in_the_same(tmp_p
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
 
 
+@pytest.mark.parametrize("critic_gpus, expected", [(0, {0: 1.0, 1: 1.0}), (1, {0: 1.0, 1: 1.0, 2: 1.0})])
+def test_ppo_critic_actor_runs_in_its_bundle(tmp_path, ray_local, critic_gpus, expected):
+    """ppo on GPUs: the critic takes 0.4 of trainer rank 0's GPU (beside the trainer's 0.6) or a bundle of its
+    own after the engine's, as Ray's own resource accounting of the placement group shows."""
+    from rollflow.flows.group import WorkerGroup
+
+    run = f"pgc-{uuid.uuid4().hex[:8]}"
+    cfg = small_config(
+        tmp_path,
+        run=run,
+        algo={"advantage_estimator": "ppo"},
+        resources={
+            "num_gpus": 3,
+            "trainer_gpus": 1,
+            "num_engines": 1,
+            "gpus_per_engine": 1,
+            "critic_gpus": critic_gpus,
+            "gpu_resource": FAKE,
+        },
+    )
+    group = WorkerGroup.for_run(cfg)
+    pg = group.start_placement()
+    try:
+        group.start_trainer(None)
+        group.start_critic(None).wait_started()
+        group.start_engine(None)
+        assert _wait_use(pg, expected) == expected
+    finally:
+        group.stop_all()
+    assert group.placement_group() is None
+
+
 def test_cpu_default_has_no_placement_group(tmp_path):
     from rollflow.flows.group import WorkerGroup, uses_placement
 

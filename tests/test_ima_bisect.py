@@ -33,7 +33,6 @@ from rollflow.tasks.debug.ima import (
     trainer_flags,
     verdict,
 )
-from tests.conftest import small_config
 
 
 def t(cg: str, sp: str, ep: str = "off") -> dict[str, str]:
@@ -390,12 +389,26 @@ def test_cli_registers_bisect_and_rejects_a_bad_toggle(tmp_path):
 
 
 @pytest.mark.slow
-def test_flow_isolates_the_crashing_combination(tmp_path, prefect_api):
+def test_flow_isolates_the_crashing_combination(tmp_path, prefect_api, monkeypatch):
+    """The bisect flow on CPU with an injected crash; it tracks to MLflow and TensorBoard, and its verdict table
+    reaches both (checked on this same bisect: each one runs 10 cells)."""
+    from mlflow.tracking import MlflowClient
     from prefect.artifacts import Artifact
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from rollflow.flows import tracking
     from rollflow.flows.bisect import ima_bisect
+    from tests.test_tracking import mlflow_run, tracked_config
 
-    cfg = small_config(tmp_path, run="ima-t", data={"prompts_per_rollout": 4}, rollout={"n_samples_per_prompt": 2})
+    problems: list[str] = []  # tracking warnings
+    monkeypatch.setattr(tracking, "report_problem", problems.append)
+    cfg = tracked_config(
+        tmp_path,
+        "ima-t",
+        backends=["mlflow", "tensorboard"],
+        data={"prompts_per_rollout": 4},
+        rollout={"n_samples_per_prompt": 2},
+    )
     out = ima_bisect(cfg, crash_when="cuda_graph=on,speculative=on", timeout_s=120, parallel=2)
 
     assert out["verdict"]["text"] == "crashes only with cuda_graph on and speculative on"
@@ -443,3 +456,18 @@ def test_flow_isolates_the_crashing_combination(tmp_path, prefect_api):
     assert 'cuda-gdb -ex "target cudacore <file>"' in markdown.data
     link = Artifact.get("ima-t-ima-report")  # Prefect stores a link artifact as markdown
     assert link is not None and report.as_uri() in link.data
+
+    verdict = out["verdict"]["text"]
+    uri = tracking.mlflow_uri(cfg)
+    [run] = mlflow_run(uri, "rollflow-test", "ima-t-ima-bisect")
+    assert run.data.tags["summary.ima.verdict"] == verdict and run.data.tags["rollflow.flow"] == "ima_bisect"
+    assert run.data.tags["rollflow.ima_report"] == out["report_uri"]
+    client = MlflowClient(tracking_uri=uri)
+    table = Path(client.download_artifacts(run.info.run_id, "ima_verdict.md", str(tmp_path / "dl"))).read_text()
+    assert f"**Verdict: {verdict}**" in table and "cuda_graph" in table  # the matrix, one row per cell
+    [tb] = list((tmp_path / "ima-t" / "tensorboard" / "ima_bisect").iterdir())
+    acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
+    acc.Reload()
+    [event] = acc.Tensors("ima_verdict")
+    assert f"**Verdict: {verdict}**" in event.tensor_proto.string_val[0].decode()
+    assert problems == []

@@ -103,6 +103,43 @@ def _replay_equals_the_run(tmp_path, run: str, rows: list[dict]) -> None:
     assert all(s["cached"] for s in again["steps"]) and again["workers_started"] is False
 
 
+def test_ppo_with_a_tensor_parallel_megatron_trainer_and_a_critic_on_trainer_gpu_0(
+    tmp_path, prefect_api, ray_local, monkeypatch
+):
+    """ppo with the megatron trainer (TP=2) on (fake) GPUs: the critic actor takes its share of trainer GPU 0 and
+    hands GAE advantages to both ranks. Its iteration matches the same ppo run on the torch trainer: the critic's
+    figures and the advantages exactly (the critic is the same torch model on the same rollout), the policy's
+    step to the tolerance the TP=2 and single-rank megatron steps agree to above."""
+    import rollflow.flows.group as group_module
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
+    from tests.drill_workers import CpuMegatronTrainWorker
+
+    monkeypatch.setattr(group_module, "TrainWorker", CpuMegatronTrainWorker)
+    run = f"mppo-{uuid.uuid4().hex[:8]}"
+    algo = {"advantage_estimator": "ppo", "critic_lr": 1e-3, "lambd": 0.95}
+    rl_train(_config(tmp_path, run, iterations=1, algo=algo))
+    row = read_metrics(_config(tmp_path, run, iterations=1, algo=algo))[0]
+    assert row["sync/parity_ok"] == 1.0 and row["critic/value_loss"] > 0
+    monkeypatch.undo()  # the torch trainer without the megatron CPU shims (they are for megatron-core only)
+    torch_cfg = small_config(
+        tmp_path,
+        run=f"{run}-torch",
+        iterations=1,
+        eval_every=0,
+        data={"prompts_per_rollout": 8},
+        algo=algo,
+        train={"backend": "torch", "num_steps_per_rollout": 2, "micro_batch_size": 8},
+    )
+    rl_train(torch_cfg)
+    ref = read_metrics(torch_cfg)[0]
+    assert row["rollout/raw_reward"] == ref["rollout/raw_reward"]
+    for key in ("critic/value_loss", "critic/returns", "critic/explained_variance", "rollout/advantages"):
+        assert row[key] == ref[key], key
+    for key in ("train/loss", "train/grad_norm", "rollout/log_probs", "train/ppo_kl"):
+        assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.parametrize("mode", ["distributed", "tensor"])
 def test_tensor_parallel_trainer_syncs_sglang_engines_by_tensor_and_broadcast(
     mode, tmp_path, prefect_api, ray_local, monkeypatch

@@ -247,6 +247,7 @@ def test_offload_frees_the_gpu_and_onload_resumes_exactly(distributed_optimizer,
     """Colocated placement: offload() moves weights, grad buffers and optimizer state (Adam moments, fp32 masters)
     to the host and frees them on the GPU; onload() brings every tensor back bit for bit, and training goes on."""
     from rollflow.tasks.train.megatron.backend import MegatronBackend
+    from rollflow.tasks.train.megatron.optimizer import inner_optimizers
 
     config = _config("llama")
     state = {k: v.detach().clone() for k, v in _hf(config).state_dict().items()}
@@ -279,14 +280,14 @@ def test_offload_frees_the_gpu_and_onload_resumes_exactly(distributed_optimizer,
         weights = {k: v.detach().cpu().clone() for k, v in be.named_weights().items()}
         moments = [
             v.detach().cpu().clone()
-            for inner in be._inner_optimizers()
+            for inner in inner_optimizers(be.optimizer)
             for st in inner.state.values()
             for v in st.values()
             if isinstance(v, torch.Tensor)
         ]
         masters = [
             p.detach().cpu().clone()
-            for inner in be._inner_optimizers()
+            for inner in inner_optimizers(be.optimizer)
             for g in inner.param_groups
             for p in g["params"]
         ]

@@ -43,6 +43,42 @@ def test_colocate_layout_shares_bundles():
     assert plan.actor_bundle("engine", 1) == 2
 
 
+def test_ppo_critic_gets_its_own_bundle_or_a_share_of_trainer_gpu_0():
+    # its own GPU: disaggregated trainer 2 + engines 1 x 2 = bundles 0-3, the critic on bundle 4
+    own = plan_placement(
+        "disaggregated", res(num_gpus=5, trainer_gpus=2, num_engines=1, gpus_per_engine=2, critic_gpus=1), critic=True
+    )
+    assert (own.needed, len(own.bundles), own.actor_bundle("critic")) == (5, 5, 4)
+    assert own.gpu_fractions["critic"] == 1.0 and own.gpu_fractions["trainer"] == 1.0
+    with pytest.raises(PlacementError, match=r"critic 1 = 5 GPUs, cluster has 4"):
+        plan_placement(
+            "disaggregated",
+            res(num_gpus=4, trainer_gpus=2, num_engines=1, gpus_per_engine=2, critic_gpus=1),
+            critic=True,
+        )
+    # a share of trainer rank 0's GPU: no extra bundle, the two fractions fit one GPU
+    shared = plan_placement(
+        "disaggregated", res(num_gpus=4, trainer_gpus=2, num_engines=1, gpus_per_engine=2), critic=True
+    )
+    assert (shared.needed, shared.actor_bundle("critic"), shared.actor_bundle("trainer")) == (4, 0, 0)
+    assert shared.gpu_fractions["trainer"] + shared.gpu_fractions["critic"] == pytest.approx(1.0)
+    coloc = plan_placement("colocate", res(num_gpus=2, trainer_gpus=2, num_engines=1, gpus_per_engine=2), critic=True)
+    fr = coloc.gpu_fractions
+    assert coloc.actor_bundle("critic") == 0 and fr["trainer"] + fr["engine"] + fr["critic"] <= 1.0
+    # replay (no engines) of a colocated ppo run: trainer and critic split the GPU
+    replay = plan_placement(
+        "colocate", res(num_gpus=2, trainer_gpus=2, num_engines=1, gpus_per_engine=2), rollout=False, critic=True
+    )
+    assert replay.gpu_fractions["trainer"] + replay.gpu_fractions["critic"] <= 1.0
+    with pytest.raises(PlacementError, match="trainer_gpus=0"):
+        plan_placement("disaggregated", res(num_gpus=2, num_engines=1, gpus_per_engine=2), critic=True)
+    # without a critic nothing changes, and a plan without one has no critic role
+    plain = plan_placement("disaggregated", res(num_gpus=4, trainer_gpus=2, num_engines=1, gpus_per_engine=2))
+    assert plain.gpu_fractions == {"trainer": 1.0, "engine": 1.0}
+    with pytest.raises(ValueError, match="critic"):
+        plain.actor_bundle("critic")
+
+
 def test_over_budget_shows_the_arithmetic():
     with pytest.raises(PlacementError) as err:
         plan_placement("disaggregated", res(num_gpus=6, trainer_gpus=4, num_engines=2, gpus_per_engine=2))

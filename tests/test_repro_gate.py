@@ -139,6 +139,8 @@ def test_gate_end_to_end(tmp_path, prefect_api, ray_local):
     assert diversity.passed, diversity.message
     assert repro.figures["iterations"] == 2 and repro.figures["tensors"] > 0
 
+    # the faults show in iteration 1: one iteration per pass is enough
+    cfg = small_config(tmp_path, run="gate", iterations=1, train={"num_steps_per_rollout": 2})
     noisy, _ = run_repro_gate(cfg, AlignmentFaults(nondeterministic_logits_std=1e-4))
     assert noisy.failed
     first = noisy.figures["first_difference"]

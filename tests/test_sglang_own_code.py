@@ -417,3 +417,52 @@ def test_a_release_on_a_busy_server_is_sglangs_assert(own):
     assert _ask(own, "release_while_busy", {}) == {
         "raised": "AssertionError: release_memory_occupation should be called only when server is idle."
     }
+
+
+def test_lora_adapter_bodies_pass_sglangs_request_structures(own, tmp_path):
+    """rollout.sglang.lora_sync=adapter: every body the engine posts (both load routes, unload, the version,
+    generate naming the adapter) through SGLang's structures; the tensor payload through its unpickler and
+    flattened-bucket reconstruction, tensors equal to the adapter; the launch flags through its parser."""
+    from rollflow.flows.config import load_config
+    from rollflow.tasks.rollout.sglang.from_config import launch_spec_for
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        f"base_model.model.model.layers.0.self_attn.q_proj.lora_{p}.weight": torch.randn(s, generator=g)
+        for p, s in (("A", (4, 8)), ("B", (8, 4)))
+    }
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"], "use_dora": False}
+    posted = []
+    for weight_sync in ("tensor", "disk"):
+        engine = SGLangEngine(["http://a", "http://b"], tp_sizes=[2, 1], weight_sync=weight_sync, lora_sync="adapter")
+        engine.weight_dir = tmp_path / weight_sync
+
+        def record(url, path, body=None, **_):
+            posted.append((url, path, body))
+            return {"success": True, "loaded_adapters": {}}
+
+        engine._post = record
+        engine.update_lora_adapter(tensors, config, 1)
+        engine.update_lora_adapter(tensors, config, 2)
+    assert {p for _, p, _ in posted} == {
+        "/load_lora_adapter_from_tensors",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/update_weight_version",
+    }
+    for url, path, body in posted:
+        assert _ask(own, "body_errors", {"route": path, "body": body}) == [], (path, body)
+        if path == "/load_lora_adapter_from_tensors":
+            assert len(body["serialized_named_tensors"]) == (2 if url == "http://a" else 1)  # one per TP rank
+            for data in body["serialized_named_tensors"]:
+                out = _ask(own, "payload", {"data": data, "load_format": body["load_format"]})
+                assert {t["name"]: t["sha"] for t in out["tensors"]} == {n: tensor_sha(t) for n, t in tensors.items()}
+    generate = {"input_ids": [1, 4], "sampling_params": {"max_new_tokens": 2}, "lora_path": "rollflow-v2"}
+    assert _ask(own, "body_errors", {"route": "/generate", "body": generate}) == []
+    typo = _ask(own, "body_errors", {"route": "/unload_lora_adapter", "body": {"lora_nmae": "x"}})
+    assert typo and "lora_name" in typo[0]
+    cfg = load_config(None, ["model.lora.rank=4", "rollout.engine=sglang", "rollout.sglang.lora_sync=adapter"])
+    args = _ask(own, "server_args", {"argv": launch_command(launch_spec_for("/m", cfg.rollout, port=31000))[3:]})
+    targets = args["lora_target_modules"]
+    assert args["enable_lora"] is True and args["max_lora_rank"] == 4
+    assert sorted(eval(targets) if isinstance(targets, str) else targets) == sorted(cfg.model.lora.target_modules)  # noqa: S307

@@ -221,3 +221,30 @@ def test_trend_task_warns_green_and_fails_red(prefect_api, monkeypatch):
     assert judge(warn)[0] == "COMPLETED"  # a warning: the task stays green
     kind, message = judge(fail)
     assert kind == "FAILED" and "mismatch trend fail" in message and "slope 0.005/iteration" in message
+
+
+def test_async_runs_follow_the_probe_not_the_stale_train_rollout_gap(tmp_path):
+    """An async run's train/rollout gap grows while its queue fills (rollouts 1-4 from weights 0 at
+    max_staleness=4: the CPU benchmark's run failed the trend at 3.6e-7 -> 0.25 over 8 iterations), though the
+    engine serves the trainer's weights exactly: the trend follows the post-sync probe there. A synchronous
+    run with the same rows still fails."""
+    import json
+
+    from rollflow.flows.mismatch_trend import trend_with
+    from tests.conftest import small_config
+
+    def rows(run: str) -> list[dict]:
+        gaps = [3.6e-7, 0.05, 0.10, 0.16, 0.21, 0.25, 0.25, 0.25]  # staleness 0, 1, 2, 3, 4, then steady
+        return [
+            {"iteration": i + 1, "train/train_rollout_logprob_abs_diff": gap, "sync/probe_logprob_diff": 2e-7}
+            for i, gap in enumerate(gaps)
+        ]
+
+    for staleness, verdict, metric in ((4, "ok", "sync/probe_logprob_diff"), (0, "fail", MISMATCH_KEY)):
+        run = f"trend-{staleness}"
+        cfg = small_config(tmp_path, run=run, iterations=8, pipeline={"max_staleness": staleness})
+        *history, last = rows(run)
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+        report = trend_with(cfg, last)
+        assert (report.verdict, report.metric) == (verdict, metric), report.summary()

@@ -440,61 +440,6 @@ def test_three_iterations_to_tensorboard_mlflow_and_wandb(tmp_path, prefect_api,
 
 
 @pytest.mark.slow
-def test_sigkilled_rollflow_train_resumes_its_mlflow_run_with_each_step_once(tmp_path, prefect_api):
-    """`rollflow train` tracking to a local MLflow store, SIGKILLed (driver, Ray, actors) in iteration 3 with its
-    checkpoint's payload written and its marker not; the same command again continues the same MLflow run (the
-    run id kept in `{run}/tracking.json`), which ends FINISHED with one point per committed step and no gap."""
-    from mlflow.tracking import MlflowClient
-
-    from tests.test_checkpoint_commit import REPO, sigkill_at_held_checkpoint, summary_of, train_cmd, train_env
-
-    root = tmp_path / "store"
-    cmd = train_cmd(
-        root,
-        "killed",
-        3,
-        'tracking.backends=["mlflow"]',
-        f"tracking.uri={tmp_path / 'mlruns'}",
-        "tracking.project=rollflow-test",
-        "train.num_steps_per_rollout=2",  # two optimizer steps per iteration: the step axis is checked too
-    )
-    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"  # what a folder as tracking.uri means (flows/tracking.py)
-    payload = root / "killed" / "checkpoints" / "000003" / "trainer.pt"
-    sigkill_at_held_checkpoint(cmd, train_env(prefect_api, "checkpoint-hold-before-marker:3"), payload)
-
-    run_id = json.loads((root / "killed" / "tracking.json").read_text())["mlflow_run_id"]
-    client = MlflowClient(tracking_uri=uri)
-    # Nothing ran to end the run: MLflow shows it RUNNING, with the committed iterations only (iteration 3's row was
-    # in metrics.jsonl when the kill came, but its checkpoint never committed, so it was never logged).
-    assert client.get_run(run_id).info.status == "RUNNING"
-    logged = mlflow_steps(uri, run_id)
-    assert sorted(s for s, keys in logged.items() if "train/loss" in keys) == [1, 2]
-    assert sorted(s for s, keys in logged.items() if "train_step/loss" in keys) == [1, 2, 3, 4]
-
-    done = subprocess.run(cmd, cwd=REPO, env=train_env(prefect_api), capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert summary_of(done.stdout)["resumed_from"] == 2
-    assert json.loads((root / "killed" / "tracking.json").read_text())["mlflow_run_id"] == run_id
-    client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("rollflow-test").experiment_id])
-    assert [r.info.run_id for r in runs] == [run_id]
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.tags["rollflow.resumed_from"] == "2"
-    assert {"train/loss", "train_step/loss", "train_step/grad_norm"} <= set(run.data.metrics)
-    for key in run.data.metrics:
-        # optimizer steps: 2 per iteration, numbered on across the resume (iteration 3's are 5 and 6)
-        want = [1, 2, 3, 4, 5, 6] if key.startswith("train_step/") else [1, 2, 3]
-        assert sorted(p.step for p in client.get_metric_history(run_id, key)) == want, key
-    # Each committed iteration's values as metrics.jsonl holds them: iteration 3's, logged after the resume,
-    # are those of its rerun, not of the killed attempt.
-    rows = {r["iteration"]: r for r in map(json.loads, (root / "killed" / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(rows) == [1, 2, 3]
-    for point in client.get_metric_history(run_id, "train/loss"):
-        assert point.value == rows[point.step]["train/loss"]
-
-
-@pytest.mark.slow
 def test_two_alignment_runs_give_two_points_per_check_figure(tmp_path, prefect_api, ray_local, problems):
     from mlflow.tracking import MlflowClient
 
@@ -608,39 +553,4 @@ def test_rollout_only_and_replay_train_log_to_every_sink(tmp_path, prefect_api, 
     assert [p.value for p in client.get_metric_history(again.info.run_id, "train_step/loss")] == [
         r["train_step/loss"] for r in first["optimizer_steps"]
     ]
-    assert problems == []
-
-
-@pytest.mark.slow
-def test_ima_bisect_logs_its_verdict_table(tmp_path, prefect_api, problems):
-    from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from rollflow.flows import tracking
-    from rollflow.flows.bisect import ima_bisect
-
-    cfg = tracked_config(
-        tmp_path,
-        "ima-tr",
-        backends=["mlflow", "tensorboard"],
-        data={"prompts_per_rollout": 4},
-        rollout={"n_samples_per_prompt": 2},
-    )
-    out = ima_bisect(cfg, crash_when="cuda_graph=on,speculative=on", timeout_s=120, parallel=2)
-    verdict = out["verdict"]["text"]
-    assert verdict == "crashes only with cuda_graph on and speculative on"
-
-    uri = tracking.mlflow_uri(cfg)
-    [run] = mlflow_run(uri, "rollflow-test", "ima-tr-ima-bisect")
-    assert run.data.tags["summary.ima.verdict"] == verdict and run.data.tags["rollflow.flow"] == "ima_bisect"
-    assert run.data.tags["rollflow.ima_report"] == out["report_uri"]
-    client = MlflowClient(tracking_uri=uri)
-    table = Path(client.download_artifacts(run.info.run_id, "ima_verdict.md", str(tmp_path / "dl"))).read_text()
-    assert f"**Verdict: {verdict}**" in table and "cuda_graph" in table  # the matrix, one row per cell
-
-    [tb] = list((tmp_path / "ima-tr" / "tensorboard" / "ima_bisect").iterdir())
-    acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
-    acc.Reload()
-    [event] = acc.Tensors("ima_verdict")
-    assert f"**Verdict: {verdict}**" in event.tensor_proto.string_val[0].decode()
     assert problems == []

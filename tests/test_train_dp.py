@@ -22,7 +22,7 @@ from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.store import ArtifactRef
 from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
 from rollflow.tasks.train.objective import minibatch_slices
-from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.settings import AlgoConfig, LoraSettings, OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "builtin:addition"
@@ -166,7 +166,9 @@ def worker_rank_main(spec_json: str) -> None:
 
     spec = json.loads(spec_json)
     dp = DataParallel(rank=spec["rank"], world_size=spec["world"], master_addr="127.0.0.1", master_port=spec["port"])
-    worker = TrainWorker(MODEL, OptimConfig(**OPTIM), AlgoConfig(), store_root=spec["root"], run="dp", dp=dp)
+    lora = LoraSettings(**spec["lora"]) if spec.get("lora") else None
+    run = spec.get("run", "dp")
+    worker = TrainWorker(MODEL, OptimConfig(**OPTIM), AlgoConfig(), store_root=spec["root"], run=run, dp=dp, lora=lora)
     metrics = []
     for ref in map(ArtifactRef.from_dict, spec["refs"]):  # refs cross the JSON spec as dicts
         worker.load_artifact(ref)
@@ -225,6 +227,30 @@ def test_two_ranks_train_like_one(rollout_refs, tmp_path):
     assert ranks[0]["folder"] == ranks[1]["folder"]
     state = torch.load(__import__("io").BytesIO(load_checkpoint(root, "dp", 1)), weights_only=True)
     assert max_abs_diff({k: v for k, v in state["model"].items()}, ranks[0]["weights"]) == 0.0
+
+
+def test_two_lora_ranks_train_like_one(rollout_refs, tmp_path):
+    """model.lora with 2 ranks: the adapter's gradients are all-reduced like full weights (only they train)."""
+    pytest.importorskip("peft")
+    from rollflow.tasks.train.worker import TrainWorker
+
+    root, refs = rollout_refs
+    lora = {"rank": 4, "alpha": 8.0}
+    spec = {"root": root, "refs": refs, "dump": str(tmp_path / "dumps"), "lora": lora, "run": "dp-lora"}
+    ranks = run_ranks("worker_rank_main", 2, spec, tmp_path)
+    solo = TrainWorker(
+        MODEL, OptimConfig(**OPTIM), AlgoConfig(), store_root=root, run="solo-lora", lora=LoraSettings(**lora)
+    )
+    start_weights = solo.named_weights()
+    solo_metrics = [solo.train_on_artifact(ArtifactRef.from_dict(ref)) for ref in refs]
+    solo_weights = solo.named_weights()
+    assert max_abs_diff(ranks[0]["weights"], ranks[1]["weights"]) == 0.0
+    diff = max_abs_diff(ranks[0]["weights"], solo_weights)
+    assert diff < 1e-5 and max_abs_diff(start_weights, solo_weights) > 100 * diff
+    first = ranks[0]["metrics"][0]
+    assert first["rollout/log_probs_equal_ref"] == 1.0 and first["train/step1_ppo_kl"] == 0.0
+    for key, value in solo_metrics[0].items():
+        assert first[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 # -- uneven and empty shards, ranks starting from different weights --------------------------------------

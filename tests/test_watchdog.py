@@ -199,9 +199,16 @@ def _session_procs(sid: int, marker: str) -> list[int]:
 
 
 def _train_until(
-    tmp_path, prefect_api, run: str, marker: str, after: str, extra: list[str], settle_s: float = 0.0
+    tmp_path,
+    prefect_api,
+    run: str,
+    marker: str,
+    after: str,
+    extra: list[str],
+    settle_s: float = 0.0,
+    iterations: int = 3,
 ) -> tuple[str, list[int]]:
-    """`rollflow train` (3 iterations, watchdog.stall_s=20); SIGSTOP the `marker` actor `settle_s` after `after` exists
+    """`rollflow train` (`iterations`, watchdog.stall_s=20); SIGSTOP the `marker` actor `settle_s` after `after` exists
     under the run; returns the output and the stopped pids. The run must complete."""
     import subprocess
     import sys
@@ -210,7 +217,7 @@ def _train_until(
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     sets = [
         f"run={run}",
-        "iterations=3",
+        f"iterations={iterations}",
         f"store.root={tmp_path}",
         "data.prompts_per_rollout=16",
         "rollout.n_samples_per_prompt=4",
@@ -284,10 +291,10 @@ def test_e2e_engine_stopped_before_sync(tmp_path, prefect_api):
 
 @pytest.mark.slow
 def test_e2e_trainer_stopped_resumes_from_checkpoint(tmp_path, prefect_api):
-    """SIGSTOP of the trainer inside iteration 2's train call: debug.slow_train_s makes every train call spend 30 s
-    ticking its progress (longer than stall_s, so iteration 1 also shows a slow call that progresses is no stall),
-    and the stop lands 5 s after rollout 1 is committed. The train task stalls, the run fails that flow run attempt,
-    and rl_train's retry (retries=1) resumes from checkpoint 1 with a fresh trainer."""
+    """SIGSTOP of the trainer inside iteration 2's (the last) train call: debug.slow_train_s makes every train call
+    spend 30 s ticking its progress (longer than stall_s, so iteration 1 also shows a slow call that progresses is
+    no stall), and the stop lands 5 s after rollout 1 is committed. The train task stalls, the run fails that flow
+    run attempt, and rl_train's retry (retries=1) resumes from checkpoint 1 with a fresh trainer."""
     run = "wd-train"
     # the fault's trainer class names the process: ray::SlowTrainWorker
     output, _ = _train_until(
@@ -298,11 +305,12 @@ def test_e2e_trainer_stopped_resumes_from_checkpoint(tmp_path, prefect_api):
         "rollouts/train/000001/manifest.json",
         ["retries=1", "debug.slow_train_s=30"],
         settle_s=5,
+        iterations=2,
     )
     _one_stall_line(output, "train", f"{run}:trainer")
     assert (tmp_path / run / "stalls" / "2-train.txt").exists()
     metrics = [line for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert len(metrics) == 3
+    assert len(metrics) == 2
 
 
 def test_stacks_of_an_actor_on_another_node_are_read_on_that_node(ray_local):

@@ -7,7 +7,7 @@ Layout (docs/architecture.md sections 5.3 and 5.4)::
 
 Commit protocol: the payload is written first and the manifest last; only a manifest makes an
 artifact exist, so a crash mid-write leaves an invisible, overwritable folder. Committed artifacts
-are immutable and every load verifies sha256 + size of every payload file before parsing.
+are immutable and every load verifies the digest + size of every payload file before parsing.
 
 Samples travel as Arrow columns (columns.py): a write encodes them with pyarrow's parquet writer and
 hashes the encoded bytes once; a load reads the file into Arrow memory, hashing each chunk as it

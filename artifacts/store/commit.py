@@ -18,12 +18,13 @@ from pydantic_core import PydanticSerializationError
 
 from ..codec import PAYLOAD_FORMAT, columns_to_parquet
 from ..columns import SampleColumns
+from ..digests import INTEGRITY_ALGORITHM, hexdigest
 from ..errors import ArtifactExists, ArtifactSchemaError, StorageError
 from ..manifest import EngineInfo, FileEntry, Manifest, schema_error_from_validation
 from ..sample import Sample
 from ..storage import endpoint_of, error_codes
 from .base import StoreBase, etag_of
-from .localfs import create_local_exclusive
+from .localfs import create_local_exclusive, hash_local_file
 from .refs import MANIFEST_NAME, SAMPLES_NAME, ArtifactRef
 
 _log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class CommitProtocol(StoreBase):
         encoded = columns_to_parquet(columns)
         payload: bytes | memoryview = memoryview(encoded) if self._local else encoded.to_pybytes()
         del encoded
+        # Hashed once; the same digest identifies our payload in the race checks below (local disks).
+        digest = hexdigest(payload, INTEGRITY_ALGORITHM)
         # Fail before any byte is written: a committed artifact's folder must never be touched.
         if self._exists(manifest_path):
             raise ArtifactExists(ref.uri)
@@ -85,7 +88,7 @@ class CommitProtocol(StoreBase):
                 files=[
                     FileEntry(
                         name=SAMPLES_NAME,
-                        sha256=hashlib.sha256(payload).hexdigest(),
+                        xxh3_128=digest,
                         size=len(payload),
                         format=PAYLOAD_FORMAT,
                     )
@@ -105,7 +108,7 @@ class CommitProtocol(StoreBase):
         # safe) or another writer between its payload and its manifest: give that one time to commit.
         payload_path = f"{folder}/{SAMPLES_NAME}"
         fresh = not self._exists(payload_path)
-        if not fresh and not self._is_our_payload(payload_path, payload):
+        if not fresh and not self._is_our_payload(payload_path, payload, digest):
             self._wait_for_other_writer(manifest_path, uri=ref.uri)
         try:
             etag = self._write_payload(payload_path, payload, fresh=fresh, uri=ref.uri)
@@ -116,8 +119,8 @@ class CommitProtocol(StoreBase):
         try:
             self._commit_manifest(manifest_path, manifest_bytes, uri=ref.uri)
         except ArtifactExists as exc:
-            raise self._lost_race(exc, payload_path, payload, etag) from None
-        self._repair_payload_after_commit(payload_path, payload, etag)
+            raise self._lost_race(exc, payload_path, digest, etag) from None
+        self._repair_payload_after_commit(payload_path, payload, digest, etag)
         return ref
 
     def _commit_manifest(self, path: str, data: bytes, *, uri: str) -> None:
@@ -133,7 +136,7 @@ class CommitProtocol(StoreBase):
             raise ArtifactExists(uri)
         self._put(path, data)
 
-    def _is_our_payload(self, path: str, payload: bytes) -> bool:
+    def _is_our_payload(self, path: str, payload: bytes | memoryview, digest: str) -> bool:
         """The leftover holds exactly these bytes (a retry of the same write): no one to wait for."""
         try:
             tag = self._payload_tag(path)
@@ -144,7 +147,7 @@ class CommitProtocol(StoreBase):
         if tag is None:
             return False
         if self._local:
-            return tag == hashlib.sha256(payload).hexdigest()
+            return tag == digest
         # S3's ETag of a single-part, non-KMS upload is the MD5 of the bytes.
         return tag == hashlib.md5(payload, usedforsecurity=False).hexdigest()
 
@@ -209,21 +212,22 @@ class CommitProtocol(StoreBase):
         raise ArtifactExists(uri, in_progress=in_progress)
 
     def _payload_tag(self, path: str) -> str | None:
-        """The stored payload's identity: ETag on object stores, sha256 on local disks."""
+        """The stored payload's identity: ETag on object stores, its integrity digest on local disks."""
         try:
             if self._local:
-                with open(path, "rb") as fh:
-                    return hashlib.sha256(fh.read()).hexdigest()
+                return hash_local_file(path, INTEGRITY_ALGORITHM)
             with self._guard(path, "checking"):
                 self._fs.invalidate_cache(path)
                 return etag_of(self._fs.info(path))
         except FileNotFoundError:
             return None
 
-    def _repair_payload_after_commit(self, path: str, payload: bytes, etag: str | None) -> None:
+    def _repair_payload_after_commit(
+        self, path: str, payload: bytes | memoryview, digest: str, etag: str | None
+    ) -> None:
         """After winning the commit, make sure the payload is still ours (a racing loser may have
         replaced it between our payload write and our manifest); write it again if not."""
-        ours = hashlib.sha256(payload).hexdigest() if self._local else etag
+        ours = digest if self._local else etag
         if ours is None:
             return  # no cheap identity on this filesystem (memory://): nothing to compare
         current = self._payload_tag(path)
@@ -235,9 +239,9 @@ class CommitProtocol(StoreBase):
             )
             self._put(path, payload)
 
-    def _lost_race(self, exc: ArtifactExists, path: str, payload: bytes, etag: str | None) -> ArtifactExists:
+    def _lost_race(self, exc: ArtifactExists, path: str, digest: str, etag: str | None) -> ArtifactExists:
         """ArtifactExists for a writer that lost the commit after writing its payload."""
-        ours = hashlib.sha256(payload).hexdigest() if self._local else etag
+        ours = digest if self._local else etag
         try:
             clobbered = ours is not None and self._payload_tag(path) == ours
         except Exception:  # noqa: BLE001 - the refusal matters more than this diagnosis

@@ -3,11 +3,12 @@ hashing read straight into Arrow memory."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 
 import pyarrow as pa
+
+from ..digests import new_hasher
 
 
 def unlink_quiet(path: str) -> None:
@@ -74,9 +75,9 @@ def create_local_exclusive(path: str, data: bytes) -> bool:
 _READ_CHUNK = 8 << 20
 
 
-def read_local_hashed(path: str) -> tuple[pa.Buffer, str]:
+def read_local_hashed(path: str, algorithm: str) -> tuple[pa.Buffer, str]:
     """A local file read straight into Arrow memory, hashed chunk by chunk while each is still in cache."""
-    digest = hashlib.sha256()
+    digest = new_hasher(algorithm)
     with open(path, "rb", buffering=0) as fh:
         size = os.fstat(fh.fileno()).st_size
         buf = pa.allocate_buffer(size, memory_pool=pa.system_memory_pool())  # see codec.arrow_owned
@@ -89,3 +90,14 @@ def read_local_hashed(path: str) -> tuple[pa.Buffer, str]:
             digest.update(view[done : done + got])
             done += got
     return (buf if done == size else buf.slice(0, done)), digest.hexdigest()
+
+
+def hash_local_file(path: str, algorithm: str) -> str:
+    """The digest of a local file, read chunk by chunk into one reused buffer."""
+    hasher = new_hasher(algorithm)
+    chunk = bytearray(_READ_CHUNK)
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as fh:
+        while got := fh.readinto(chunk):
+            hasher.update(view[:got])
+    return hasher.hexdigest()

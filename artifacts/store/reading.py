@@ -1,14 +1,13 @@
-"""Reading committed rollouts: the manifest checked against where it is stored, every payload's sha256 and
+"""Reading committed rollouts: the manifest checked against where it is stored, every payload's digest and
 size verified before anything is parsed, the columns decoded natively; and listing what is committed."""
 
 from __future__ import annotations
-
-import hashlib
 
 import pyarrow as pa
 
 from ..codec import READABLE_FORMATS, arrow_owned, columns_from_parquet
 from ..columns import SampleColumns
+from ..digests import hexdigest
 from ..errors import ArtifactCorrupt, ArtifactError, ArtifactNotFound, ArtifactSchemaError, StorageError
 from ..manifest import FileEntry, Manifest
 from .artifact import RolloutArtifact
@@ -54,14 +53,16 @@ class VerifiedReads(StoreBase):
         return manifest
 
     def _read_verified(self, folder: str, entry: FileEntry, file_uri: str) -> pa.Buffer:
-        """The file's bytes in Arrow memory, sha256 + size checked (ArtifactCorrupt otherwise)."""
+        """The file's bytes in Arrow memory, digest + size checked (ArtifactCorrupt otherwise). The digest is the
+        one the manifest recorded: xxh3-128 from schema 3 on, sha256 in older artifacts."""
         path = f"{folder}/{entry.name}"
+        algorithm, expected = entry.integrity
         try:
             if self._local:
-                data, actual_sha = read_local_hashed(path)
+                data, actual = read_local_hashed(path, algorithm)
             else:
                 raw = self._cat(path)
-                actual_sha = hashlib.sha256(raw).hexdigest()
+                actual = hexdigest(raw, algorithm)
                 data = arrow_owned(raw)  # one copy; the Python bytes are dropped right after
                 del raw
         except ArtifactError:
@@ -69,18 +70,20 @@ class VerifiedReads(StoreBase):
         except FileNotFoundError:
             raise ArtifactCorrupt(
                 file_uri,
-                expected_sha256=entry.sha256,
-                actual_sha256=None,
+                expected_digest=expected,
+                actual_digest=None,
                 expected_size=entry.size,
                 actual_size=None,
+                algorithm=algorithm,
             ) from None
-        if data.size != entry.size or actual_sha != entry.sha256:
+        if data.size != entry.size or actual != expected:
             raise ArtifactCorrupt(
                 file_uri,
-                expected_sha256=entry.sha256,
-                actual_sha256=actual_sha,
+                expected_digest=expected,
+                actual_digest=actual,
                 expected_size=entry.size,
                 actual_size=data.size,
+                algorithm=algorithm,
             )
         return data
 

@@ -19,12 +19,16 @@ def register(app: typer.Typer) -> None:
             None,
             "--suite",
             "-s",
-            help="orchestration, artifact_io, rollout, train, sync, replay (or 1-6); repeatable; default all",
+            help="orchestration, artifact_io, rollout, train, sync, replay, async, watchdog, cluster, e2e (or "
+            "1-10); repeatable; default all",
         ),
         quick: bool = typer.Option(False, "--quick", help="small sizes, fewer repeats"),
         out: Optional[str] = typer.Option(None, "--out", help="JSON path (default benchmarks/results/...)"),
         repeats: Optional[int] = typer.Option(None, "--repeats", help="timed repeats per figure"),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
+        shape: Optional[str] = typer.Option(
+            None, "--shape", help="e2e suite: tiny | small | 0.5b | 1.5b | 3b | 5b (default: 0.5b on CUDA, tiny on CPU)"
+        ),
     ) -> None:
         """Run the benchmark suites: print a table of every figure and ratio, write JSON."""
         import os
@@ -33,7 +37,7 @@ def register(app: typer.Typer) -> None:
         from pathlib import Path
 
         # A subprocess (`python -m benchmarks` from the checkout): the product never imports its benchmarks.
-        checkout = Path(__file__).resolve().parents[1]
+        checkout = Path(__file__).resolve().parents[2]  # flows/cli/bench.py -> the checkout
         if not (checkout / "benchmarks" / "cli.py").exists():
             raise typer.BadParameter(
                 f"the benchmarks package is not in {checkout}; run from a rollflow checkout"
@@ -48,6 +52,8 @@ def register(app: typer.Typer) -> None:
         if repeats is not None:
             argv += ["--repeats", str(repeats)]
         argv += ["--device", device]
+        if shape:
+            argv += ["--shape", shape]
         # Same working directory as the command (relative --out paths unchanged); the checkout on the path.
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)

@@ -20,7 +20,6 @@ from rollflow.flows.cli.common import (
     ensure_prefect_api,
     err_console,
     fail,
-    notice,
     public,
     quiet_prefect_console,
     take_traceback_flag,
@@ -155,8 +154,7 @@ def run_flow(cfg, flow_fn, command: str, preflight_kwargs: dict | None = None, *
     api = ensure_prefect_api()
     from rollflow.flows.progress import iteration_progress  # lazy: keeps torch/prefect out of CLI start-up
 
-    for text in cfg.notices:
-        notice(text)
+    # the flows (rollout_only, replay_train) log cfg.notices as warnings, which the console shows
     console.print(
         f"run [bold]{cfg.run}[/], artifacts under {public(cfg.store.root)}/{cfg.run}; "
         f"Prefect UI at {api.removesuffix('/api')}"

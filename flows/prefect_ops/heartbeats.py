@@ -1,12 +1,10 @@
-"""Heartbeats of a rollflow flow run even when Prefect's own are off.
+"""Heartbeats of every rollflow flow run, however it was started.
 
-Crash detection (infra/automations.py) marks a flow run Crashed when no heartbeat follows the last one within
-CRASH_AFTER_S (90 s), so it needs beats every HEARTBEAT_S (30 s). The CLI sets `PREFECT_FLOWS_HEARTBEAT_FREQUENCY`
-before Prefect builds its settings; a Python-API user who imported prefect first gets Prefect's own default
-instead: none on older Prefect (a SIGKILLed run stayed Running for ever), 180 s on Prefect 3.9 (a healthy run
-marked Crashed 90 s after a beat). `flow_heartbeats()`, entered by each rollflow flow body, sends the same
-`prefect.flow-run.heartbeat` event every HEARTBEAT_S from a daemon thread unless Prefect already beats that
-often.
+Crash detection (infra/automations.py) marks a rollflow flow run Crashed when no `rollflow.flow-run.heartbeat`
+follows the last one within CRASH_AFTER_S (90 s). `flow_heartbeats()`, entered by each rollflow flow body, sends
+that event every HEARTBEAT_S (30 s) from a daemon thread, whatever Prefect's own heartbeat setting is: a
+Python-API user who imported prefect first gets Prefect's default (none on older Prefect, 180 s on 3.9), and
+other teams' flows on a shared server keep theirs, never judged by rollflow's automation.
 """
 
 from __future__ import annotations
@@ -23,21 +21,15 @@ from typing import Iterator
 from rollflow.infra.automations import HEARTBEAT_EVENT, HEARTBEAT_S, prepare_flow_runs
 
 
-def prefect_beats_often_enough(interval_s: float = HEARTBEAT_S) -> bool:
-    from prefect.settings import get_current_settings
-
-    frequency = get_current_settings().flows.heartbeat_frequency
-    return frequency is not None and frequency <= interval_s
-
-
 @contextlib.contextmanager
 def flow_heartbeats(interval_s: float = HEARTBEAT_S) -> Iterator[bool]:
-    """Inside a flow run: heartbeats every `interval_s` until the block ends (yields whether this sends them)."""
+    """Inside a flow run: rollflow heartbeats every `interval_s` until the block ends (yields whether it sends them:
+    False outside a flow run)."""
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx is not None else None
-    if run is None or prefect_beats_often_enough(interval_s):
+    if run is None:
         yield False
         return
     from prefect.events import emit_event

@@ -5,7 +5,9 @@ two actors' typed clients; `flows/iteration.py:sync_task` calls `push_weights`).
 - disk.py (SGLang, disaggregated default): the engine actor writes an HF directory, the servers load it;
 - tensor.py (colocated SGLang): CUDA IPC handles of flattened buckets, trainer rank and engine TP rank on
   one GPU;
-- distributed.py (disaggregated SGLang): a weight-update group, the trainer broadcasts bucket by bucket.
+- distributed.py (disaggregated SGLang): a weight-update group, the trainer broadcasts bucket by bucket;
+- adapter.py (a LoRA run on SGLang with rollout.sglang.lora_sync=adapter): only the adapter, through SGLang's
+  LoRA adapter API (from a directory with weight_sync=disk, from tensors otherwise).
 
 The shared pieces below the flows (buckets, IPC serialization, copy plans, the process group, name mapping,
 parity) are in tasks/sync/; the trainer's side is tasks/train/weight_sender.py, SGLang's side
@@ -15,6 +17,7 @@ tasks/rollout/sglang/weight_receiver.py.
 from __future__ import annotations
 
 from rollflow.flows.config import RunConfig
+from rollflow.flows.weight_sync.adapter import push_adapter
 from rollflow.flows.weight_sync.disk import push_disk
 from rollflow.flows.weight_sync.distributed import push_distributed
 from rollflow.flows.weight_sync.object_store import push_object_store
@@ -24,6 +27,8 @@ from rollflow.infra.clients import EngineClient, TrainerClient
 
 
 def push_weights(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
+    if adapter_sync(cfg):
+        return push_adapter(trainer, engine, weight_version)
     mode = engine.weight_sync_mode()
     if mode == "tensor":
         return push_tensor(cfg, trainer, engine, weight_version)
@@ -32,3 +37,8 @@ def push_weights(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, w
     if mode == "disk":
         return push_disk(trainer, engine, weight_version)
     return push_object_store(trainer, engine, weight_version)
+
+
+def adapter_sync(cfg: RunConfig) -> bool:
+    """The engine takes the LoRA adapter, not merged weights (config validation makes sure there is one)."""
+    return cfg.rollout.engine == "sglang" and cfg.rollout.sglang.lora_sync == "adapter"

@@ -515,6 +515,7 @@ def alignment_workers(cfg: Any) -> tuple[Any, Any]:
         store_root=cfg.store.root,
         run=cfg.run,
         temperature=cfg.rollout.temperature or 1.0,
+        lora=cfg.model.lora,
     )
     return rollout, trainer
 

@@ -1,7 +1,7 @@
 """Where model weights come from: the built-in warm-started tiny model, or a local HF directory.
 
 A local directory must hold a complete checkpoint: `config.json` of a supported architecture (the
-Llama / Qwen2 / Qwen3 families: what the `hf` engine, the `torch` trainer and the weight sync are
+Llama / Qwen2 / Qwen3 / Qwen3-MoE families: what the `hf` engine, the `torch` trainer and the weight sync are
 tested on), the weights as safetensors (never pickled `.bin` files), and a tokenizer. The check runs
 before anything is loaded and names the missing file, so an incomplete download fails in a second
 with its fix, not minutes later inside transformers.
@@ -15,10 +15,16 @@ from typing import Any
 
 from rollflow.tasks.model.tokenizer import CHAR_TOKENIZER_FILE
 
-BUILTIN_MODELS = {"builtin:addition": Path(__file__).parent / "builtin" / "addition-sft"}
+BUILTIN_MODELS = {
+    "builtin:addition": Path(__file__).parent / "builtin" / "addition-sft",
+    # Seeded random-init Qwen3-MoE for the MoE / routing-replay paths (tasks/model/tiny_moe.py).
+    "builtin:addition-moe": Path(__file__).parent / "builtin" / "addition-moe",
+}
 
-# model_type -> family name. Dense decoder-only models that share the Llama layout.
-SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# model_type -> family name. Decoder-only models that share the Llama layout (attention + MLP or MoE block).
+SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
+# The MoE families: the hf engine and the torch trainer run them; megatron does not (flows/config.py).
+MOE_MODEL_TYPES = frozenset({"qwen3_moe"})
 TOKENIZER_FILES = (CHAR_TOKENIZER_FILE, "tokenizer.json", "tokenizer.model", "vocab.json")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -57,7 +63,7 @@ def check_model_dir(path: str | Path, *, spec: str | None = None, tokenizer: boo
         archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
         raise ValueError(
             f"model.path={spec!r}: architecture model_type={model_type or '?'!r} ({archs}) is not supported; "
-            f"rollflow runs the Llama / Qwen2 / Qwen3 families (model_type "
+            f"rollflow runs the Llama / Qwen2 / Qwen3 / Qwen3-MoE families (model_type "
             f"{', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)})"
         )
     if config.get("quantization_config"):
@@ -112,7 +118,8 @@ def has_chat_template_file(path: str | Path) -> bool:
 
 
 def resolve_model_path(spec: str) -> Path:
-    """`builtin:addition` (shipped in the package) or a local directory path (checked: see `check_model_dir`)."""
+    """A built-in (`builtin:addition`, `builtin:addition-moe`: shipped in the package) or a local directory
+    path (checked: see `check_model_dir`)."""
     if spec in BUILTIN_MODELS:
         path = BUILTIN_MODELS[spec]
         if not (path / "config.json").exists():
@@ -126,3 +133,13 @@ def resolve_model_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     check_model_dir(path, spec=spec)
     return path
+
+
+def model_type_of(spec: str) -> str:
+    """config.json's model_type of `spec` (a built-in or a local directory), '' when unreadable: config
+    validation asks it before any worker starts, and a missing directory is reported later, by name."""
+    path = BUILTIN_MODELS.get(spec) or Path(spec).expanduser()
+    try:
+        return str(json.loads((path / "config.json").read_text()).get("model_type", ""))
+    except (OSError, json.JSONDecodeError):
+        return ""

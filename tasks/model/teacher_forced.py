@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from rollflow.tasks.model.routing import replay_routes
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoringLayout:
@@ -61,21 +63,24 @@ def right_padded(sequences: list[list[int]]) -> Padded:
 
 
 def next_token_logits(
-    model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, temperature: float
+    model,
+    tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: float,
+    routes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 logits of every next token divided by the temperature, target aligned [B, L-1, V], on the
-    model's device. Column j scores tokens[:, j + 1]."""
+    model's device. Column j scores tokens[:, j + 1]. `routes` [B, L, layers, k]: an MoE model routes
+    with the rollout's experts (tasks/model/routing.py), not its own."""
     device = next(model.parameters()).device
-    logits = (
-        model(
+    with replay_routes(model, routes):
+        out = model(
             input_ids=tokens.to(device, torch.long),  # a TrainBatch may hold int32 ids
             attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device),
         )
-        .logits[:, :-1]
-        .float()
-    )
-    return logits / temperature
+    return out.logits[:, :-1].float() / temperature
 
 
 def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -93,6 +98,7 @@ def teacher_forced_log_probs(
     *,
     temperature: float,
     micro_batch_size: int,
+    routes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, L-1] (fp32, on CPU) of a right-padded batch, scored `micro_batch_size` rows at a time
     in eval mode (no dropout), as the trainer scores old and reference log-probs."""
@@ -102,7 +108,10 @@ def teacher_forced_log_probs(
         parts = []
         for start in range(0, tokens.shape[0], micro_batch_size):
             rows = slice(start, start + micro_batch_size)
-            logits = next_token_logits(model, tokens[rows], attention_mask[rows], position_ids[rows], temperature)
+            micro_routes = None if routes is None else routes[rows]
+            logits = next_token_logits(
+                model, tokens[rows], attention_mask[rows], position_ids[rows], temperature, micro_routes
+            )
             parts.append(gather_log_probs(logits, tokens[rows]).cpu())
     finally:
         model.train(was_training)

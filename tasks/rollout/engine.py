@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Optional, Protocol
 
+import numpy as np
 import torch
 
 
@@ -37,6 +38,8 @@ class GenerationOutput:
     response_ids: list[int]
     log_probs: list[float]  # log-prob of every response token under the sampling distribution
     finish_reason: str  # "stop" | "length" | "abort"
+    # MoE routing replay: top-k expert ids [prompt + response - 1, layers, k] (tasks/model/routing.py).
+    routes: Optional[np.ndarray] = None
 
 
 class RolloutEngine(Protocol):

@@ -50,6 +50,7 @@ def generate_samples(
                     status=status,
                     weight_version=engine.weight_version,
                     metadata=dict(item.metadata),
+                    routed_experts=None if out.routes is None else out.routes.tolist(),
                 )
             )
     warn_identical_groups(samples, n_samples_per_prompt, params)

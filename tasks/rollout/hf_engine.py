@@ -19,12 +19,15 @@ from the same RNG stream, so the samples of a group differ; never reseed per sam
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 from typing import Literal, Union
 
 import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
+from rollflow.tasks.model.routing import decode_routes, padded_routes, record_routes, route_shape
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
@@ -87,6 +90,7 @@ class HFEngine:
         static_cache: StaticCache = "auto",
         length_bucket: int = 64,
         scoring: ScoringLayout | None = None,
+        record_routes: bool = False,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -107,6 +111,8 @@ class HFEngine:
         self._decoder: StaticDecoder | None = None
         if scoring is not None:
             check_scoring(self.model, scoring)
+        # MoE routing replay: every output carries its top-k expert ids per layer (algo.routing_replay).
+        self.route_shape = route_shape(self.model) if record_routes else None
         # Set from another thread (the actor's control group) to cut a running generate short: partial rollouts.
         self._abort = threading.Event()
         # Decode steps done, read from the control group: a stall deadline tells a long rollout from a stuck one.
@@ -176,6 +182,10 @@ class HFEngine:
         stops = [self.eos_token_id, *params.stop_token_ids]
         greedy = params.temperature == 0
         scale = 1.0 if greedy else params.temperature
+        if static and self.route_shape is not None:
+            raise ValueError(
+                "algo.routing_replay=true records routes in transformers' generate only; set rollout.static_cache=false"
+            )
         if static and (greedy or (params.top_k == 0 and params.top_p == 1.0)):
             decoded = self._static_decoder().run(
                 ids.to(self.device),
@@ -197,7 +207,27 @@ class HFEngine:
             from transformers import LogitsProcessorList
 
             extra["logits_processor"] = LogitsProcessorList([recorder])
-        out = self.model.generate(
+        recording = record_routes(self.model) if self.route_shape is not None else contextlib.nullcontext()
+        with recording as calls:
+            out = self._sample(ids, mask, params, greedy, stops, recorder, extra)
+        routes = None if calls is None else decode_routes(calls, len(prompts))
+        if recorder is None:
+            new_tokens = out.sequences[:, width:].cpu()
+            logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits, before any processor
+            log_probs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        else:
+            new_dev = out.sequences[:, width:]
+            log_probs = recorder.finish(new_dev).cpu()
+            new_tokens = new_dev.cpu()
+        # Stopped before the budget by an abort (not by every row finishing): unfinished rows are aborted.
+        aborted = self._abort.is_set() and new_tokens.shape[1] < params.max_new_tokens
+        outputs = _outputs(new_tokens, log_probs, n_real, set(stops), aborted=aborted)
+        if routes is None:
+            return outputs
+        return [_with_routes(o, routes[row], width, len(p)) for row, (o, p) in enumerate(zip(outputs, prompts))]
+
+    def _sample(self, ids, mask, params: SamplingParams, greedy: bool, stops: list[int], recorder, extra):
+        return self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             do_sample=not greedy,
@@ -212,17 +242,6 @@ class HFEngine:
             output_logits=recorder is None,
             **extra,
         )
-        if recorder is None:
-            new_tokens = out.sequences[:, width:].cpu()
-            logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits, before any processor
-            log_probs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        else:
-            new_dev = out.sequences[:, width:]
-            log_probs = recorder.finish(new_dev).cpu()
-            new_tokens = new_dev.cpu()
-        # Stopped before the budget by an abort (not by every row finishing): unfinished rows are aborted.
-        aborted = self._abort.is_set() and new_tokens.shape[1] < params.max_new_tokens
-        return _outputs(new_tokens, log_probs, n_real, set(stops), aborted=aborted)
 
     def _static_decoder(self) -> StaticDecoder:
         if self._decoder is None:
@@ -245,6 +264,10 @@ class HFEngine:
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
             torch.set_num_threads(layout.threads)  # CPU reductions may split by thread count
+        routes = None
+        if self.route_shape is not None:
+            per_sample = [o.routes for o in outputs]
+            routes = padded_routes(per_sample, padded.tokens.shape[1], self.route_shape)  # type: ignore[arg-type]
         try:
             log_probs = teacher_forced_log_probs(
                 self.model,
@@ -253,6 +276,7 @@ class HFEngine:
                 padded.position_ids,
                 temperature=temperature,
                 micro_batch_size=layout.micro_batch_size,
+                routes=routes,
             )
         finally:
             torch.set_num_threads(threads)
@@ -260,7 +284,7 @@ class HFEngine:
         for row, (prompt, out) in enumerate(zip(prompts, outputs)):
             start = len(prompt) - 1  # the column that predicts the first response token
             values = log_probs[row, start : start + len(out.response_ids)].tolist()
-            rescored.append(GenerationOutput(out.response_ids, values, out.finish_reason))
+            rescored.append(dataclasses.replace(out, log_probs=values))
         return rescored
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], weight_version: int) -> None:
@@ -342,6 +366,14 @@ def _outputs(
         end = end if end is not None else len(toks)
         results.append(GenerationOutput(toks[:end], lps[:end], finish))
     return results
+
+
+def _with_routes(out: GenerationOutput, routes: torch.Tensor, width: int, prompt_len: int) -> GenerationOutput:
+    """`out` with its row's routes: from its first prompt column (left padding) through its second-to-last
+    token, the positions a teacher-forced forward of prompt + response feeds in."""
+    start = width - prompt_len
+    rows = routes[start : width + len(out.response_ids) - 1] if out.response_ids else routes[start:start]
+    return dataclasses.replace(out, routes=rows.numpy().copy())
 
 
 def _abort_criteria(event: threading.Event, progress: Progress | None = None):

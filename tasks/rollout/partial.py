@@ -14,6 +14,7 @@ import dataclasses
 from rollflow.artifacts.pipeline_meta import (
     CONTINUED_FROM,
     FILTERED,
+    WAITED,
     WEIGHT_VERSIONS,
     filtered_reason,
     mark_filtered,
@@ -44,6 +45,23 @@ def defer_aborted(samples: list[Sample], group_size: int) -> list[Sample]:
             group = mark_filtered(group, "aborted")
         out.extend(group)
     return out
+
+
+def too_old_to_continue(samples: list[Sample], next_trainer_version: int, max_staleness: int) -> set[int]:
+    """Group indices of the deferred (`aborted`) groups of `samples` whose oldest token would be more than
+    `max_staleness` versions behind the trainer of the next rollout, where they would be continued: under
+    pipeline.stale_policy=wait they are finished now, before the weights change; under drop the next rollout
+    marks them `stale` (`continue_groups`)."""
+    return {
+        group[0].group_index
+        for group in aborted_groups(samples)
+        if next_trainer_version - min(oldest_weight_version(s) for s in group) > max_staleness
+    }
+
+
+def mark_waited(samples: list[Sample]) -> list[Sample]:
+    """Copies of `samples` (finished groups) recorded as finished before the sync (`waited_at_sync`)."""
+    return [dataclasses.replace(s, metadata={**s.metadata, WAITED: True}) for s in samples]
 
 
 def _unmarked(sample: Sample) -> Sample:
@@ -96,6 +114,10 @@ def continue_groups(
                 tokenizer,
                 source_rollout_id,
             )
+            if result.routes is not None:
+                # Routing replay: the continuing engine routed the whole prefix again (its prefill) and the new
+                # tokens; its routes replace the cut sample's, as slime assigns SGLang's for the whole sequence.
+                out[g][i] = dataclasses.replace(out[g][i], routed_experts=result.routes.tolist())
     return out
 
 

@@ -57,6 +57,7 @@ def build_engine(
     base_gpu_id: int | None = None,
     servers: list | None = None,
     scoring: ScoringLayout | None = None,
+    record_routes: bool = False,
 ):
     """`servers`: SGLang servers already launched (one actor per engine, see flows/group.py), else
     this worker launches one itself. `base_gpu_id`: that one's first GPU (SGLang `--base-gpu-id`);
@@ -95,6 +96,7 @@ def build_engine(
         threads=rollout.threads,
         static_cache=rollout.static_cache,
         scoring=scoring if rollout.logprobs == "teacher_forced" else None,
+        record_routes=record_routes,
     )
     return engine, tokenizer
 
@@ -124,11 +126,12 @@ class RolloutWorker:
         base_gpu_id: int | None = None,
         servers: list | None = None,
         scoring: ScoringLayout | None = None,
+        record_routes: bool = False,
     ):
         self.rollout_cfg = rollout
         self.data_cfg = data
         self.engine, self.tokenizer = build_engine(
-            model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers, scoring=scoring
+            model_spec, rollout, base_gpu_id=base_gpu_id, servers=servers, scoring=scoring, record_routes=record_routes
         )
         self.stop_token_ids = extra_stop_ids(model_spec, self.tokenizer)
         self._progress = Progress()  # weight buckets taken (the engine counts its own decode steps or requests)
@@ -263,6 +266,15 @@ class RolloutWorker:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.named_weights()
+
+    def update_lora_adapter(self, adapter: dict, weight_version: int) -> int:
+        """A LoRA run's adapter (rollout.sglang.lora_sync=adapter: tasks/rollout/sglang/lora_receiver.py)."""
+        self.engine.update_lora_adapter(adapter["tensors"], adapter["config"], weight_version)
+        self._progress.tick()
+        return self.engine.weight_version
+
+    def lora_report(self) -> dict:
+        return self.engine.lora_report()
 
     # -- colocation (placement=colocate, offload=true): SGLang's order is
     # release -> train -> resume(["weights"]) -> update weights -> resume(["kv_cache"])

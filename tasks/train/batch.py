@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from rollflow.artifacts.sample import Sample, Status
+from rollflow.tasks.model.routing import batch_routes
 from rollflow.tasks.model.teacher_forced import right_padded
 
 
@@ -45,6 +47,9 @@ class TrainBatch:
     span_lengths: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # train/rollout importance weights (mismatch.py), [B, L-1]
     loss_keep: torch.Tensor | None = None  # response_mask minus rejected tokens (mismatch.py), [B, L-1]
+    # MoE routing replay (algo.routing_replay): the engine's experts [B, L, layers, k] int16, replayed by
+    # every forward over these rows (tasks/model/routing.py).
+    routes: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -85,7 +90,8 @@ class TrainBatch:
         return TrainBatch(**out)
 
 
-def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
+def batch_from_samples(samples: list[Sample], *, group_size: int, routes: bool = False) -> TrainBatch:
+    """`routes`: carry every sample's routed experts (checked: missing, all-zero or truncated ones fail)."""
     if not samples:
         raise ValueError("cannot train on an empty rollout: no samples")
     if len(samples) % group_size:
@@ -116,6 +122,13 @@ def batch_from_samples(samples: list[Sample], *, group_size: int) -> TrainBatch:
         group_size=group_size,
         truncated=truncated,
         span_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long),
+        routes=batch_routes(
+            [None if s.routed_experts is None else np.asarray(s.routed_experts, dtype=np.int16) for s in samples],
+            [len(s.tokens) for s in samples],
+            width,
+        )
+        if routes
+        else None,
     )
 
 

@@ -13,15 +13,19 @@ import torch
 
 from rollflow.artifacts.columns import SampleColumns
 from rollflow.artifacts.sample import Status
+from rollflow.tasks.model.routing import batch_routes
 from rollflow.tasks.train.batch import TrainBatch
 
 # Cells of the padded layout filled per block of rows in `batch_from_columns` (bounds its temporaries).
 BLOCK_TOKENS = 1 << 22
 
 
-def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: str | None = None) -> TrainBatch:
+def batch_from_columns(
+    columns: SampleColumns, *, group_size: int, reward_key: str | None = None, routes: bool = False
+) -> TrainBatch:
     """The train batch of a rollout held as columns. `reward_key`: the run's key for dict rewards (wins over
-    each sample's own, as slime's --reward-key); None keeps the samples' keys, as `batch_from_samples`."""
+    each sample's own, as slime's --reward-key); None keeps the samples' keys, as `batch_from_samples`.
+    `routes`: carry every row's routed experts (checked: missing, all-zero or truncated ones fail)."""
     n = len(columns)
     if not n:
         raise ValueError("cannot train on an empty rollout: no samples")
@@ -74,6 +78,8 @@ def batch_from_columns(columns: SampleColumns, *, group_size: int, reward_key: s
         group_size=group_size,
         truncated=torch.from_numpy(np.array(columns.status_is(Status.TRUNCATED), dtype=bool)),
         span_lengths=torch.from_numpy(resp),  # the span follows (TrainBatch.span)
+        # One small array per row (rows x layers x k), never per token in Python.
+        routes=batch_routes(columns.routed_experts_rows(), lengths.tolist(), width) if routes else None,
     )
 
 

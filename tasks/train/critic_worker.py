@@ -10,6 +10,12 @@ A plain class, run by `infra/` as a Ray actor beside the policy trainer (flows/g
 3. `save_checkpoint(iteration)`: `critic.pt` in the policy checkpoint's folder, written BEFORE the policy's
    commit marker, so a committed iteration always has its critic state (and an uncommitted one is skipped
    as a whole on resume).
+
+Replay (flows/debug.py) chains states as the trainer does: `restore(start_state_uri)` (None: the initial
+critic), estimate, the policy's step, `update`, `save_state(out_state_uri)`.
+
+The critic is a torch model whatever the policy's train.backend (megatron included): it shares no weights
+with the engine, so it needs none of the megatron trainer's alignment or sync machinery.
 """
 
 from __future__ import annotations
@@ -45,12 +51,6 @@ class CriticWorker:
         resume_iteration: int | None = None,
         storage_options: dict | None = None,
     ):
-        if optim.backend != "torch":
-            raise NotImplementedError(
-                f"the ppo critic runs on the torch backend only (train.backend="
-                f"{optim.backend!r}); use train.backend=torch"
-            )
-
         self.optim, self.algo = optim, algo
         self.store_root, self.run, self.storage_options = store_root, run, storage_options
         self.store = RolloutStore(store_root, storage_options)
@@ -58,6 +58,8 @@ class CriticWorker:
         self.backend = CriticBackend(causal_lm, optim, algo)
         self._batch: TrainBatch | None = None  # the last estimated rollout, which `update` trains on
         self._progress = Progress()  # estimates and updates done, for a stall deadline
+        # kept by the first `restore` (replay only; rl_train never restores): what `restore(None)` loads
+        self._initial_state: bytes | None = None
         if resume_iteration:
             uri = critic_state_uri(store_root, run, resume_iteration)
             try:
@@ -109,6 +111,21 @@ class CriticWorker:
         metrics = self.backend.train(batch)
         self._progress.tick()
         return metrics
+
+    def restore(self, state_uri: str | None) -> None:
+        """Load a saved critic state (`save_state`), or with None the state this worker started in."""
+        self._batch = None
+        if self._initial_state is None:
+            # A replay's first restore, before this worker trained: the state it started in, as host bytes.
+            self._initial_state = self.backend.checkpoint_bytes()
+            if state_uri is None:
+                return
+        data = load_state(state_uri, storage_options=self.storage_options) if state_uri else self._initial_state
+        self.backend.load_checkpoint_bytes(data)
+
+    def save_state(self, uri: str) -> str:
+        """The critic's state (model + optimizer) at `uri`, e.g. beside a replay step's trainer state."""
+        return save_state(uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
 
     def save_checkpoint(self, iteration: int) -> str:
         """`critic.pt` (+ its sha256 sidecar) in checkpoint `iteration`'s folder; its URI."""

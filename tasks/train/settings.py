@@ -48,12 +48,21 @@ class AlgoConfig(_Strict):
         description="seq-mean-token-sum-norm's constant divisor; run configs fill in rollout.max_new_tokens when unset",
     )
     # Train/rollout mismatch correction (slime's --use-tis family; names and defaults as slime's).
+    routing_replay: bool = Field(
+        False,
+        description="MoE models (R3): the engine records each token's top-k experts per layer and the trainer "
+        "replays them in every forward that scores rollout tokens (old, ref, train); hf engine, torch backend",
+    )
     use_rollout_logprobs: bool = Field(
         False,
         description="old log-probs = the engine's rollout log-probs (no trainer recompute; slime's "
         "--use-rollout-logprobs); excludes use_tis",
     )
-    use_tis: bool = Field(False, description="weight the policy loss by train/rollout importance ratios")
+    use_tis: Optional[bool] = Field(
+        None,
+        description="weight the policy loss by train/rollout importance ratios; unset: on when the run trains "
+        "off-policy (pipeline.max_staleness >= 1), else off (the run's config decides and says so)",
+    )
     tis_level: ISLevel = Field("token", description="token ratio, sequence (product) or geometric (mean) ratio")
     tis_mode: Literal["truncate", "clip", "mask"] = Field(
         "truncate",
@@ -359,3 +368,34 @@ class OptimConfig(_Strict):
     compute_ref_log_probs: bool = Field(True, description="also needed by the alignment checks")
     seed: int = 1234
     megatron: MegatronSettings = Field(default_factory=MegatronSettings)
+
+
+LORA_BACKEND_REFUSED = (
+    "model.lora needs train.backend=torch (peft): megatron-core's LoRA is not wired into the megatron backend "
+    "(its model build, distributed checkpoints and HF weight export); set train.backend=torch or drop model.lora"
+)
+
+# The attention and MLP projections of Llama / Qwen2 / Qwen3 (and the built-in addition model, a Qwen2).
+LORA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSettings(_Strict):
+    """Low-rank adapters on the policy (`model.lora`; torch backend, peft): W' = W + (alpha / rank) * B @ A,
+    only A and B train, B starts at zero so the starting policy is the base model."""
+
+    rank: int = Field(8, ge=1, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapter's input in the gradient forward only (scoring forwards run "
+        "without it); > 0 makes the first step's ppo_kl nonzero once B moves",
+    )
+    target_modules: tuple[str, ...] = Field(
+        LORA_DEFAULT_TARGETS, min_length=1, description="module names (last name part) that get adapters"
+    )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank

@@ -82,10 +82,11 @@ def prepare_batch(
     """Old and reference log-probs, KL, advantages and the `rollout/*` metrics. `critic`: ppo's advantages."""
     # An artifact's columns (train_on_artifact) give the same batch without a Python object per token.
     columnar = isinstance(samples, SampleColumns)
+    routes = algo.routing_replay  # MoE: every scoring forward below replays the engine's experts
     batch = (
-        batch_from_columns(samples, group_size=group_size)
+        batch_from_columns(samples, group_size=group_size, routes=routes)
         if columnar
-        else batch_from_samples(samples, group_size=group_size)
+        else batch_from_samples(samples, group_size=group_size, routes=routes)
     )
     mask = batch.response_mask
     span = batch.span()

@@ -22,6 +22,7 @@ from rollflow.tasks.train.data_parallel import (
     shard_rows,
     sum_stats,
 )
+from rollflow.tasks.train.lora import LORA_FORMAT
 from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
 from rollflow.tasks.train.pinned import pinned_copy
@@ -36,7 +37,7 @@ def response_log_probs(
     The numerics are tasks/model/teacher_forced.py's, which the `hf` engine also runs for
     rollout.logprobs='teacher_forced' (bitwise equal rollout log-probs)."""
     device = next(model.parameters()).device
-    logits = next_token_logits(model, batch.tokens, batch.attention_mask, batch.position_ids, temperature)
+    logits = next_token_logits(model, batch.tokens, batch.attention_mask, batch.position_ids, temperature, batch.routes)
     log_probs = gather_log_probs(logits, batch.tokens)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return log_probs.cpu() if device.type != "cpu" else log_probs, (
@@ -87,7 +88,8 @@ class TorchBackend:
         # The reference is the starting policy, frozen; kept before any checkpoint is loaded.
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if keep_ref else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            # What trains (all of a plain model; a LoRA policy's adapter only: tasks/train/lora_backend.py).
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=optim.lr,
             weight_decay=optim.weight_decay,
             betas=(optim.adam_beta1, optim.adam_beta2),
@@ -163,13 +165,13 @@ class TorchBackend:
             batch.position_ids,
             temperature=self.temperature,
             micro_batch_size=self.optim_cfg.micro_batch_size,
+            routes=batch.routes,
         )
 
     def train(self, batch: TrainBatch, algo: AlgoConfig, on_step=None) -> dict[str, float]:
         """`num_steps_per_rollout` optimizer steps over consecutive mini-batches; mean of step stats
         (`on_step` gets each step's own: objective.minibatch_steps)."""
-        # eval(): no dropout, so the training forward is the same function as the scoring forward.
-        self.model.eval()
+        self._gradient_forward_mode()
 
         def micro_step(micro: TrainBatch, denom: Denominators) -> dict[str, float]:
             log_probs, entropy = response_log_probs(self.model, micro, self.temperature, True)
@@ -206,6 +208,10 @@ class TorchBackend:
             on_step=on_step,
         )
 
+    def _gradient_forward_mode(self) -> None:
+        # eval(): no dropout, so the training forward is the same function as the scoring forward.
+        self.model.eval()
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
@@ -227,6 +233,11 @@ class TorchBackend:
     def load_checkpoint_bytes(self, data: bytes) -> None:
         # weights_only: a checkpoint is data, never code.
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if state.get("format") == LORA_FORMAT:
+            raise ValueError(
+                "the checkpoint holds a LoRA adapter (written with model.lora set), not full weights: resume "
+                "with the same model.lora, or start a new run"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])

@@ -39,13 +39,14 @@ from rollflow.tasks.train.checkpoint import (
 from rollflow.tasks.train.critic import CriticEstimate
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.dump import train_dump_bytes
+from rollflow.tasks.train.lora_backend import LoraTorchBackend
 from rollflow.tasks.train.megatron.backend import build_megatron_backend  # megatron-core itself loads on use
 from rollflow.tasks.train.mismatch import corrects
 from rollflow.tasks.train.probe import probe_log_probs
 from rollflow.tasks.train.records import records_bytes, sample_records
 from rollflow.tasks.train.replay import infer_group_size, subsample_groups
 from rollflow.tasks.train.results import BroadcastBucket, IpcBucket, TrainerDescription
-from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
+from rollflow.tasks.train.settings import LORA_BACKEND_REFUSED, AlgoConfig, LoraSettings, OptimConfig
 from rollflow.tasks.train.step import train_on_samples
 from rollflow.tasks.train.torch_backend import TorchBackend
 from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
@@ -65,9 +66,19 @@ def megatron_multi_rank_refusal(optim: OptimConfig) -> str | None:
     return None
 
 
-def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp: DataParallel | None = None):
-    """The backend of `optim.backend`; `dp` makes the backend one rank of a data-parallel group."""
+def build_backend(
+    model_spec: str,
+    optim: OptimConfig,
+    *,
+    temperature: float,
+    dp: DataParallel | None = None,
+    lora: LoraSettings | None = None,
+):
+    """The backend of `optim.backend`; `dp` makes the backend one rank of a data-parallel group; `lora`
+    (model.lora) trains adapters on a frozen base (torch only)."""
     multi_rank = dp is not None and dp.enabled
+    if lora is not None and optim.backend != "torch":
+        raise NotImplementedError(LORA_BACKEND_REFUSED)
     if optim.backend == "megatron" and multi_rank and (why := megatron_multi_rank_refusal(optim)):
         # Refused before anything loads or joins a group.
         raise NotImplementedError(f"{why} (got world_size={dp.world_size})")
@@ -80,6 +91,8 @@ def build_backend(model_spec: str, optim: OptimConfig, *, temperature: float, dp
 
     # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
     model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
+    if lora is not None:
+        return LoraTorchBackend(model, optim, lora, temperature=temperature, dp=dp)
     return TorchBackend(model, optim, temperature=temperature, dp=dp)
 
 
@@ -96,9 +109,10 @@ class TrainWorker:
         resume_iteration: int | None = None,
         storage_options: dict | None = None,
         dp: DataParallel | None = None,
+        lora: LoraSettings | None = None,
     ):
         """`dp`: this worker is one rank of a data-parallel trainer (one TrainWorker per rank, all built
-        concurrently: construction blocks until every rank has joined)."""
+        concurrently: construction blocks until every rank has joined). `lora`: model.lora."""
         self.optim = optim
         self.dp = dp
         self.algo = algo
@@ -106,7 +120,7 @@ class TrainWorker:
         self.store_root = store_root
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
-        self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp)
+        self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp, lora=lora)
         # No rank holds the whole state (megatron tp / pp > 1): checkpoints are distributed, weight reads collective.
         self.sharded = isinstance(self.backend, Sharded) and bool(self.backend.sharded)
         self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call
@@ -280,8 +294,10 @@ class TrainWorker:
         subsample: float | None = None,
         dump_uri: str | None = None,
         reward_key: str | None = None,
+        critic: CriticEstimate | None = None,
     ) -> dict[str, float]:
-        """Train on one pinned artifact from a given state, and save the resulting state."""
+        """Train on one pinned artifact from a given state, and save the resulting state. `critic`: ppo's
+        estimate of this artifact by the replay's critic (restored to the same starting point)."""
         if self.sharded:
             return self._replay_step_distributed(
                 ref,
@@ -290,6 +306,7 @@ class TrainWorker:
                 subsample=subsample,
                 dump_uri=dump_uri,
                 reward_key=reward_key,
+                critic=critic,
             )
         start = (
             load_state(start_state_uri, storage_options=self.storage_options)
@@ -302,7 +319,9 @@ class TrainWorker:
                 "this trainer holds the whole state: replay with the layout that wrote it"
             )
         self.backend.load_checkpoint_bytes(start)
-        metrics = self.train_on_artifact(ref, subsample=subsample, dump_uri=dump_uri, reward_key=reward_key)
+        metrics = self.train_on_artifact(
+            ref, subsample=subsample, dump_uri=dump_uri, reward_key=reward_key, critic=critic
+        )
         if self.is_primary:  # every rank holds the same state after the step
             save_state(out_state_uri, self.backend.checkpoint_bytes(), storage_options=self.storage_options)
         return metrics
@@ -437,6 +456,16 @@ class TrainWorker:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.named_weights()
 
+    def lora_adapter(self) -> dict:
+        """A LoRA policy's adapter in PEFT form ({"tensors", "config"}; rollout.sglang.lora_sync=adapter)."""
+        if not isinstance(self.backend, LoraTorchBackend):
+            raise RuntimeError("the trainer has no adapter: rollout.sglang.lora_sync=adapter needs model.lora")
+        return self.backend.lora_adapter()
+
+    def lora_adapter_checksums(self) -> dict[str, str]:
+        """Fingerprints of the adapter tensors as `lora_adapter` hands them out (adapter-mode parity)."""
+        return checksums(self.lora_adapter()["tensors"])
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The HF-named weights from rank 0, {} from the others. A sharded trainer gathers them over its model-
         parallel groups, so every rank must call this at once; other ranks of an unsharded one return at once."""
@@ -488,8 +517,8 @@ class TrainWorker:
 
     def _device_weights(self) -> dict[str, torch.Tensor]:
         """HF-named tensors where they live (the trainer's GPU): IPC handles and broadcasts need no copy."""
-        if isinstance(self.backend, TorchBackend):
-            return {k: v.detach() for k, v in self.backend.model.state_dict().items()}
+        if isinstance(self.backend, TorchBackend):  # a LoRA policy's are merged (tasks/train/lora_backend.py)
+            return {k: v.detach() for k, v in self.backend.weight_tensors().items()}
         return self.backend.named_weights()
 
     def ipc_begin(self, bucket_bytes: int, tp_size: int = 1, dtype: str | None = None, flattened: bool = False) -> None:

@@ -28,6 +28,13 @@ MANAGED_FIELDS = {
     "weight_version": "(the engine's weight_version)",
     "enable_memory_saver": "rollout.sglang.memory_saver (on with offload=true)",
 }
+# ServerArgs fields lora_sync=adapter sets (a passthrough may set them only without it)
+LORA_FIELDS = {
+    "enable_lora": "rollout.sglang.lora_sync=adapter",
+    "max_lora_rank": "rollout.sglang.lora_max_rank (model.lora.rank)",
+    "lora_target_modules": "rollout.sglang.lora_target_modules (model.lora.target_modules)",
+    "lora_paths": "rollout.sglang.lora_sync=adapter (adapters come from the trainer)",
+}
 
 
 class SGLangConfig(BaseModel):
@@ -91,6 +98,19 @@ class SGLangConfig(BaseModel):
     weight_sync_backend: Literal["nccl", "gloo"] = Field(
         "nccl", description="process-group backend of weight_sync=distributed (gloo: CPU-only test setups)"
     )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="with model.lora: merged = the merged weights through weight_sync, as without LoRA; adapter = "
+        "only the adapter, through SGLang's LoRA adapter API (servers launched with --enable-lora, generate "
+        "requests name the adapter); weight_sync=disk -> /load_lora_adapter from a directory, tensor or "
+        "distributed -> /load_lora_adapter_from_tensors",
+    )
+    lora_max_rank: Optional[int] = Field(
+        None, ge=1, description="--max-lora-rank (lora_sync=adapter: set from model.lora.rank)"
+    )
+    lora_target_modules: Optional[list[str]] = Field(
+        None, description="--lora-target-modules (lora_sync=adapter: set from model.lora.target_modules)"
+    )
     bucket_mb: int = Field(512, ge=1, description="weights per update request / broadcast bucket, in MiB")
     weight_dir: Optional[str] = Field(None, description="where disk weight updates are written (default: a temp dir)")
     seeded: bool = Field(
@@ -144,3 +164,47 @@ def colocated_mem_fraction(cfg: SGLangConfig) -> float:
             f"engine and trainer rank do not fit on one GPU; set mem_fraction_static <= {limit:g}"
         )
     return cfg.mem_fraction_static
+
+
+def check_lora_adapter_sync(sg: SGLangConfig, lora: Any, engine: str, placement: str) -> str:
+    """lora_sync=adapter (`lora`: model.lora): an adapter to send, an engine that applies it, launch flags that
+    take it (set here from model.lora when unset). Raises a one-line ValueError; returns the notice."""
+    if lora is None:
+        raise ValueError(
+            "rollout.sglang.lora_sync='adapter' without model.lora: there is no adapter to send; set model.lora "
+            "or rollout.sglang.lora_sync='merged'"
+        )
+    if engine != "sglang":
+        raise ValueError(
+            f"rollout.sglang.lora_sync='adapter' with rollout.engine={engine!r}: only SGLang applies adapters "
+            "itself (the hf engine takes merged weights); set rollout.engine='sglang' or "
+            "rollout.sglang.lora_sync='merged'"
+        )
+    for key in sg.args:
+        field = load_flags().get(key).field
+        if field in LORA_FIELDS:
+            raise ValueError(
+                f"rollout.sglang.args sets --{key}, which rollflow sets with lora_sync='adapter' (from "
+                f"{LORA_FIELDS[field]}); drop it from rollout.sglang.args"
+            )
+    if sg.lora_max_rank is not None and sg.lora_max_rank < lora.rank:
+        raise ValueError(
+            f"rollout.sglang.lora_max_rank={sg.lora_max_rank} < model.lora.rank={lora.rank}: SGLang refuses the "
+            "adapter; raise it or leave it unset (model.lora.rank)"
+        )
+    missing = sorted(set(lora.target_modules) - set(sg.lora_target_modules or lora.target_modules))
+    if missing and "all" not in (sg.lora_target_modules or []):
+        raise ValueError(
+            f"rollout.sglang.lora_target_modules lacks {missing} of model.lora.target_modules: SGLang refuses the "
+            "adapter; add them or leave it unset"
+        )
+    if sg.lora_max_rank is None:
+        sg.lora_max_rank = lora.rank
+    if sg.lora_target_modules is None:
+        sg.lora_target_modules = list(lora.target_modules)
+    disk = sg.resolved_weight_sync(placement) == "disk"
+    route = "load_lora_adapter" if disk else "load_lora_adapter_from_tensors"
+    return (
+        f"rollout.sglang.lora_sync=adapter: servers launched with --enable-lora --max-lora-rank {sg.lora_max_rank} "
+        f"--lora-target-modules {' '.join(sg.lora_target_modules)}; every sync loads the adapter through /{route}"
+    )

@@ -2,7 +2,9 @@
 
 Token ids in, token ids + log-probs out (`POST /generate` with `input_ids` and `return_logprob`),
 one request per sample (or `sampling_params.n`), balanced over one or more servers. Weight updates
-(disk, tensor, distributed) are the engine's `WeightReceiver` half (weight_receiver.py).
+(disk, tensor, distributed) are the engine's `WeightReceiver` half (weight_receiver.py); a LoRA run's
+adapter updates (rollout.sglang.lora_sync=adapter) its `LoraReceiver` half (lora_receiver.py), after which
+every generate request names the current adapter (`lora_path`).
 
 Memory release/resume (`tags`: "weights", "kv_cache", "cuda_graph") serves colocation: the server must
 be idle before a release (SGLang asserts it), so the engine flushes the cache until it answers 200
@@ -28,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, sample_seed
+from rollflow.tasks.rollout.sglang.lora_receiver import LoraReceiver
 from rollflow.tasks.rollout.sglang.payloads import (
     RID_END,
     SGLangRequestError,
@@ -90,7 +93,7 @@ class _Inflight:
     url: str
 
 
-class SGLangEngine(WeightReceiver):
+class SGLangEngine(WeightReceiver, LoraReceiver):
     """A RolloutEngine over one or more SGLang servers (URLs; optionally the processes behind them)."""
 
     def __init__(
@@ -111,6 +114,7 @@ class SGLangEngine(WeightReceiver):
         config_dir: str | Path | None = None,
         bucket_bytes: int = 512 * 2**20,
         tensor_device: str | None = None,
+        lora_sync: str = "merged",
     ):
         import httpx
 
@@ -135,6 +139,14 @@ class SGLangEngine(WeightReceiver):
         self.config_dir = Path(config_dir) if config_dir else None
         self.bucket_bytes = bucket_bytes
         self.tensor_device = tensor_device
+        if lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"lora_sync={lora_sync!r}: merged or adapter")
+        self.lora_sync = lora_sync
+        # the adapter every generate request names (lora_sync=adapter; None: the base model, i.e. B = 0)
+        self.lora_name: str | None = None
+        self.lora_loads = 0  # adapters loaded so far (names of re-syncs of one version stay unique)
+        self.lora_checksums: dict[str, str] = {}  # the current adapter's tensors as serialized for the servers
+        self.lora_listed: dict[str, dict[str, str]] = {}  # per server: the adapters its last LoRA answer listed
         self.client = httpx.Client(
             timeout=httpx.Timeout(request_timeout, connect=10.0),
             limits=httpx.Limits(max_connections=max_inflight + 16, max_keepalive_connections=max_inflight + 16),
@@ -229,9 +241,12 @@ class SGLangEngine(WeightReceiver):
                 ids,
                 [sampling_params_payload(params, seed=seed) for seed in seeds],
                 [f"{rid}{j}{RID_END}" for j in range(n)],
+                lora_path=self.lora_name,
             )
         else:
-            payload = generate_payload(ids, sampling_params_payload(params, n=n, seed=seeds[0]), rid)
+            payload = generate_payload(
+                ids, sampling_params_payload(params, n=n, seed=seeds[0]), rid, lora_path=self.lora_name
+            )
         url = self.pool.acquire()
         with self._lock:
             self._inflight[rid] = _Inflight(rid, url)
@@ -321,7 +336,8 @@ class SGLangEngine(WeightReceiver):
         except ValueError:
             return r.text
         if isinstance(body, Mapping) and body.get("success") is False:
-            raise SGLangRequestError(f"{url}{path} failed: {body.get('message')}")
+            # LoRA routes answer with `error_message`, the others with `message`
+            raise SGLangRequestError(f"{url}{path} failed: {body.get('message') or body.get('error_message')}")
         return body
 
     def _get(self, url: str, path: str):

@@ -47,6 +47,8 @@ def launch_spec_for(
         enable_memory_saver=cfg.memory_saver,
         base_gpu_id=base_gpu_id,
         weight_version=weight_version,
+        lora_max_rank=cfg.lora_max_rank if cfg.lora_sync == "adapter" else None,
+        lora_target_modules=tuple(cfg.lora_target_modules or ()) if cfg.lora_sync == "adapter" else (),
         args=cfg.args,
         launcher=tuple(cfg.launcher),
         python=cfg.python,
@@ -97,6 +99,7 @@ def engine_options(
         config_dir=model_dir,
         tensor_device=tensor_device,
         bucket_bytes=cfg.bucket_mb * 2**20,
+        lora_sync=cfg.lora_sync,
     )
 
 

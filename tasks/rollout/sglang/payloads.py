@@ -39,26 +39,38 @@ def sampling_params_payload(params: SamplingParams, *, n: int = 1, seed: int | N
     return out
 
 
-def generate_payload(input_ids: Sequence[int], sampling: Mapping[str, Any], rid: str | None = None) -> dict[str, Any]:
+def generate_payload(
+    input_ids: Sequence[int], sampling: Mapping[str, Any], rid: str | None = None, *, lora_path: str | None = None
+) -> dict[str, Any]:
+    """`lora_path`: the name of a loaded LoRA adapter (SGLang takes the name there, not a path)."""
     payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling), "return_logprob": True}
     if rid is not None:
         payload["rid"] = rid
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
     return payload
 
 
 def batch_payload(
-    input_ids: Sequence[int], samplings: Sequence[Mapping[str, Any]], rids: Sequence[str]
+    input_ids: Sequence[int],
+    samplings: Sequence[Mapping[str, Any]],
+    rids: Sequence[str],
+    *,
+    lora_path: str | None = None,
 ) -> dict[str, Any]:
     """One request for len(samplings) samples of one prompt, each with its own sampling params (its own
     seed): SGLang's native `n` copies one params dict, seed included, to every sample."""
     if len(samplings) != len(rids):
         raise ValueError(f"{len(samplings)} sampling params for {len(rids)} rids")
-    return {
+    payload: dict[str, Any] = {
         "input_ids": [list(input_ids) for _ in samplings],
         "sampling_params": [dict(s) for s in samplings],
         "return_logprob": True,
         "rid": list(rids),
     }
+    if lora_path is not None:
+        payload["lora_path"] = lora_path  # one name for every sample (SGLang broadcasts a string)
+    return payload
 
 
 def request_id(prefix: str, *parts: int) -> str:

@@ -84,6 +84,8 @@ class LaunchSpec:
     enable_memory_saver: bool = False
     base_gpu_id: int | None = None
     weight_version: int | None = None
+    lora_max_rank: int | None = None  # set: --enable-lora with this rank and lora_target_modules
+    lora_target_modules: Sequence[str] = ()
     args: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # validated passthrough flags
     launcher: Sequence[str] = ()  # replaces [python, -m, sglang.launch_server]
     python: str | None = None
@@ -131,6 +133,12 @@ def launch_command(spec: LaunchSpec) -> list[str]:
         cmd.append("--skip-tokenizer-init")
     if spec.enable_memory_saver:
         cmd.append("--enable-memory-saver")
+    if spec.lora_max_rank is not None:
+        if not spec.lora_target_modules:
+            # SGLang asserts both when no --lora-paths preloads an adapter (lora_hook.check_lora_server_args)
+            raise ValueError("--enable-lora without --lora-paths needs --lora-target-modules")
+        cmd += ["--enable-lora", "--max-lora-rank", str(spec.lora_max_rank), "--lora-target-modules"]
+        cmd += list(spec.lora_target_modules)
     cmd += args_to_argv(spec.args)
     return cmd
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rollflow.tasks.rollout.engine import next_weight_version
 from rollflow.tasks.rollout.sglang.hf_checkpoint import write_hf_checkpoint
+from rollflow.tasks.rollout.sglang.lora_receiver import MERGED_INTO_ADAPTER_ENGINE
 from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError, torch_dtype_name
 from rollflow.tasks.sync.buckets import buckets_by_bytes
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
@@ -130,6 +131,8 @@ class WeightReceiver:
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Mapping[str, Any], weight_version: int) -> None:
         """The RolloutEngine entry point: tensors from the trainer, through the configured path."""
+        if getattr(self, "lora_sync", "merged") == "adapter":
+            raise RuntimeError(MERGED_INTO_ADAPTER_ENGINE)
         if self.weight_sync == "tensor":
             self.update_weights_from_tensor(named_tensors, weight_version)
         elif self.weight_sync == "disk":
