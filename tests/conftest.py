@@ -8,6 +8,8 @@ import uuid
 
 import pytest
 
+from rollflow.tasks.net import free_port
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -95,7 +97,6 @@ def prefect_server(tmp_path_factory):
     session: what deployments, workers and automations need. Yields the API URL; stopped by pid. Tests set
     it as their current API themselves (temporary_settings / env), so it never leaks into other tests."""
     import signal
-    import socket
     import subprocess
     import sys
     import time
@@ -110,9 +111,7 @@ def prefect_server(tmp_path_factory):
             return False
 
     home = tmp_path_factory.mktemp("prefect-home")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, **PREFECT_OFFLINE, "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)

@@ -309,7 +309,11 @@ def test_nightly_schedule_and_alert_survive_a_worker_restart(prefect_server, tmp
                     dep = client.read_deployment_by_name("alignment_check/" + NIGHTLY)
                     assert not dep.paused
                     assert [s.schedule.cron for s in dep.schedules if s.active] == ["15 3 * * *"]
-                    autos = client.read_automations_by_name(alert_name("alignment_check/" + NIGHTLY))
+                    # the alert is created right after its deployment (it names the deployment's id)
+                    deadline = time.monotonic() + 30
+                    while not (autos := client.read_automations_by_name(alert_name("alignment_check/" + NIGHTLY))):
+                        assert time.monotonic() < deadline, "no alert automation for the nightly deployment"
+                        time.sleep(0.5)
                     assert len(autos) == 1 and autos[0].enabled
                     assert str(dep.id) in str(autos[0].trigger.match_related)
             finally:

@@ -20,7 +20,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import pytest
 from rollflow.artifacts import ArtifactCorrupt, ArtifactExists, ArtifactSchemaError, EngineInfo, RolloutStore
 from rollflow.artifacts.errors import StorageAuthError, StorageBucketNotFound, StorageUnavailable
 from rollflow.artifacts.storage import is_permanent, is_transient, open_fs, redact, storage_options_for
+from rollflow.tasks.net import free_port
 from rollflow.tasks.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from tests.conftest import TEST_AWS_SECRET, small_config
 from tests.test_artifacts_store import make_samples
@@ -190,12 +190,6 @@ def test_drill2_sigkill_mid_iteration_resumes_without_duplicates_or_gaps(s3_endp
 # ============================================================================ drill 3: endpoint down
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class StoppableEndpoint:
     """A moto S3 server on a fixed loopback port that a drill can stop and start again.
 
@@ -203,7 +197,7 @@ class StoppableEndpoint:
     """
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.bucket = f"drill-{uuid.uuid4().hex[:8]}"
         self._server = None
@@ -624,7 +618,7 @@ def test_drill7_config_errors_name_field_and_fix():
 
 
 def test_drill7_unreachable_endpoint_is_named(s3_endpoint, monkeypatch):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     store = RolloutStore(f"s3://{s3_endpoint.bucket}/unreachable")

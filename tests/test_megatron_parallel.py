@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
+
+from rollflow.tasks.net import free_port
 
 try:
     import megatron.core  # noqa: F401
@@ -300,17 +301,11 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
         torch.save(results, os.path.join(out_dir, "results.pt"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_layouts(out_dir: str, device_type: str):
     import torch.multiprocessing as mp
 
     refs = {kind: _reference(kind) for kind in LAYOUTS}
-    mp.spawn(_rank_main, args=(2, _free_port(), refs, out_dir, device_type), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port("127.0.0.1"), refs, out_dir, device_type), nprocs=2, join=True)
     return refs, torch.load(os.path.join(out_dir, "results.pt"), weights_only=False)
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 
 import pytest
+
+from rollflow.tasks.net import free_port
 
 try:
     import megatron.core  # noqa: F401
@@ -54,9 +55,7 @@ def test_scale_benchmark_runs_packed_on_cpu(tmp_path, tp, cp, sp, name):
         device="cpu",
         out=str(tmp_path),
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     mp.spawn(_shimmed_rank, args=(2, port, args), nprocs=2, join=True)
     result = json.loads((tmp_path / f"megatron-scale-{name}-ragged-thd.json").read_text())
     lengths = megatron_scale._lengths(2, 64, True)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from rollflow.artifacts.store import ArtifactRef
+from rollflow.tasks.net import free_port
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
-from tests.test_train_dp import RANK_TIMEOUT_S, REPO, free_port, max_abs_diff
+from tests.test_train_dp import RANK_TIMEOUT_S, REPO, max_abs_diff
 
 MODEL = "builtin:addition-moe"
 OPTIM = dict(num_steps_per_rollout=2, micro_batch_size=12)  # 64 rows: 2 x 32, 16 per rank, micro 12 + 4

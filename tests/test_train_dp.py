@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -20,6 +19,7 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.store import ArtifactRef
+from rollflow.tasks.net import free_port
 from rollflow.tasks.train.data_parallel import DataParallel, shard_rows
 from rollflow.tasks.train.objective import minibatch_slices
 from rollflow.tasks.train.settings import AlgoConfig, LoraSettings, OptimConfig
@@ -27,12 +27,6 @@ from rollflow.tasks.train.settings import AlgoConfig, LoraSettings, OptimConfig
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "builtin:addition"
 RANK_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(entry: str, world: int, spec: dict, tmp_path: Path) -> list[dict]:

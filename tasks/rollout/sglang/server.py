@@ -14,7 +14,6 @@ import dataclasses
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rollflow.tasks import net
 from rollflow.tasks.rollout.sglang.flags import args_to_argv
 
 LOOPBACK = "127.0.0.1"
@@ -50,9 +50,7 @@ class EngineStartError(RuntimeError):
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return net.free_port(host)
 
 
 def require_sglang(python: str | None = None) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from rollflow.tasks.net import free_port
 from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.settings import MegatronSettings
 
@@ -66,12 +66,6 @@ def cpu_shims(device: torch.device):
         torch.cuda.current_device = original
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel_state(
     device: torch.device, seed: int, *, settings: MegatronSettings | None = None, dp: DataParallel | None = None
 ) -> None:
@@ -92,7 +86,7 @@ def init_parallel_state(
             # One process: a fresh port every time. A MASTER_PORT inherited from the environment (e.g. set by an
             # earlier backend in the process that started this one) may be in use by now.
             dist.init_process_group(
-                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+                backend=backend, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1
             )
     settings.data_parallel_size(dist.get_world_size())  # one clear error before any group is built
     if not parallel_state.model_parallel_is_initialized():
