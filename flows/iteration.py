@@ -20,7 +20,7 @@ from rollflow.flows.config import RunConfig
 from rollflow.flows.exports import dump_uri, side_exports
 from rollflow.flows.group import WorkerGroup, has_critic
 from rollflow.flows.mismatch_trend import SLOPE_METRIC, mismatch_trend_task, trend_with
-from rollflow.flows.prefect_ops.heartbeats import with_heartbeats
+from rollflow.flows.prefect_ops.heartbeats import with_heartbeats, without_prefect_heartbeats
 from rollflow.flows.prefect_ops.naming import flow_run_name
 from rollflow.flows.prefect_ops.retrying import (
     STORAGE_RETRIES,
@@ -439,6 +439,13 @@ def pipeline_metrics(cfg: RunConfig, store: RolloutStore, ref: ArtifactRef, trai
     artifact = store.load_uri(ref.uri)
     stats = pipeline_stats(artifact.columns, trainer_version, artifact.manifest.n_samples_per_prompt)
     return stats.metrics()
+
+
+def run_iteration(cfg: RunConfig, rollout_id: int) -> dict:
+    """The `rl_iteration` sub-flow, as the run loops call it: with rollflow's heartbeats and without Prefect's
+    (prefect_ops/heartbeats.py: Prefect's would add ~0.9 s to every iteration)."""
+    with without_prefect_heartbeats():
+        return rl_iteration(cfg, rollout_id)
 
 
 @flow(name="rl_iteration", flow_run_name=flow_run_name("/iter-{rollout_id:04d}"))

@@ -19,7 +19,7 @@ from rollflow.flows import reporting
 from rollflow.flows.actor_calls import ActorRunner, stop_and_wait
 from rollflow.flows.config import RunConfig
 from rollflow.flows.group import WorkerGroup, connect_ray
-from rollflow.flows.iteration import rl_iteration
+from rollflow.flows.iteration import run_iteration
 from rollflow.flows.prefect_ops.cancellation import actors_running
 from rollflow.tasks.debug.checks import CheckResult
 from rollflow.tasks.debug.faults import AlignmentFaults
@@ -65,7 +65,7 @@ def run_pass(cfg: RunConfig, faults: AlignmentFaults, *, inject_noise: bool) -> 
         if inject_noise and faults.nondeterministic_logits_std:
             ActorRunner(trainer.actor).run(trainer_logit_noise, faults.nondeterministic_logits_std)
         for rollout_id in range(cfg.iterations):
-            rl_iteration(cfg, rollout_id)
+            run_iteration(cfg, rollout_id)
     stop_and_wait(group)
 
 

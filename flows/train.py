@@ -9,7 +9,7 @@ from rollflow.artifacts.store import RolloutStore
 from rollflow.flows import reporting, tracking
 from rollflow.flows.config import RunConfig
 from rollflow.flows.group import WorkerGroup, connect_ray
-from rollflow.flows.iteration import check_weight_update_task, eval_metrics, rl_iteration
+from rollflow.flows.iteration import check_weight_update_task, eval_metrics, run_iteration
 from rollflow.flows.params import TrainParams
 from rollflow.flows.prefect_ops.cancellation import actors_running, stop_actors_hook
 from rollflow.flows.prefect_ops.naming import flow_run_name, tag_current_run
@@ -139,7 +139,7 @@ def _train_loop(
             reporting.stage("check weight update")
             check_weight_update_task(cfg, start)
         for rollout_id in range(start, cfg.iterations):
-            row = rl_iteration(cfg, rollout_id)
+            row = run_iteration(cfg, rollout_id)
             get_run_logger().info(reporting.metrics_line(row))
             if tracking.checkpointed(cfg, row["iteration"]):
                 tracking.log_committed(tracker, cfg, row["iteration"])

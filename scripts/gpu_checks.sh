@@ -25,10 +25,13 @@ timeout "${GPU_CHECKS_EAGER_TIMEOUT:-120}" python3 benchmarks/gpu_checks.py --ou
   --specs sdpa --optimizers megatron --parts parity,train --settings "$EAGER" > "$OUT/gpu_checks_eager.log" 2>&1 || rc=1
 grep -E "^(==|PASS|FAIL|all_pass)" "$OUT/gpu_checks_eager.log" || tail -20 "$OUT/gpu_checks_eager.log"
 if [ "${SKIP_PYTEST:-0}" != 1 ]; then
-  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_megatron_gpu.py \
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_megatron_gpu.py \
     > "$OUT/pytest_gpu.log" 2>&1 || rc=1
+  grep '^SKIPPED' "$OUT/pytest_gpu.log" || true  # each skip with its reason
   tail -3 "$OUT/pytest_gpu.log"
-  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ipc_sync.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1; tail -3 "$OUT/pytest_ipc.log"
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_ipc_sync.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1
+  grep '^SKIPPED' "$OUT/pytest_ipc.log" || true
+  tail -3 "$OUT/pytest_ipc.log"
 fi
 # 3. train throughput, ~0.9B Llama, megatron vs torch backend in one process
 timeout "${THROUGHPUT_TIMEOUT:-270}" python3 benchmarks/train_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} \
