@@ -141,7 +141,9 @@ def flow_loop(cfg, *, with_heartbeats: bool = True, inline_iterations: bool = Fa
     start = time.perf_counter()
     with contextlib.ExitStack() as patches:
         if inline_iterations:
-            patches.enter_context(_patched(train_mod, "rl_iteration", train_mod.rl_iteration.fn))
+            from rollflow.flows.iteration import rl_iteration
+
+            patches.enter_context(_patched(train_mod, "run_iteration", rl_iteration.fn))
         patches.enter_context(heartbeats(with_heartbeats))
         try:
             rl_train(cfg)
