@@ -110,26 +110,36 @@ def engine_cast(setup: Setup) -> str | None:
     return setup.rollout.dtype if setup.rollout.dtype != setup.optim.dtype else None
 
 
-def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
-    cuda = device.startswith("cuda")
-    seconds: dict[str, float] = {}
-    peaks: dict[str, int] = {}
+class StageClock:
+    """Seconds and (on CUDA) peak allocated bytes of each named stage of one iteration: `clock(name, fn)` runs
+    `fn` as stage `name`. A stage that raises names itself: which stage ran out of memory is what a shape that does
+    not fit should say."""
 
-    def stage(name: str, fn: Callable[[], T]) -> T:
-        if cuda:
+    def __init__(self, rollout_id: int, cuda: bool):
+        self.rollout_id, self.cuda = rollout_id, cuda
+        self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+
+    def __call__(self, name: str, fn: Callable[[], T]) -> T:
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             out = fn()
-            if cuda:
+            if self.cuda:
                 torch.cuda.synchronize()
         except Exception as exc:
-            # Which stage ran out of memory is what a shape that does not fit should say.
-            raise RuntimeError(f"iteration {rollout_id}, stage {name}: {type(exc).__name__}: {exc}") from exc
-        if cuda:
-            peaks[name] = torch.cuda.max_memory_allocated()
-        seconds[name] = time.perf_counter() - start
+            raise RuntimeError(f"iteration {self.rollout_id}, stage {name}: {type(exc).__name__}: {exc}") from exc
+        if self.cuda:
+            self.peaks[name] = torch.cuda.max_memory_allocated()
+        self.seconds[name] = time.perf_counter() - start
         return out
+
+
+def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
+    cuda = device.startswith("cuda")
+    stage = StageClock(rollout_id, cuda)
+    seconds, peaks = stage.seconds, stage.peaks
 
     setup, engine, trainer = w.setup, w.engine, w.trainer
     if cuda:

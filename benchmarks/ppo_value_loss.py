@@ -37,11 +37,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 
 from benchmarks.core import default_out, git_sha, machine_info, write_json
+from benchmarks.e2e_iteration import StageClock
 from benchmarks.models import param_count, qwen2, save_model_dir
 from rollflow.artifacts.manifest import EngineInfo
 from rollflow.artifacts.sample import Sample
@@ -60,8 +61,6 @@ STAGES = ("generate", "reward", "persist", "critic_estimate", "train", "critic_u
 # --shape -> benchmarks/models.py shape; tiny is the built-in model of the demo
 SHAPES = {"tiny": "builtin:addition", "small": "cpu-small", "0.5b": "qwen2-0.5b"}
 CRITIC_FIGURES = ("critic/value_loss", "critic/explained_variance", "critic/values", "critic/returns")
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,23 +182,8 @@ def persist(w: Workers, rollout_id: int, samples: list[Sample]) -> ArtifactRef:
 
 def run_iteration(w: Workers, rollout_id: int, reward: LowTokenIdShare, device: str, cast: str | None) -> dict:
     cuda = device.startswith("cuda")
-    seconds: dict[str, float] = {}
-    peaks: dict[str, int] = {}
-
-    def stage(name: str, fn: Callable[[], T]) -> T:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        try:
-            out = fn()
-            if cuda:
-                torch.cuda.synchronize()
-        except Exception as exc:
-            raise RuntimeError(f"iteration {rollout_id}, stage {name}: {type(exc).__name__}: {exc}") from exc
-        if cuda:
-            peaks[name] = torch.cuda.max_memory_allocated()
-        seconds[name] = time.perf_counter() - start
-        return out
+    stage = StageClock(rollout_id, cuda)
+    seconds, peaks = stage.seconds, stage.peaks
 
     started = time.perf_counter()
     samples = stage("generate", lambda: w.engine.rollout(rollout_id))
