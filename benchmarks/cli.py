@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="e2e suite: model shape, tiny (the built-in model) | small | 0.5b | 1.5b | 3b | 5b (default: 0.5b on "
         "CUDA, tiny on CPU)",
     )
+    ap.add_argument(
+        "--sync-shape",
+        default=None,
+        help="sync suite: a benchmarks/models.py shape, e.g. qwen2.5-7b (default: qwen2-0.5b on CUDA)",
+    )
     ap.add_argument("--no-table", action="store_true", help="skip the rich table (the JSON is still written)")
     ap.add_argument(
         "--cluster-state",
@@ -142,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         ctx.options["cluster_state"] = args.cluster_state
     if args.shape:
         ctx.options["e2e_shape"] = args.shape
+    if args.sync_shape:
+        from benchmarks.models import SHAPES
+
+        if args.sync_shape not in SHAPES:
+            raise SystemExit(f"--sync-shape {args.sync_shape!r} is not a model shape; choose from {', '.join(SHAPES)}")
+        ctx.options["sync"] = {"shape": args.sync_shape}
     if args.train_backends:
         ctx.options["train_backends"] = [b.strip() for b in args.train_backends.split(",") if b.strip()]
     started = time.perf_counter()

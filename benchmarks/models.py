@@ -62,6 +62,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         rope_theta=1_000_000.0,
     ),
+    # Qwen2.5-7B's shape (tied embeddings here, so ~7.07B parameters; the released model has a separate LM head):
+    # for the 7B weight-sync figure, where engine and trainer hold only the weights.
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        rope_theta=1_000_000.0,
+    ),
     # Qwen2.5-7B's layers, 20 of its 28, tied embeddings (qwen2() ties them): ~5.2B parameters, sized so the
     # trainer's full state (~18 bytes per parameter with Megatron's optimizer) leaves the engine room on one H200.
     "qwen2.5-7b-20l": dict(

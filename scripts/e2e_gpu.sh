@@ -7,7 +7,7 @@
 # Needs torch + transformers + pydantic (+ megatron-core for the megatron trainer; without it the torch trainer
 # runs and the JSON says so); rollflow need not be installed (scripts/use_checkout.sh maps the checkout).
 # Writes benchmarks/results/<gpu>-<date>-e2e-<shape>.json and logs under $OUT (default ./gpu-out).
-# Knobs (env): SHAPES (default "0.5b 1.5b"), LARGEST (default "5b 3b"; empty: skip), E2E_ARGS (e.g. --quick,
+# Knobs (env): SHAPES (default "0.5b 1.5b"; empty: skip), LARGEST (default "5b 3b"; empty: skip), E2E_ARGS (e.g. --quick,
 # --repeats 5), E2E_TIMEOUT (seconds per shape, default 1200), RESULTS (default benchmarks/results).
 set -uo pipefail
 source "$(dirname "$0")/gpu_bench_env.sh" || exit 1  # OUT, RESULTS, stem; the checkout as rollflow.*
@@ -23,7 +23,7 @@ run_shape() {
   sed -n '/^e2e /,/overhead/p' "$log"
   if [ $rc != 0 ]; then
     # what it measured before failing stays with the logs, out of the results folder
-    [ -f "$json" ] && mv "$json" "$OUT/"
+    [ -f "$json" ] && [ "$(cd "$RESULTS" && pwd)" != "$(cd "$OUT" && pwd)" ] && mv "$json" "$OUT/"
     echo "e2e $shape FAILED (rc $rc); the end of $log:"
     tail -5 "$log"
   fi
@@ -31,7 +31,7 @@ run_shape() {
 }
 
 rc=0
-for shape in ${SHAPES:-0.5b 1.5b}; do
+for shape in ${SHAPES-0.5b 1.5b}; do
   run_shape "$shape" || rc=1
 done
 largest=""

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 
 import pytest
 import torch
 
 from rollflow.tasks.net import free_port
+from rollflow.tasks.sync.parity import checksums
 
 try:
     import megatron.core  # noqa: F401
@@ -213,6 +215,7 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
     from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.megatron.process import destroy_parallel_state
     from rollflow.tasks.train.settings import OptimConfig
+    from rollflow.tasks.train.worker import TrainWorker
     from tests.megatron_cpu_shim import cpu_megatron
 
     def backend(ref, tp, pp, n_micro, extra=None):
@@ -243,6 +246,8 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
                 be = backend(ref, tp, pp, n_micro, extra)
                 exported = be.named_weights()
                 buckets = [[(n, t.to("cpu", copy=True)) for n, t in b] for b in be.export_buckets(BUCKET_BYTES)]
+                # the trainer's parity fingerprints, as a bf16 engine asks for them (streamed: a collective)
+                fingerprints = TrainWorker.weight_checksums(types.SimpleNamespace(backend=be), "bfloat16")
                 names_by_rank: list = [None] * world
                 torch.distributed.all_gather_object(names_by_rank, [[n for n, _ in b] for b in buckets])
                 log_probs = be.compute_log_probs(ref["batch"])
@@ -250,6 +255,7 @@ def _rank_main(rank: int, world: int, port: int, refs: dict, out_dir: str, devic
                 results[(kind, name)] = dict(
                     exported=exported,
                     buckets=buckets,
+                    fingerprints=fingerprints,
                     bucket_names_by_rank=names_by_rank,
                     log_probs=log_probs,
                     loss=stats["train/loss"],
@@ -348,6 +354,8 @@ def _check_layouts(kind: str, refs: dict, results: dict, atol: float = 2e-5, rel
         assert sorted(n for n, _ in streamed) == sorted(ref["state"]), name
         for key, tensor in streamed:
             assert torch.equal(tensor, ref["state"][key]), f"{kind} {name} streamed {key}"
+        # Parity fingerprints streamed from the device buckets equal those of the reference's tensors cast alike.
+        assert got["fingerprints"] == checksums({k: v.to(torch.bfloat16) for k, v in ref["state"].items()}), name
         torch.testing.assert_close(
             got["log_probs"][mask],
             ref["log_probs"][mask],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -50,12 +50,37 @@ def _fingerprint_parts(tensor: torch.Tensor, ramps: dict) -> torch.Tensor:
         n = chunk.numel()
         if (device, n) not in ramps:
             ramps[(device, n)] = torch.arange(n, dtype=torch.int64, device=device)
-        ramp = ramps[(device, n)]
+        # sum w_i * (i*M + A) over the chunk = M * sum(w_j * j) + (start*M + A) * sum(w_j): both sums are shared
+        # by the two keys, so each word is read twice whatever the number of keys.
+        ramped = (chunk * ramps[(device, n)]).sum()
         total = chunk.sum()
         for j, (mul, add) in enumerate(_KEYS):
-            # sum w_i * (i*M + A) over the chunk = M * sum(w_j * j) + (start*M + A) * sum(w_j)
-            out[j] += (chunk * ramp).sum() * _signed(mul) + total * _signed(start * mul + add)
+            out[j] += ramped * _signed(mul) + total * _signed(start * mul + add)
     return out
+
+
+class _Fingerprints:
+    """Fingerprints taken tensor by tensor as they come (kernels queued, nothing read back), read at the end with
+    one host transfer per device. A tensor may be dropped once it is added: its parts no longer need it."""
+
+    def __init__(self) -> None:
+        self.ramps: dict = {}
+        self.parts: dict[str, torch.Tensor] = {}
+        self.labels: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.parts[name] = _fingerprint_parts(tensor, self.ramps)
+        self.labels[name] = f"{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|"
+
+    def read(self) -> dict[str, str]:
+        by_device: dict[torch.device, list[str]] = defaultdict(list)
+        for name, value in self.parts.items():
+            by_device[value.device].append(name)
+        values: dict[str, list[int]] = {}
+        for names in by_device.values():
+            stacked = torch.stack([self.parts[n] for n in names]).cpu().tolist()
+            values.update(zip(names, stacked))
+        return {name: label + "".join(f"{v & _MASK:016x}" for v in values[name]) for name, label in self.labels.items()}
 
 
 def checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -63,20 +88,21 @@ def checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
 
     One host read per device for the whole dict, so a GPU model is checked without per-tensor syncs.
     """
-    ramps: dict = {}
-    parts = {name: _fingerprint_parts(t, ramps) for name, t in named.items()}
-    by_device: dict[torch.device, list[str]] = defaultdict(list)
-    for name, value in parts.items():
-        by_device[value.device].append(name)
-    values: dict[str, list[int]] = {}
-    for names in by_device.values():
-        stacked = torch.stack([parts[n] for n in names]).cpu().tolist()
-        values.update(zip(names, stacked))
-    return {
-        name: f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|"
-        + "".join(f"{v & _MASK:016x}" for v in values[name])
-        for name, t in named.items()
-    }
+    prints = _Fingerprints()
+    for name, tensor in named.items():
+        prints.add(name, tensor)
+    return prints.read()
+
+
+def checksums_of_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict[str, str]:
+    """`checksums` of a model streamed bucket by bucket (a trainer's `export_buckets`): each bucket is
+    fingerprinted where it was made and let go, so the whole model is never held twice, nor copied to the host.
+    A name seen again keeps its last tensor, as a dict built from the same buckets would."""
+    prints = _Fingerprints()
+    for bucket in buckets:
+        for name, tensor in bucket:
+            prints.add(name, tensor)
+    return prints.read()
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -24,8 +24,8 @@ from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.progress import Progress, progress_of
-from rollflow.tasks.sync.capabilities import weights_in_place
-from rollflow.tasks.sync.parity import checksums, tensor_prefix
+from rollflow.tasks.sync.capabilities import ResidentTensors, weights_in_place
+from rollflow.tasks.sync.parity import checksums, checksums_of_buckets, tensor_prefix
 from rollflow.tasks.train.capabilities import BucketExporter, KnowsVocabSize, Offloadable, Sharded
 from rollflow.tasks.train.checkpoint import (
     checkpoint_dir,
@@ -50,6 +50,9 @@ from rollflow.tasks.train.settings import LORA_BACKEND_REFUSED, AlgoConfig, Lora
 from rollflow.tasks.train.step import train_on_samples
 from rollflow.tasks.train.torch_backend import TorchBackend
 from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
+
+# A parity check streams a bucket exporter's weights this much at a time (a layer's tensors are its unit).
+PARITY_BUCKET_BYTES = 256 << 20
 
 MEGATRON_DP_REFUSED = (
     "multi-rank Megatron through the train worker runs on CUDA with Megatron's optimizer "
@@ -497,7 +500,13 @@ class TrainWorker:
     def weight_checksums(self, as_dtype: str | None = None) -> dict[str, str]:
         """Checksums of the trainer's tensors, cast to the engine's dtype when it differs (bf16 engines)."""
         # Fingerprints computed where the weights live (tasks/sync/parity.py): no copy to the host.
-        named = weights_in_place(self.backend)
+        backend = self.backend
+        if isinstance(backend, BucketExporter) and not isinstance(backend, ResidentTensors):
+            # megatron: its HF-named tensors are made layer by layer on the device (a collective when sharded);
+            # fingerprinting each as it is made replaces host copies of the whole model (docs/performance.md 7).
+            dtype = DTYPES[as_dtype] if as_dtype else None
+            return checksums_of_buckets(backend.export_buckets(PARITY_BUCKET_BYTES, dtype))
+        named = weights_in_place(backend)
         if as_dtype is not None:
             named = {k: v.to(DTYPES[as_dtype]) for k, v in named.items()}
         return checksums(named)
