@@ -29,6 +29,7 @@ import torch
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.routing import decode_routes, padded_routes, record_routes, route_shape
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
+from rollflow.tasks.pinned import bring_back, park_on_host
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from rollflow.tasks.rollout.static_decode import StaticDecoder
@@ -338,11 +339,13 @@ class HFEngine:
         if tags is not None and "weights" not in tags:
             return  # no persistent KV cache outside generate()
         device = self.device
-        if device.type != "cpu":
+        if device.type == "cuda":
+            self._home_device = device
+            park_on_host(self.model)  # pinned: at the bus's speed, several times a pageable `.to("cpu")`
+            torch.cuda.empty_cache()
+        elif device.type != "cpu":
             self._home_device = device
             self.model.to("cpu")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
 
     def resume_memory(self, tags=None) -> None:
         """Colocation, after training: the model back on its device (kv_cache: nothing to restore)."""
@@ -350,7 +353,10 @@ class HFEngine:
             return
         home = getattr(self, "_home_device", None)
         if home is not None:
-            self.model.to(home)
+            if home.type == "cuda":
+                bring_back(self.model, home)
+            else:
+                self.model.to(home)
             self._home_device = None
 
 

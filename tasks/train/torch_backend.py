@@ -11,6 +11,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES, cast_model
 from rollflow.tasks.model.teacher_forced import gather_log_probs, next_token_logits, teacher_forced_log_probs
+from rollflow.tasks.pinned import pinned_copy
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.train.batch import TrainBatch
@@ -25,7 +26,6 @@ from rollflow.tasks.train.data_parallel import (
 from rollflow.tasks.train.lora import LORA_FORMAT
 from rollflow.tasks.train.losses import entropy_from_logits
 from rollflow.tasks.train.objective import STAT_NAMES, Denominators, micro_batch_objective, minibatch_steps
-from rollflow.tasks.train.pinned import pinned_copy
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 

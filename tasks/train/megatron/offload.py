@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rollflow.tasks.train.pinned import pinned_copy
+from rollflow.tasks.pinned import pinned_copy
 
 HostCopy = dict[tuple, torch.Tensor]
 
