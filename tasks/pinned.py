@@ -1,8 +1,8 @@
 """Host copies in pinned memory, for moving a model's state off the GPU while a colocated worker uses it.
 
 Pinned (page-locked) host memory is what lets a copy between host and GPU run at the bus's speed and without
-blocking the host; torch's caching host allocator keeps the blocks, so parking the same model every iteration
-pins its memory once. A pageable copy (`Module.to("cpu")`) is several times slower (docs/performance.md 7).
+blocking the host. A pageable copy (`Module.to("cpu")`) is several times slower, and pinning fresh host memory costs
+about as much again, so a model parked every iteration keeps its pinned buffers (docs/performance.md 7).
 """
 
 from __future__ import annotations
@@ -30,16 +30,24 @@ def _state(module: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def park_on_host(module: torch.nn.Module) -> None:
-    """`module`'s parameters and buffers to pinned host memory; their GPU memory is free once this returns."""
+def park_on_host(module: torch.nn.Module, shelf: dict[int, torch.Tensor]) -> None:
+    """`module`'s parameters and buffers to pinned host memory; their GPU memory is free once this returns.
+
+    `shelf` (the caller's, kept between calls) holds one pinned buffer per tensor, reused by every later park:
+    pinning fresh host memory costs about what a pageable copy does, so only the first park pays it."""
     for t in _state(module):
-        if t.is_cuda:
-            t.data = pinned_copy(t.data)
+        if not t.is_cuda:
+            continue
+        buf = shelf.get(id(t))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = shelf[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t.data, non_blocking=True)
+        t.data = buf
     torch.cuda.synchronize()
 
 
 def bring_back(module: torch.nn.Module, device: torch.device) -> None:
-    """Undo `park_on_host`: the same values on `device` (the host copies go back to the caching allocator)."""
+    """Undo `park_on_host`: the same values on `device` (the shelf keeps its buffers for the next park)."""
     for t in _state(module):
         if t.device != device:
             t.data = t.data.to(device, non_blocking=True)

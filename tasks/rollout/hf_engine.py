@@ -109,6 +109,7 @@ class HFEngine:
         self.resident = ResidentWeights(self.model)
         # Recent updates' copies by key (sources / destinations / shapes), reused while a key holds.
         self._copy_plans: dict[tuple, CopyPlan] = {}
+        self._host_shelf: dict[int, torch.Tensor] = {}  # pinned buffers the weights are parked in (release_memory)
         self._decoder: StaticDecoder | None = None
         if scoring is not None:
             check_scoring(self.model, scoring)
@@ -341,7 +342,7 @@ class HFEngine:
         device = self.device
         if device.type == "cuda":
             self._home_device = device
-            park_on_host(self.model)  # pinned: at the bus's speed, several times a pageable `.to("cpu")`
+            park_on_host(self.model, self._host_shelf)  # pinned, reused: at the bus's speed
             torch.cuda.empty_cache()
         elif device.type != "cpu":
             self._home_device = device
