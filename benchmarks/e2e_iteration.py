@@ -1,20 +1,22 @@
-"""One RL iteration driven in one process, the way `flows/iteration.py:rl_iteration` drives its actors under
-`placement=colocate, offload=true`, without Ray or Prefect: the rollout worker and the train worker are the plain
-classes the actors wrap (`tasks/rollout/worker.py`, `tasks/train/worker.py`), called directly.
+"""One RL iteration driven the way `flows/iteration.py:rl_iteration` drives its actors under `placement=colocate,
+offload=true`, without Prefect: either in one process, the rollout worker and the train worker being the plain
+classes the actors wrap (`tasks/rollout/worker.py`, `tasks/train/worker.py`) called directly, or through the same
+two classes as Ray actors behind rl_iteration's typed clients (`infra/clients.py`), to show what Ray adds.
 
 Stage order (rl_iteration's, checkpoint left out):
 generate -> reward -> persist -> engine release -> trainer onload -> load -> train -> engine resume weights ->
 sync -> parity -> trainer offload -> engine resume KV cache.
 
-Every stage boundary synchronises the device, so each stage's time is its own work, not queued kernels of the
-one before; the iteration's time is taken separately, from its first to its last boundary.
+Every stage boundary synchronises the device (in process), so each stage's time is its own work, not queued kernels
+of the one before; the iteration's time is taken separately, from its first to its last boundary. Through Ray, each
+stage ends when its actor call returns (the driver has no device of its own to synchronise).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
@@ -71,6 +73,7 @@ class IterationTimes:
     samples: int
     generated_tokens: int
     parity_ok: bool
+    train_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # what the train stage returned
 
     def compute_s(self) -> float:
         return sum(self.seconds[s] for s in GENERATE_COMPUTE + TRAIN_COMPUTE)
@@ -83,12 +86,35 @@ class IterationTimes:
         return dataclasses.asdict(self)
 
 
+class IterationEngine(Protocol):
+    """What an iteration asks of the engine side: RolloutWorker in process, EngineClient through Ray."""
+
+    def rollout(self, rollout_id: int) -> list: ...
+    def release_memory(self) -> None: ...
+    def resume_memory(self, tags: list[str] | None = None) -> None: ...
+    def update_weights(self, weights: Any, weight_version: int) -> int: ...
+    def weight_checksums(self) -> dict[str, str]: ...
+    def describe(self) -> Any: ...
+
+
+class IterationTrainer(Protocol):
+    """What an iteration asks of the trainer side: TrainWorker in process, TrainerClient through Ray."""
+
+    def onload(self) -> bool: ...
+    def offload(self) -> bool: ...
+    def load_artifact(self, ref: ArtifactRef) -> int: ...
+    def train_on_artifact(self, ref: ArtifactRef) -> dict[str, float]: ...
+    def named_weights(self) -> Any: ...
+    def weight_checksums(self, as_dtype: str | None = None) -> dict[str, str]: ...
+
+
 @dataclasses.dataclass
 class Workers:
-    engine: RolloutWorker
-    trainer: TrainWorker
+    engine: IterationEngine
+    trainer: IterationTrainer
     store: RolloutStore
     setup: Setup
+    on_ray: bool = False
 
 
 def build_workers(setup: Setup) -> Workers:
@@ -103,6 +129,50 @@ def build_workers(setup: Setup) -> Workers:
         temperature=setup.rollout.temperature or 1.0,
     )
     return Workers(engine, trainer, RolloutStore(setup.store_root), setup)
+
+
+RAY_RUN = "bench-e2e"
+
+
+def build_ray_workers(setup: Setup, cuda: bool) -> Workers:
+    """The same two workers as Ray actors (Ray already initialised), each behind the client rl_iteration uses.
+    On CUDA both take half of the one GPU, as `placement=colocate` places them."""
+    from rollflow.infra.clients import EngineClient, TrainerClient
+    from rollflow.infra.workers import start_actor
+
+    options = {"num_gpus": 0.5} if cuda else None
+    engine = EngineClient(
+        start_actor(
+            RAY_RUN, "engine", RolloutWorker, setup.model, setup.rollout, setup.data, options=options, wait=False
+        )
+    )
+    trainer = TrainerClient(
+        [
+            start_actor(
+                RAY_RUN,
+                "trainer",
+                TrainWorker,
+                setup.model,
+                setup.optim,
+                setup.algo,
+                store_root=setup.store_root,
+                run=RUN,
+                temperature=setup.rollout.temperature or 1.0,
+                options=options,
+                wait=False,
+            )
+        ]
+    )
+    engine.wait_started()
+    trainer.wait_started()
+    return Workers(engine, trainer, RolloutStore(setup.store_root), setup, on_ray=True)
+
+
+def stop_ray_workers() -> None:
+    from rollflow.infra.workers import stop_actor
+
+    stop_actor(RAY_RUN, "engine")
+    stop_actor(RAY_RUN, "trainer")
 
 
 def engine_cast(setup: Setup) -> str | None:
@@ -137,7 +207,7 @@ class StageClock:
 
 
 def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
-    cuda = device.startswith("cuda")
+    cuda = device.startswith("cuda") and not w.on_ray  # through Ray the device is the actors', not this process's
     stage = StageClock(rollout_id, cuda)
     seconds, peaks = stage.seconds, stage.peaks
 
@@ -152,10 +222,10 @@ def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
     stage("engine_release", engine.release_memory)
     stage("trainer_onload", trainer.onload)
     stage("load", lambda: trainer.load_artifact(ref))
-    stage("train", lambda: trainer.train_on_artifact(ref))
+    metrics = stage("train", lambda: trainer.train_on_artifact(ref))
     stage("engine_resume_weights", lambda: engine.resume_memory(["weights"]))
-    # The hf engine's path (object_store): the trainer's HF-named tensors handed to the engine, here without the
-    # Ray object store between the two (one process).
+    # The hf engine's path (object_store): the trainer's HF-named tensors handed to the engine (through Ray's object
+    # store when the two are actors; directly in one process).
     stage("sync", lambda: engine.update_weights(trainer.named_weights(), rollout_id + 1))
     cast = engine_cast(setup)
     report = stage("parity", lambda: compare(trainer.weight_checksums(cast), engine.weight_checksums()))
@@ -172,6 +242,7 @@ def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
         samples=len(samples),
         generated_tokens=sum(s.response_length for s in samples),
         parity_ok=report.ok,
+        train_metrics=dict(metrics),
     )
 
 

@@ -89,11 +89,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def qwen2(shape: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0, max_positions: int = 4096):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        **SHAPES[shape],
+def random_init(
+    config_cls, model_cls, fields: dict[str, Any], *, dtype: str, device: str, seed: int, max_positions: int
+):
+    """A random-init transformers model of `fields` (its config's shape), built on `device`: tied embeddings, ids
+    0-2 for pad / bos / eos, sdpa attention, in eval mode."""
+    config = config_cls(
+        **fields,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=0,
@@ -103,8 +105,16 @@ def qwen2(shape: str, *, dtype: str = "float32", device: str = "cpu", seed: int 
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config)
+        model = model_cls(config)
     return model.to(dtype=DTYPES[dtype]).eval()
+
+
+def qwen2(shape: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0, max_positions: int = 4096):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return random_init(
+        Qwen2Config, Qwen2ForCausalLM, SHAPES[shape], dtype=dtype, device=device, seed=seed, max_positions=max_positions
+    )
 
 
 def param_count(model) -> int:

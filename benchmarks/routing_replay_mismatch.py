@@ -38,7 +38,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from benchmarks.core import SuiteResult, default_out, finish_report, report_header, run_standalone
-from benchmarks.models import DTYPES, param_count, save_model_dir
+from benchmarks.models import param_count, random_init, save_model_dir
 from rollflow.tasks.model.routing import record_routes, route_shape
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.rollout.worker import RolloutWorker
@@ -89,19 +89,15 @@ def qwen3_moe(shape: str, *, dtype: str, device: str, seed: int = 0, max_positio
     """A random-init Qwen3-MoE of `shape` (MOE_SHAPES), built from a config on `device`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        **MOE_SHAPES[shape],
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="sdpa",
+    return random_init(
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        MOE_SHAPES[shape],
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        max_positions=max_positions,
     )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM(config)
-    return model.to(dtype=DTYPES[dtype]).eval()
 
 
 def model_path(shape: str, dtype: str, device: str, workdir: Path) -> str:

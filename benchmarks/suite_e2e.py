@@ -9,6 +9,11 @@ config (benchmarks/models.py), bf16 on CUDA; `tiny` is the demo's built-in model
     python -m benchmarks --suite e2e --shape 1.5b          # one CUDA GPU
     bash scripts/e2e_gpu.sh                                # 0.5b, 1.5b and the largest shape that fits
 
+Where Ray is installed (the CPU box; not the GPU box of docs/performance.md) the same iterations run a second
+time with both workers as Ray actors behind rl_iteration's typed clients (on CUDA each takes half the GPU, as
+`placement=colocate` places them; not run on a GPU yet): `ray:` figures, paired with the in-process ones by
+rollout id, say what Ray adds; the train metrics of each pair are compared (the same work).
+
 Figures: seconds per stage; generated tokens per second per GPU over the whole iteration (NeMo-RL's
 convention); peak GPU memory (CUDA); overhead = iteration time - generate - train, as a share of the
 iteration; the first iteration (compilation, allocator warm-up) against the median steady one. Goals: overhead
@@ -28,7 +33,15 @@ import traceback
 import torch
 
 from benchmarks.core import BenchContext, Goal, SuiteResult
-from benchmarks.e2e_iteration import STAGES, IterationTimes, Setup, build_workers, run_iteration
+from benchmarks.e2e_iteration import (
+    STAGES,
+    IterationTimes,
+    Setup,
+    build_ray_workers,
+    build_workers,
+    run_iteration,
+    stop_ray_workers,
+)
 from benchmarks.models import param_count, qwen2, save_model_dir
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
@@ -166,6 +179,10 @@ def run(ctx: BenchContext) -> SuiteResult:
         res.error = str(exc)
         return res
     add_figures(res, runs, startup_s, cuda)
+    del workers
+    if cuda:
+        torch.cuda.empty_cache()
+    run_on_ray(ctx, res, dataclasses.replace(setup, store_root=setup.store_root + "-ray"), runs)
     res.notes += [
         "generate = the rollout call (tokenize, batched generate, Sample building); train = train_on_artifact "
         "(batch from the artifact's columns, old log-probs, advantages, optimizer steps); overhead = everything "
@@ -178,10 +195,48 @@ def run(ctx: BenchContext) -> SuiteResult:
         if backend == "megatron":
             res.notes.append("CPU: train.megatron.optimizer=auto is torch AdamW here (Megatron's optimizer on CUDA)")
     print_stage_table(res.params, runs, file=sys.stderr)
-    del workers
-    if cuda:
-        torch.cuda.empty_cache()
     return res
+
+
+def run_on_ray(ctx: BenchContext, res: SuiteResult, setup: Setup, local: list[IterationTimes]) -> None:
+    """The same iterations (same rollout ids, a store of their own) with the two workers as Ray actors behind
+    rl_iteration's clients; figures prefixed `ray:`, paired with the in-process ones by rollout id."""
+    if importlib.util.find_spec("ray") is None or ctx.services is None:
+        res.unavailable["ray: iteration s (steady)"] = "Ray is not installed here: the in-process iterations only"
+        return
+    ctx.services.ray()
+    started = time.perf_counter()
+    try:
+        workers = build_ray_workers(setup, ctx.device.startswith("cuda"))
+        startup_s = time.perf_counter() - started
+        runs = [run_iteration(workers, it.rollout_id, ctx.device) for it in local]
+    except Exception as exc:  # noqa: BLE001 - the in-process figures stand without the Ray ones
+        traceback.print_exc()
+        res.notes.append(f"ray: failed: {exc}")
+        return
+    finally:
+        stop_ray_workers()
+    res.data["ray"] = {"startup_s": startup_s, "iterations": [r.to_dict() for r in runs]}
+    pairs = list(zip(local[1:], runs[1:]))
+    res.add("ray: startup s (actors built)", "s", [startup_s])
+    res.add("ray: iteration s (steady)", "s", [r.iteration_s for _, r in pairs])
+    res.add(
+        "ray: added s per iteration (steady)",
+        "s",
+        [r.iteration_s - i.iteration_s for i, r in pairs],
+        note="the Ray iteration minus the in-process one of the same rollout id",
+    )
+    res.ratio("ray / in-process iteration (steady)", [r.iteration_s / i.iteration_s for i, r in pairs])
+    res.ratio(
+        "ray: overhead share", [r.overhead_s() / r.iteration_s for _, r in pairs], unit="fraction", goal=OVERHEAD_GOAL
+    )
+    for stage in ("generate", "train", "sync", "parity"):
+        res.add(f"ray: {stage} s", "s", [r.seconds[stage] for _, r in pairs])
+    same = all(i.train_metrics == r.train_metrics for i, r in zip(local, runs))
+    res.notes.append(
+        "ray: train metrics "
+        + ("identical to the in-process iterations' (the same work)" if same else "DIFFER from the in-process ones")
+    )
 
 
 def add_figures(res: SuiteResult, runs: list[IterationTimes], startup_s: float, cuda: bool) -> None:

@@ -43,7 +43,7 @@ def e2e_run(tmp_path_factory):
     out, work = tmp / "e2e.json", tmp / "work"
     command = [sys.executable, "-m", "benchmarks", "--suite", "e2e", "--quick", "--repeats", str(STEADY)]
     command += ["--out", str(out), "--workdir", str(work), "--no-table", "--threads", "1"]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)  # Ray actors start too
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())["suites"]["e2e"], work, proc.stderr
 
@@ -102,6 +102,28 @@ def test_figures_follow_from_the_raw_times(e2e_run):
     assert parity["goal"]["target"] == 0.2
     for stage in ITERATION_STAGES:
         assert stage in printed  # the plain-text stage table a bare GPU box prints
+
+
+def test_the_same_iterations_through_ray_actors_do_the_same_work_and_say_what_ray_adds(e2e_run):
+    """Where Ray is installed the suite runs the iterations again with both workers as Ray actors behind
+    rl_iteration's clients: the same rollouts committed, the same train metrics, each stage timed, and the
+    difference per rollout id reported."""
+    suite, work, _ = e2e_run
+    local, ray = suite["data"]["iterations"], suite["data"]["ray"]["iterations"]
+    assert [it["rollout_id"] for it in ray] == [it["rollout_id"] for it in local]
+    for a, b in zip(local, ray):
+        assert set(b["seconds"]) == ITERATION_STAGES and b["parity_ok"] is True
+        assert 0 < sum(b["seconds"].values()) <= b["iteration_s"]
+        assert b["train_metrics"] == a["train_metrics"] and "train/loss" in b["train_metrics"]
+    store, ray_store = RolloutStore(str(work / "e2e-store-tiny")), RolloutStore(str(work / "e2e-store-tiny-ray"))
+    assert ray_store.list_ids("e2e", "train") == list(range(1 + STEADY))
+    for rollout_id in range(1 + STEADY):
+        ours = [s.tokens for s in store.load("e2e", "train", rollout_id).samples]
+        assert [s.tokens for s in ray_store.load("e2e", "train", rollout_id).samples] == ours
+    added = figure(suite, "ray: added s per iteration (steady)")["values"]
+    assert added == pytest.approx([b["iteration_s"] - a["iteration_s"] for a, b in zip(local[1:], ray[1:])])
+    assert figure(suite, "ray: sync s")["values"] == pytest.approx([b["seconds"]["sync"] for b in ray[1:]])
+    assert suite["data"]["ray"]["startup_s"] > 0
 
 
 def test_rollflow_bench_finds_the_checkout_and_passes_the_shape_on(tmp_path):
