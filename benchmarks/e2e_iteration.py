@@ -117,18 +117,17 @@ class Workers:
     on_ray: bool = False
 
 
+def _trainer_args(setup: Setup) -> tuple[tuple, dict]:
+    """TrainWorker's arguments, as rl_train starts it (resident), in process or as an actor alike."""
+    args = (setup.model, setup.optim, setup.algo)
+    return args, {"store_root": setup.store_root, "run": RUN, "temperature": setup.rollout.temperature or 1.0}
+
+
 def build_workers(setup: Setup) -> Workers:
-    # The trainer as rl_train starts it (resident); the engine on the model's weights at version 0.
+    # The engine on the model's weights at version 0.
     engine = RolloutWorker(setup.model, setup.rollout, setup.data)
-    trainer = TrainWorker(
-        setup.model,
-        setup.optim,
-        setup.algo,
-        store_root=setup.store_root,
-        run=RUN,
-        temperature=setup.rollout.temperature or 1.0,
-    )
-    return Workers(engine, trainer, RolloutStore(setup.store_root), setup)
+    args, kwargs = _trainer_args(setup)
+    return Workers(engine, TrainWorker(*args, **kwargs), RolloutStore(setup.store_root), setup)
 
 
 RAY_RUN = "bench-e2e"
@@ -146,23 +145,9 @@ def build_ray_workers(setup: Setup, cuda: bool) -> Workers:
             RAY_RUN, "engine", RolloutWorker, setup.model, setup.rollout, setup.data, options=options, wait=False
         )
     )
-    trainer = TrainerClient(
-        [
-            start_actor(
-                RAY_RUN,
-                "trainer",
-                TrainWorker,
-                setup.model,
-                setup.optim,
-                setup.algo,
-                store_root=setup.store_root,
-                run=RUN,
-                temperature=setup.rollout.temperature or 1.0,
-                options=options,
-                wait=False,
-            )
-        ]
-    )
+    args, kwargs = _trainer_args(setup)
+    trainer = start_actor(RAY_RUN, "trainer", TrainWorker, *args, options=options, wait=False, **kwargs)
+    trainer = TrainerClient([trainer])
     engine.wait_started()
     trainer.wait_started()
     return Workers(engine, trainer, RolloutStore(setup.store_root), setup, on_ray=True)

@@ -13,7 +13,7 @@ from rollflow.tasks.rollout.hf_engine import HFEngine
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17], [1]]
 
 
-def _model(device: str = "cpu", dtype=torch.float32):
+def _model(device: str = "cpu", dtype=torch.float32, tie: bool = False):
     torch.manual_seed(0)
     cfg = Qwen2Config(
         hidden_size=64,
@@ -23,6 +23,7 @@ def _model(device: str = "cpu", dtype=torch.float32):
         num_key_value_heads=2,
         vocab_size=50,
         max_position_embeddings=256,
+        tie_word_embeddings=tie,
     )
     return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
@@ -104,18 +105,7 @@ def test_compiled_loop_on_gpu_matches_teacher_forcing():
 def test_release_frees_the_gpu_and_resume_brings_back_every_bit_ties_and_the_compiled_loop():
     from rollflow.tasks.sync.parity import checksums
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    model = _model("cuda", torch.bfloat16, tie=True)
     engine = HFEngine(model, pad_token_id=0, eos_token_id=2)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     requests = [GenerationRequest(p, n=2) for p in PROMPTS]
