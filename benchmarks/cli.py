@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "CUDA, tiny on CPU)",
     )
     ap.add_argument(
+        "--weight-sync",
+        choices=("auto", "object_store", "tensor"),
+        default=None,
+        help="e2e suite: the hf engine's weight sync (rollout.hf_weight_sync; default auto: tensor on CUDA, "
+        "object_store on CPU)",
+    )
+    ap.add_argument(
         "--sync-shape",
         default=None,
         help="sync suite: a benchmarks/models.py shape, e.g. qwen2.5-7b (default: qwen2-0.5b on CUDA)",
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx.options["cluster_state"] = args.cluster_state
     if args.shape:
         ctx.options["e2e_shape"] = args.shape
+    if args.weight_sync:
+        ctx.options["e2e_weight_sync"] = args.weight_sync
     if args.sync_shape:
         from benchmarks.models import SHAPES
 

@@ -60,6 +60,12 @@ class Setup:
     optim: OptimConfig
     algo: AlgoConfig
     store_root: str
+    bucket_bytes: int = 512 << 20  # the tensor path's buckets (rollout.sglang.bucket_mb's default)
+
+    @property
+    def weight_sync(self) -> str:
+        """The hf engine's path (object_store or tensor; the suite resolves auto as RunConfig does)."""
+        return self.rollout.hf_weight_sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +101,9 @@ class IterationEngine(Protocol):
     def update_weights(self, weights: Any, weight_version: int) -> int: ...
     def weight_checksums(self) -> dict[str, str]: ...
     def describe(self) -> Any: ...
+    def visible_gpu(self) -> str | None: ...
+    def begin_weight_update(self) -> None: ...
+    def end_weight_update(self) -> None: ...
 
 
 class IterationTrainer(Protocol):
@@ -209,9 +218,7 @@ def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
     stage("load", lambda: trainer.load_artifact(ref))
     metrics = stage("train", lambda: trainer.train_on_artifact(ref))
     stage("engine_resume_weights", lambda: engine.resume_memory(["weights"]))
-    # The hf engine's path (object_store): the trainer's HF-named tensors handed to the engine (through Ray's object
-    # store when the two are actors; directly in one process).
-    stage("sync", lambda: engine.update_weights(trainer.named_weights(), rollout_id + 1))
+    stage("sync", lambda: sync_weights(w, rollout_id + 1))
     cast = engine_cast(setup)
     report = stage("parity", lambda: compare(trainer.weight_checksums(cast), engine.weight_checksums()))
     if not report.ok:
@@ -229,6 +236,35 @@ def run_iteration(w: Workers, rollout_id: int, device: str) -> IterationTimes:
         parity_ok=report.ok,
         train_metrics=dict(metrics),
     )
+
+
+def sync_weights(w: Workers, weight_version: int) -> None:
+    """The hf engine's path, as rl_iteration's sync task takes it (flows/weight_sync/):
+    - object_store: the trainer's HF-named host copies handed to the engine (Ray's object store between actors);
+    - tensor: bucket by bucket as the trainer makes them on its device; between actors the flow's own code
+      (`push_buckets`: CUDA IPC handles on a GPU), in one process the same buckets handed over directly."""
+    setup, engine, trainer = w.setup, w.engine, w.trainer
+    if setup.weight_sync == "object_store":
+        engine.update_weights(trainer.named_weights(), weight_version)
+    elif w.on_ray:
+        from rollflow.flows.weight_sync.tensor import push_buckets
+
+        gpu = engine.visible_gpu()
+        push_buckets(
+            trainer,
+            engine,
+            weight_version,
+            bucket_bytes=setup.bucket_bytes,
+            dtype=engine_cast(setup),
+            gpus=[gpu] if gpu is not None else None,
+        )
+    else:
+        if not (isinstance(engine, RolloutWorker) and isinstance(trainer, TrainWorker)):
+            raise TypeError("in process the tensor path needs the workers themselves")
+        engine.begin_weight_update()
+        for bucket, last in trainer.weight_buckets(setup.bucket_bytes, engine_cast(setup)):
+            engine.apply_bucket(bucket, last, weight_version)
+        engine.end_weight_update()
 
 
 def _persist(w: Workers, rollout_id: int, samples) -> ArtifactRef:

@@ -106,6 +106,11 @@ def model_path(ctx: BenchContext, shape: str, dtype: str) -> str:
     return str(path)
 
 
+def resolved_weight_sync(chosen: str, device: str) -> str:
+    """rollout.hf_weight_sync=auto as RunConfig resolves it under placement=colocate."""
+    return chosen if chosen != "auto" else "tensor" if device.startswith("cuda") else "object_store"
+
+
 def make_setup(ctx: BenchContext, shape: str, load: Workload, backend: str, model: str, dtype: str) -> Setup:
     threads = torch.get_num_threads()
     rollout = RolloutConfig(
@@ -114,6 +119,7 @@ def make_setup(ctx: BenchContext, shape: str, load: Workload, backend: str, mode
         dtype=dtype,
         device=ctx.device,
         threads=threads,
+        hf_weight_sync=resolved_weight_sync(ctx.options.get("e2e_weight_sync", "auto"), ctx.device),
     )
     optim = OptimConfig(
         backend=backend,
@@ -127,6 +133,14 @@ def make_setup(ctx: BenchContext, shape: str, load: Workload, backend: str, mode
     )
     data = DataConfig(prompts_per_rollout=load.prompts)
     return Setup(model, rollout, data, optim, AlgoConfig(), str(ctx.workdir / f"e2e-store-{shape}"))
+
+
+WEIGHT_SYNC_HOW = {
+    "object_store": "the trainer's HF-named host copies into the engine's update_weights (through Ray's object store "
+    "between actors)",
+    "tensor": "bucket by bucket as the trainer makes them on its device: handed over directly in process, CUDA IPC "
+    "handles between actors (flows/weight_sync/tensor.py)",
+}
 
 
 def run(ctx: BenchContext) -> SuiteResult:
@@ -159,7 +173,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         "engine": "hf",
         "placement": "colocate",
         "offload": True,
-        "weight_sync": "object_store path, in process (the trainer's named_weights into the engine's update_weights)",
+        "weight_sync": setup.weight_sync,
+        "weight_sync_how": WEIGHT_SYNC_HOW[setup.weight_sync],
         **dataclasses.asdict(load),
         "steady_iterations": steady,
         "threads": torch.get_num_threads(),

@@ -423,6 +423,8 @@ class RunConfig(_Strict):
                 self._notices.append(
                     f"rollout.sglang.weight_sync=auto -> {sg.weight_sync!r} (placement={self.placement})"
                 )
+        else:
+            _hf_weight_sync(self)
         return self
 
     @model_validator(mode="after")
@@ -503,6 +505,22 @@ class RunConfig(_Strict):
             "temperature": self.rollout.temperature,
         }
         return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _hf_weight_sync(cfg: RunConfig) -> None:
+    """The hf engine takes the trainer's GPU tensors by CUDA IPC only where both share a GPU (placement=colocate)."""
+    ro = cfg.rollout
+    cuda = ro.device.startswith("cuda")
+    if ro.hf_weight_sync == "auto":
+        ro.hf_weight_sync = "tensor" if cuda and cfg.placement == "colocate" else "object_store"
+        if ro.hf_weight_sync == "tensor":
+            cfg._notices.append("rollout.hf_weight_sync=auto -> 'tensor' (placement=colocate on CUDA: no host staging)")
+    elif ro.hf_weight_sync == "tensor" and cuda and cfg.placement != "colocate":
+        raise ValueError(
+            "rollout.hf_weight_sync='tensor' with placement='disaggregated': the engine would open CUDA IPC handles "
+            "to the trainer's GPU, which it does not share; set placement='colocate' or "
+            "rollout.hf_weight_sync='object_store'"
+        )
 
 
 def _sglang_dtype_and_memory(cfg: RunConfig) -> None:

@@ -475,6 +475,10 @@ class EngineClient:
     def payloads_per_bucket(self) -> int:
         return int(_get(self.actor.payloads_per_bucket.remote()))
 
+    def visible_gpu(self) -> str | None:
+        """The in-process engine's GPU as the cluster numbers them (None on CPU)."""
+        return _get(self.actor.visible_gpu.remote())
+
     def apply_serialized_bucket(
         self, payloads: list[str], last: bool, weight_version: int, load_format: str | None = None
     ) -> int:

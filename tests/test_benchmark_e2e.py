@@ -41,7 +41,9 @@ STEADY = 2
 def e2e_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     out, work = tmp / "e2e.json", tmp / "work"
+    # The tensor path (what a GPU run takes by default): buckets handed over in process, serialized between actors
     command = [sys.executable, "-m", "benchmarks", "--suite", "e2e", "--quick", "--repeats", str(STEADY)]
+    command += ["--weight-sync", "tensor"]
     command += ["--out", str(out), "--workdir", str(work), "--no-table", "--threads", "1"]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)  # Ray actors start too
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -56,6 +58,7 @@ def test_every_stage_is_timed_and_the_stages_fit_in_the_iteration(e2e_run):
     suite, _, _ = e2e_run
     assert not suite.get("error"), suite.get("error")
     assert suite["params"]["shape"] == "tiny" and suite["params"]["device"] == "cpu"
+    assert suite["params"]["weight_sync"] == "tensor"
     assert suite["params"]["train_backend"] in ("megatron", "torch")  # which one ran is stated
     iterations = suite["data"]["iterations"]
     assert [it["rollout_id"] for it in iterations] == list(range(1 + STEADY))

@@ -86,3 +86,47 @@ def test_two_iterations_step1_exact_and_synced(tmp_path, prefect_api, ray_local)
 
 
 # The SIGKILL-and-resume drill (file:// and s3://) lives in tests/test_fault_drills.py (drill 2).
+
+
+def test_the_hf_engine_takes_the_trainers_buckets_from_the_rank_on_its_gpu(tmp_path, prefect_api, ray_local):
+    """rollout.hf_weight_sync=tensor under placement=colocate, on Ray-only GPUs (no CUDA behind them: the CPU tensors
+    travel by value through the code that sends CUDA IPC handles on a real GPU): every sync goes bucket by bucket
+    from the trainer rank on the engine's GPU, and parity holds after each."""
+    import rollflow.flows.iteration as iteration
+    from rollflow.flows.group import WorkerGroup
+    from rollflow.flows.reporting import read_metrics
+    from rollflow.flows.train import rl_train
+
+    cfg = small_config(
+        tmp_path,
+        run="hf-tensor",
+        iterations=2,
+        eval_every=0,
+        placement="colocate",
+        offload=True,
+        resources={"num_gpus": 1, "trainer_gpus": 1, "num_engines": 1, "gpus_per_engine": 1},
+        rollout={"hf_weight_sync": "tensor"},
+        train={"lr": 1e-2},
+    )
+    seen: list[dict] = []
+    original = iteration.sync_task.fn
+
+    def spy(cfg_, weight_version):
+        out = original(cfg_, weight_version)
+        group = WorkerGroup.for_run(cfg_)
+        seen.append({"out": out, "engine_gpu": group.engine().visible_gpu(), "trainer": group.trainer().gpu_ids()})
+        return out
+
+    iteration.sync_task.fn = spy
+    try:
+        rl_train(cfg)
+    finally:
+        iteration.sync_task.fn = original
+    rows = read_metrics(cfg)
+    assert [r["sync/weight_version"] for r in rows] == [1, 2] and all(r["sync/parity_ok"] == 1.0 for r in rows)
+    assert rows[1]["rollout/log_probs_equal_ref"] == 0.0  # the policy moved: the synced weights are new ones
+    assert len(seen) == 2
+    for sync in seen:
+        assert sync["out"]["sync_mode"] == "tensor" and sync["out"]["sync_buckets"] >= 1
+        assert sync["engine_gpu"] is not None and sync["trainer"] == [sync["engine_gpu"]]
+        assert sync["out"]["sync_sources"] == [0]

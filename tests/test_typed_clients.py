@@ -229,7 +229,18 @@ def test_engines_and_backends_declare_their_capabilities(tmp_path):
     sglang = SGLangEngine(["http://127.0.0.1:9"], weight_sync="tensor")  # no request is made
     torch_backend = build_backend("builtin:addition", OptimConfig(), temperature=1.0)
     expected = [
-        (hf, rollout_caps, {rc.Abortable, rc.StickyAbort, ResidentTensors}),
+        (
+            hf,
+            rollout_caps,
+            {
+                rc.Abortable,
+                rc.StickyAbort,
+                ResidentTensors,
+                rc.BucketedWeightSync,
+                rc.TakesBuckets,
+                rc.WeightUpdateSession,
+            },
+        ),
         (
             sglang,
             rollout_caps,

@@ -1,10 +1,11 @@
 """Trainer -> engine weight sync: the engine's path picks the module that runs it (plain functions over the
 two actors' typed clients; `flows/iteration.py:sync_task` calls `push_weights`).
 
-- object_store.py (hf engine): tensors through Ray's object store, applied by the engine actor;
+- object_store.py (hf engine, rollout.hf_weight_sync=object_store): host copies through Ray's object store,
+  applied by the engine actor;
 - disk.py (SGLang, disaggregated default): the engine actor writes an HF directory, the servers load it;
-- tensor.py (colocated SGLang): CUDA IPC handles of flattened buckets, trainer rank and engine TP rank on
-  one GPU;
+- tensor.py (colocated SGLang, or the hf engine with rollout.hf_weight_sync=tensor): CUDA IPC handles of
+  flattened buckets, trainer rank and engine TP rank on one GPU;
 - distributed.py (disaggregated SGLang): a weight-update group, the trainer broadcasts bucket by bucket;
 - adapter.py (a LoRA run on SGLang with rollout.sglang.lora_sync=adapter): only the adapter, through SGLang's
   LoRA adapter API (from a directory with weight_sync=disk, from tensors otherwise).

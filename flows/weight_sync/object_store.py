@@ -1,4 +1,5 @@
-"""Weight sync by Ray's object store (`object_store`: in-process engines, i.e. the hf engine).
+"""Weight sync by Ray's object store (`object_store`: the hf engine, unless rollout.hf_weight_sync resolved to
+tensor: placement=colocate on CUDA, where flows/weight_sync/tensor.py hands it the trainer's GPU buckets instead).
 
 1. the trainer's rank 0 gathers its HF-named tensors (`TrainerClient.named_weights`: a Pending object ref,
    so the tensors go to the engine actor without passing through this process);

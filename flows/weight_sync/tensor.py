@@ -1,4 +1,5 @@
-"""Weight sync by CUDA IPC handles (`tensor`: colocated SGLang, trainer ranks and engine TP ranks share GPUs).
+"""Weight sync by CUDA IPC handles (`tensor`: colocated engines, trainer ranks and engine TP ranks share GPUs:
+SGLang servers, or the in-process hf engine with rollout.hf_weight_sync=tensor).
 
 Per bucket, every engine TP rank takes a flattened bucket made by the trainer rank on its own GPU (a server
 sees only its own GPUs, so it cannot open handles to another GPU), and the engine actor posts them; no tensor
@@ -61,8 +62,12 @@ def payload_sources(
     )
 
 
-def engine_gpus(cfg: RunConfig) -> list[str] | None:
-    """The GPUs of every engine TP rank, servers in order (None: on CPU, or servers rollflow did not launch)."""
+def engine_gpus(cfg: RunConfig, engine: EngineClient) -> list[str] | None:
+    """The GPUs of every engine TP rank, servers in order (None: on CPU, or servers rollflow did not launch). The
+    in-process hf engine is one rank on its actor's GPU."""
+    if cfg.rollout.engine == "hf":
+        gpu = engine.visible_gpu()
+        return [gpu] if gpu is not None else None
     if cfg.resources.num_gpus <= 0 or cfg.rollout.sglang.urls:
         return None
     group = WorkerGroup.for_run(cfg)
@@ -71,12 +76,32 @@ def engine_gpus(cfg: RunConfig) -> list[str] | None:
 
 
 def push_tensor(cfg: RunConfig, trainer: TrainerClient, engine: EngineClient, weight_version: int) -> SyncResult:
+    return push_buckets(
+        trainer,
+        engine,
+        weight_version,
+        bucket_bytes=bucket_bytes(cfg),
+        dtype=engine_dtype(cfg),
+        gpus=engine_gpus(cfg, engine),
+    )
+
+
+def push_buckets(
+    trainer: TrainerClient,
+    engine: EngineClient,
+    weight_version: int,
+    *,
+    bucket_bytes: int,
+    dtype: str | None,
+    gpus: list[str] | None,
+) -> SyncResult:
     """Bucket by bucket, inside one weight-update session: each trainer rank that feeds an engine TP rank
     makes (and holds) its flattened bucket, the engine loads them all, next bucket. On GPUs the tensors
-    go to each rank's own device first, so they travel as IPC handles of that GPU."""
-    sources = payload_sources(engine.payloads_per_bucket(), trainer.gpu_ids(), engine_gpus(cfg))
+    go to each rank's own device first, so they travel as IPC handles of that GPU. `gpus`: the engine TP ranks'
+    GPUs (`engine_gpus`)."""
+    sources = payload_sources(engine.payloads_per_bucket(), trainer.gpu_ids(), gpus)
     copies = {r: sources.count(r) for r in sorted(set(sources))}
-    trainer.ipc_begin_ranks(bucket_bytes(cfg), copies, engine_dtype(cfg), flattened=True)
+    trainer.ipc_begin_ranks(bucket_bytes, copies, dtype, flattened=True)
     version, nbytes, n = weight_version - 1, 0, 0
     try:
         with weight_update_session(engine):

@@ -81,6 +81,14 @@ class BucketedWeightSync(Protocol):
 
 
 @runtime_checkable
+class TakesBuckets(Protocol):
+    """An in-process engine that copies the trainer's tensors in bucket by bucket (the hf engine): the tensor
+    path's receiving end, whether the bucket came by CUDA IPC or from the same process."""
+
+    def apply_bucket(self, named: Sequence[tuple[str, Any]], *, last: bool, weight_version: int) -> None: ...
+
+
+@runtime_checkable
 class WeightUpdateSession(Protocol):
     """Tensor and distributed updates happen inside a session the engine opens and closes (SGLang 0.5.23)."""
 

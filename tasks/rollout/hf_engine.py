@@ -19,10 +19,11 @@ from the same RNG stream, so the samples of a group differ; never reseed per sam
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import threading
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 import torch
 
@@ -33,10 +34,13 @@ from rollflow.tasks.pinned import bring_back, park_on_host
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from rollflow.tasks.rollout.static_decode import StaticDecoder
+from rollflow.tasks.sync.bucket_update import BucketedUpdate
 from rollflow.tasks.sync.copy_plan import MEMCPY_BYTES, CopyPlan, plan_key, run_plan
+from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, deserialize_named_tensors
 from rollflow.tasks.sync.resident import ResidentWeights
 
 StaticCache = Union[bool, Literal["auto"]]
+WeightSync = Literal["object_store", "tensor"]
 _MEMCPY_BYTES = MEMCPY_BYTES  # (a name the tests patch) tensors this large are copied one by one
 # Plans kept: a device-resident path keeps its plan while a host-staged update (new host copies each
 # time, so a new key) comes between two of its calls.
@@ -92,6 +96,7 @@ class HFEngine:
         length_bucket: int = 64,
         scoring: ScoringLayout | None = None,
         record_routes: bool = False,
+        weight_sync: WeightSync = "object_store",
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -111,6 +116,13 @@ class HFEngine:
         self._copy_plans: dict[tuple, CopyPlan] = {}
         self._host_shelf: dict[int, torch.Tensor] = {}  # pinned buffers the weights are parked in (release_memory)
         self._decoder: StaticDecoder | None = None
+        if weight_sync not in ("object_store", "tensor"):
+            raise ValueError(f"rollout.hf_weight_sync={weight_sync!r}: expected object_store or tensor")
+        # How the trainer's weights come (flows/weight_sync/): a whole dict (object_store), or bucket by bucket as
+        # the trainer makes them on its GPU (tensor: CUDA IPC handles from another actor, no host staging).
+        self.weight_sync = weight_sync
+        self.payloads_per_bucket = 1
+        self._bucketed: BucketedUpdate | None = None
         if scoring is not None:
             check_scoring(self.model, scoring)
         # MoE routing replay: every output carries its top-k expert ids per layer (algo.routing_replay).
@@ -325,6 +337,52 @@ class HFEngine:
             or named_tensors[name].data_ptr() == named_tensors[first].data_ptr()
         }
         return CopyPlan(key, tuple(i for i, name in enumerate(targets) if name not in skip), _MEMCPY_BYTES)
+
+    # -- bucket by bucket (weight_sync=tensor; flows/weight_sync/tensor.py drives it) ---------------------
+    def begin_weight_update(self) -> None:
+        """A new bucketed sync: whatever an earlier one left unfinished (its trainer failed) is forgotten."""
+        self._bucketed = None
+
+    def end_weight_update(self) -> None:
+        self._bucketed = None
+
+    def apply_bucket(self, named: Sequence[tuple[str, torch.Tensor]], *, last: bool, weight_version: int) -> None:
+        """Copy one bucket of the trainer's HF-named tensors into the weights; the last one sets `weight_version`,
+        provided every weight was written (else KeyError naming the missing ones, and the version stays)."""
+        if self._bucketed is None:
+            next_weight_version(self.weight_version, weight_version)  # a skipped or repeated sync writes nothing
+            self._bucketed = BucketedUpdate(self.resident.tensors(), self.resident.aliases())
+        update = self._bucketed
+        try:
+            update.apply(named)
+        except Exception:
+            self._bucketed = None
+            raise
+        if not last:
+            return
+        self._bucketed = None
+        missing = update.missing()
+        if missing:
+            raise KeyError(
+                f"weight update ended with {len(missing)} of the engine's weights never sent ({missing[:5]}): the "
+                f"engine keeps weight_version {self.weight_version} (check the trainer->engine name mapping)"
+            )
+        self.weight_version = next_weight_version(self.weight_version, weight_version)
+
+    def apply_serialized_bucket(
+        self, payloads: Sequence[str], *, last: bool, weight_version: int, load_format: str | None = None
+    ) -> None:
+        """One bucket as the trainer serialized it (tasks/sync/ipc.py: CUDA tensors as IPC handles to the trainer's
+        memory, others by value), one payload (this engine has one rank)."""
+        if len(payloads) != 1:
+            raise ValueError(f"the hf engine takes one payload per bucket, got {len(payloads)}")
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise ValueError(f"load_format={load_format!r}: the hf engine reads {FLATTENED_BUCKET} or named tensors")
+        named = deserialize_named_tensors(base64.b64decode(payloads[0]))
+        self.apply_bucket(named, last=last, weight_version=weight_version)
+        if self.device.type == "cuda":
+            # The trainer frees this bucket once the call returns: the copies out of its memory must be done.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

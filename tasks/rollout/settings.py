@@ -146,6 +146,13 @@ class RolloutConfig(_Strict):
         description="hf engine: transformers' static KV cache with its compiled decode step; "
         "auto = on for CUDA, off on CPU",
     )
+    hf_weight_sync: Literal["auto", "object_store", "tensor"] = Field(
+        "auto",
+        description="hf engine: how the trainer's weights reach it. object_store = the whole model as host copies "
+        "through Ray's object store; tensor = bucket by bucket as the trainer makes them, CUDA tensors as IPC "
+        "handles to the trainer's GPU memory (no host staging; needs placement=colocate on CUDA: a handle opens "
+        "only on its own GPU); auto = tensor when placement=colocate and rollout.device is CUDA, else object_store",
+    )
     seed: int = Field(
         0,
         description="sampling seed of a rollout: seed * 1000003 + rollout_id (per call; samples "

@@ -29,6 +29,7 @@ from rollflow.tasks.rollout.capabilities import (
     ReportsModelInfo,
     ServesWeightsByName,
     StickyAbort,
+    TakesBuckets,
     WeightGroupMember,
     WeightUpdateSession,
 )
@@ -45,6 +46,7 @@ from rollflow.tasks.rollout.sglang.from_config import engine_from_config
 from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError
 from rollflow.tasks.rollout.sglang.weights_check import WeightsCheckerMissing, compare_engines, engine_checksums
 from rollflow.tasks.sync.capabilities import weights_in_place
+from rollflow.tasks.sync.ipc import visible_gpu
 from rollflow.tasks.sync.parity import checksums, tensor_prefix
 from rollflow.tasks.sync.probe import ProbeSpec
 
@@ -95,6 +97,7 @@ def build_engine(
         max_batch_size=rollout.max_batch_size,
         threads=rollout.threads,
         static_cache=rollout.static_cache,
+        weight_sync="tensor" if rollout.hf_weight_sync == "tensor" else "object_store",  # auto: RunConfig resolves it
         scoring=scoring if rollout.logprobs == "teacher_forced" else None,
         record_routes=record_routes,
     )
@@ -360,6 +363,20 @@ class RolloutWorker:
         self.engine.apply_serialized_bucket(payloads, last=last, weight_version=weight_version, load_format=load_format)
         self._progress.tick()
         return self.engine.weight_version
+
+    def apply_bucket(self, named: list[tuple[str, torch.Tensor]], last: bool, weight_version: int) -> int:
+        """One bucket of tensors straight into an in-process engine (the tensor path without serialization: the
+        trainer in this same process, e.g. a benchmark driving both workers)."""
+        if not isinstance(self.engine, TakesBuckets):
+            raise TypeError(f"{type(self.engine).__name__} takes no tensor buckets in process")
+        self.engine.apply_bucket(named, last=last, weight_version=weight_version)
+        self._progress.tick()
+        return self.engine.weight_version
+
+    def visible_gpu(self) -> str | None:
+        """The engine's GPU as the cluster numbers them (None without): the tensor path pairs it with a trainer
+        rank on the same GPU."""
+        return visible_gpu()
 
     def begin_weight_update(self) -> None:
         """SGLang's weight-update session around tensor / distributed updates (no-op for other engines)."""

@@ -80,6 +80,13 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def visible_gpu() -> str | None:
+    """This process's (first) GPU as the cluster numbers them (Ray sets CUDA_VISIBLE_DEVICES), None without: what
+    pairs a sender with a receiver on the same GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
+    return visible.split(",")[0] if visible else None
+
+
 def visible_device_uuids() -> list[str]:
     if not torch.cuda.is_available():
         return []

@@ -18,7 +18,6 @@ sync holds a bucket or two beside the weights, never a second copy of the model.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.net import free_port, node_ip
 from rollflow.tasks.sync.buckets import buckets_by_bytes
-from rollflow.tasks.sync.ipc import ipc_buckets
+from rollflow.tasks.sync.ipc import ipc_buckets, visible_gpu
 from rollflow.tasks.sync.weight_group import init_weight_group
 from rollflow.tasks.train.results import BroadcastBucket, IpcBucket
 
@@ -87,6 +86,11 @@ class WeightSender:
         self._group = None
         self._current: list[tuple[str, torch.Tensor]] | None = None
 
+    def buckets(self, bucket_bytes: int, dtype: str | None = None) -> Iterator[tuple[list, bool]]:
+        """(bucket, is_last) as the source makes them, on the trainer's device: for an engine in this same process,
+        which needs no serialization (a sharded source's ranks must all step through it together)."""
+        return _with_last(self._source(bucket_bytes, dtype))
+
     # -- tensor path (CUDA IPC) -------------------------------------------------------------------
     def ipc_begin(
         self,
@@ -112,13 +116,12 @@ class WeightSender:
         self._held = None
         pairs, last = next(self._stream)
         tp_size, device, flattened = self._ipc_args
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
         out = IpcBucket(
             payloads=[],
             names=[n for n, _ in pairs],
             last=last,
             nbytes=sum(t.numel() * t.element_size() for _, t in pairs),
-            gpu=visible.split(",")[0] if visible else None,
+            gpu=visible_gpu(),
         )
         if tp_size and pairs:
             bucket = next(

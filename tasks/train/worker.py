@@ -11,7 +11,7 @@ arguments; everything else is local (and the ranks' weights are identical, so ra
 from __future__ import annotations
 
 import shutil
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -25,6 +25,7 @@ from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
 from rollflow.tasks.progress import Progress, progress_of
 from rollflow.tasks.sync.capabilities import ResidentTensors, weights_in_place
+from rollflow.tasks.sync.ipc import visible_gpu
 from rollflow.tasks.sync.parity import checksums, checksums_of_buckets, tensor_prefix
 from rollflow.tasks.train.capabilities import BucketExporter, KnowsVocabSize, Offloadable, Sharded
 from rollflow.tasks.train.checkpoint import (
@@ -536,16 +537,20 @@ class TrainWorker:
         device = self.optim.device if str(self.optim.device).startswith("cuda") else None
         self._sender().ipc_begin(bucket_bytes, tp_size, dtype, device, flattened)
 
+    def weight_buckets(
+        self, bucket_bytes: int, dtype: str | None = None
+    ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+        """The HF-named weights as (bucket, is_last) where the trainer makes them (its GPU), for an engine in this
+        same process (a generator: not an actor call; between actors the tensor path is `ipc_begin`/`ipc_next`)."""
+        return self._sender().buckets(bucket_bytes, dtype)
+
     def ipc_next(self) -> IpcBucket:
         self._progress.tick()
         return self._sender().ipc_next()
 
     def visible_gpu(self) -> str | None:
         """This rank's GPU as the cluster numbers them (Ray sets CUDA_VISIBLE_DEVICES), None without."""
-        import os
-
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or None
-        return visible.split(",")[0] if visible else None
+        return visible_gpu()
 
     def ipc_end(self) -> None:
         self._sender().ipc_end()
