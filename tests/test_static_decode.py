@@ -78,6 +78,29 @@ def test_sampling_follows_the_softmax():
     assert outs[0].log_probs[0] == pytest.approx(float(probs[outs[0].response_ids[0]].log()), abs=1e-5)
 
 
+def test_released_kv_caches_give_their_memory_back_and_return_for_the_next_call():
+    """Colocation: release_memory frees every kept KV cache (the trainer trains in that memory); the next generate
+    takes its cache back and decodes as before. Sizes from the model config: 2 layers x (K, V) x batch x 2 KV
+    heads x length x 16 (head dim) x 4 bytes."""
+    engine = HFEngine(_model(), pad_token_id=0, eos_token_id=2, static_cache=True, length_bucket=1)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=6, seed=11)
+    requests = [GenerationRequest(p, n=2) for p in PROMPTS]
+    first, first_sampled = engine.generate(requests, greedy), engine.generate(requests, sampled)
+    width = max(len(p) for p in PROMPTS)
+    kept = 2 * 2 * 8 * 2 * (width + 6) * 16 * 4  # one shape: 8 rows (4 prompts x 2), both calls
+    assert engine.kv_cache_bytes() == kept
+    engine.release_memory()
+    assert engine.kv_cache_bytes() == 0
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache"])
+    assert engine.generate(requests, greedy) == first
+    assert engine.generate(requests, sampled) == first_sampled
+    assert engine.kv_cache_bytes() == kept
+    engine.release_memory(["weights"])  # weights only: the caches stay
+    assert engine.kv_cache_bytes() == kept
+
+
 def test_top_p_still_goes_through_generate():
     model = _model()
     engine = HFEngine(model, pad_token_id=0, eos_token_id=2, static_cache=True)
@@ -124,3 +147,20 @@ def test_release_frees_the_gpu_and_resume_brings_back_every_bit_ties_and_the_com
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
     assert checksums(engine.weight_tensors()) == before
     assert engine.generate(requests, greedy) == before_out  # the compiled step reads the moved weights
+
+    # both tags (what RolloutWorker.release_memory asks): the KV caches' memory goes too, and comes back without a
+    # recompilation (the cache tensors are the same objects; only their storage moved)
+    from torch._dynamo.utils import counters
+
+    kv = engine.kv_cache_bytes()
+    assert kv > 0
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    engine.release_memory()
+    assert allocated - torch.cuda.memory_allocated() >= weight_bytes + kv and engine.kv_cache_bytes() == 0
+    graphs = dict(counters["stats"])
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache"])
+    assert engine.generate(requests, greedy) == before_out
+    assert engine.kv_cache_bytes() == kv
+    assert dict(counters["stats"]).get("unique_graphs") == graphs.get("unique_graphs")  # nothing recompiled

@@ -393,21 +393,25 @@ class HFEngine:
 
     # -- colocation: the same sequence as SGLang's memory saver ------------------------------------
     def release_memory(self, tags=None) -> None:
-        """Colocation, before training: the model goes to CPU (and the CUDA cache is emptied).
-        On CPU the model is already there, so this is cheap; `tags` as SGLang's (weights, kv_cache)."""
-        if tags is not None and "weights" not in tags:
-            return  # no persistent KV cache outside generate()
+        """Colocation, before training: the weights to pinned host memory and the static KV caches' memory freed
+        (`tags` as SGLang's: weights, kv_cache; None = both), then the CUDA cache emptied so another process (the
+        trainer actor) can have it. On CPU the weights are already there and stay."""
+        tags = {"weights", "kv_cache"} if tags is None else set(tags)
+        if "kv_cache" in tags and self._decoder is not None:
+            self._decoder.release_caches()
         device = self.device
+        if "weights" in tags and device.type != "cpu":
+            self._home_device = device
+            if device.type == "cuda":
+                park_on_host(self.model, self._host_shelf)  # pinned, reused: at the bus's speed
+            else:
+                self.model.to("cpu")
         if device.type == "cuda":
-            self._home_device = device
-            park_on_host(self.model, self._host_shelf)  # pinned, reused: at the bus's speed
             torch.cuda.empty_cache()
-        elif device.type != "cpu":
-            self._home_device = device
-            self.model.to("cpu")
 
     def resume_memory(self, tags=None) -> None:
-        """Colocation, after training: the model back on its device (kv_cache: nothing to restore)."""
+        """Colocation, after training: the weights back on their device. A released KV cache comes back when the
+        next generate takes it (only the shape it needs), so `kv_cache` asks for nothing here."""
         if tags is not None and "weights" not in tags:
             return
         home = getattr(self, "_home_device", None)
@@ -417,6 +421,10 @@ class HFEngine:
             else:
                 self.model.to(home)
             self._home_device = None
+
+    def kv_cache_bytes(self) -> int:
+        """Memory the static KV caches hold now (0 after `release_memory`, until a generate takes one back)."""
+        return self._decoder.cache_bytes() if self._decoder is not None else 0
 
 
 def _outputs(

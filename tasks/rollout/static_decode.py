@@ -16,7 +16,7 @@ handled here: the engine takes `generate` for those.
 On CUDA the one-token step is transformers' compiled call of the model (`get_compiled_call`: the same
 torch.compile + CUDA graphs that `generate` uses) and the sampler is compiled too. Caches are kept per
 (batch, length) shape, so the warm-up (compilation) is paid once per shape per engine and reused by
-every later rollout.
+every later rollout; a colocated engine frees their memory while the trainer trains (`release_caches`).
 """
 
 from __future__ import annotations
@@ -68,6 +68,21 @@ def _new_static_cache(model, batch: int, length: int):
     return StaticCache(**kwargs)
 
 
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The K / V tensors a transformers StaticCache has allocated (newer releases allocate each layer's lazily, at
+    its first update; older ones keep `key_cache` / `value_cache` lists)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in layers]
+    else:
+        pairs = list(zip(getattr(cache, "key_cache", ()), getattr(cache, "value_cache", ())))
+    return [t for pair in pairs for t in pair if isinstance(t, torch.Tensor)]
+
+
+def _full_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()  # a cache tensor is its whole storage, from offset 0
+
+
 class StaticDecoder:
     def __init__(self, model, *, compile: bool, check_every: int = 8):
         self.model = model
@@ -87,9 +102,29 @@ class StaticDecoder:
             while len(self._caches) >= MAX_CACHED_SHAPES:
                 self._caches.popitem(last=False)
         else:
+            for t in cache_tensors(cache):  # released for a colocated trainer: the memory back, zeroed by reset
+                if t.untyped_storage().nbytes() < _full_bytes(t):
+                    t.untyped_storage().resize_(_full_bytes(t))
             cache.reset()
         self._caches[key] = cache
         return cache
+
+    def release_caches(self) -> int:
+        """Free the memory of every kept KV cache (colocation: the trainer trains in it); bytes freed. The tensor
+        objects stay: transformers marks them static addresses for the compiled step, which a new cache object
+        would recompile for, while a storage that comes back at another address only has its CUDA graph
+        re-recorded (as when the weights come back from the host). Each comes back when a call next takes it."""
+        freed = 0
+        for cache in self._caches.values():
+            for t in cache_tensors(cache):
+                storage = t.untyped_storage()
+                freed += storage.nbytes()
+                storage.resize_(0)
+        return freed
+
+    def cache_bytes(self) -> int:
+        """Memory the kept KV caches hold now."""
+        return sum(t.untyped_storage().nbytes() for c in self._caches.values() for t in cache_tensors(c))
 
     def _step_fn(self):
         if self.compile:
