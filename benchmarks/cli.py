@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "object_store on CPU)",
     )
     ap.add_argument(
+        "--compile-cache",
+        default=None,
+        help="e2e suite: a folder (any fsspec URL) of torch.compile's caches, loaded before the workers compile and "
+        "written after their first compiled work (store.compile_cache); a second run on a fresh node then starts warm",
+    )
+    ap.add_argument(
         "--sync-shape",
         default=None,
         help="sync suite: a benchmarks/models.py shape, e.g. qwen2.5-7b (default: qwen2-0.5b on CUDA)",
@@ -154,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx.options["cluster_state"] = args.cluster_state
     if args.shape:
         ctx.options["e2e_shape"] = args.shape
+    if args.compile_cache:
+        ctx.options["compile_cache"] = args.compile_cache
     if args.weight_sync:
         ctx.options["e2e_weight_sync"] = args.weight_sync
     if args.sync_shape:

@@ -61,6 +61,7 @@ class Setup:
     algo: AlgoConfig
     store_root: str
     bucket_bytes: int = 512 << 20  # the tensor path's buckets (rollout.sglang.bucket_mb's default)
+    compile_cache: str | None = None  # store.compile_cache resolved: torch.compile's caches loaded / saved there
 
     @property
     def weight_sync(self) -> str:
@@ -129,12 +130,13 @@ class Workers:
 def _trainer_args(setup: Setup) -> tuple[tuple, dict]:
     """TrainWorker's arguments, as rl_train starts it (resident), in process or as an actor alike."""
     args = (setup.model, setup.optim, setup.algo)
-    return args, {"store_root": setup.store_root, "run": RUN, "temperature": setup.rollout.temperature or 1.0}
+    kwargs = {"store_root": setup.store_root, "run": RUN, "temperature": setup.rollout.temperature or 1.0}
+    return args, kwargs | {"compile_cache": setup.compile_cache}
 
 
 def build_workers(setup: Setup) -> Workers:
     # The engine on the model's weights at version 0.
-    engine = RolloutWorker(setup.model, setup.rollout, setup.data)
+    engine = RolloutWorker(setup.model, setup.rollout, setup.data, compile_cache=setup.compile_cache)
     args, kwargs = _trainer_args(setup)
     return Workers(engine, TrainWorker(*args, **kwargs), RolloutStore(setup.store_root), setup)
 
@@ -151,7 +153,15 @@ def build_ray_workers(setup: Setup, cuda: bool) -> Workers:
     options = {"num_gpus": 0.5} if cuda else None
     engine = EngineClient(
         start_actor(
-            RAY_RUN, "engine", RolloutWorker, setup.model, setup.rollout, setup.data, options=options, wait=False
+            RAY_RUN,
+            "engine",
+            RolloutWorker,
+            setup.model,
+            setup.rollout,
+            setup.data,
+            compile_cache=setup.compile_cache,
+            options=options,
+            wait=False,
         )
     )
     args, kwargs = _trainer_args(setup)

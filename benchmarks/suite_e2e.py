@@ -43,6 +43,7 @@ from benchmarks.e2e_iteration import (
     stop_ray_workers,
 )
 from benchmarks.models import param_count, qwen2, save_model_dir
+from rollflow.tasks.compile_cache import cached_roles
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
@@ -132,7 +133,9 @@ def make_setup(ctx: BenchContext, shape: str, load: Workload, backend: str, mode
         compute_ref_log_probs=False,  # no KL term: the reference pass is off, as in a GRPO run without KL
     )
     data = DataConfig(prompts_per_rollout=load.prompts)
-    return Setup(model, rollout, data, optim, AlgoConfig(), str(ctx.workdir / f"e2e-store-{shape}"))
+    store = str(ctx.workdir / f"e2e-store-{shape}")
+    cache = ctx.options.get("compile_cache")
+    return Setup(model, rollout, data, optim, AlgoConfig(), store, compile_cache=cache)
 
 
 WEIGHT_SYNC_HOW = {
@@ -157,6 +160,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     setup = make_setup(ctx, shape, load, backend, model, dtype)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    cached = cached_roles(setup.compile_cache)  # what the workers load (before they write their own)
     started = time.perf_counter()
     workers = build_workers(setup)
     startup_s = time.perf_counter() - started
@@ -175,6 +179,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         "offload": True,
         "weight_sync": setup.weight_sync,
         "weight_sync_how": WEIGHT_SYNC_HOW[setup.weight_sync],
+        "compile_cache": setup.compile_cache,
+        "compile_cache_found": cached,
         **dataclasses.asdict(load),
         "steady_iterations": steady,
         "threads": torch.get_num_threads(),

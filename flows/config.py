@@ -83,10 +83,23 @@ class StoreConfig(_Strict):
         "a local root is refused on a Ray cluster of more than one node (docs/cluster.md)",
     )
 
+    compile_cache: str = Field(
+        "off",
+        description="where the workers keep torch.compile's caches between runs (inductor graphs, Triton kernels), "
+        "so the first iteration on a fresh node skips compilation: off; store = {store.root}/compile_cache when a "
+        "worker runs on CUDA (on CPU nothing large is compiled); or any fsspec folder URL. The cache is compiled "
+        "code that torch unpickles: only a folder that no one but the run's owners can write",
+    )
+
     @field_validator("root")
     @classmethod
     def _no_credentials(cls, value: str) -> str:
         return reject_credentials(value, "store.root")
+
+    @field_validator("compile_cache")
+    @classmethod
+    def _cache_without_credentials(cls, value: str) -> str:
+        return reject_credentials(value, "store.compile_cache")
 
 
 class RayConfig(_Strict):
@@ -492,6 +505,16 @@ class RunConfig(_Strict):
         if self.rollout.logprobs != "teacher_forced":
             return None
         return ScoringLayout.of(self.train)
+
+    def compile_cache_uri(self) -> Optional[str]:
+        """store.compile_cache resolved: the folder the workers load and save torch.compile's caches in, or None."""
+        chosen = self.store.compile_cache
+        if chosen == "off":
+            return None
+        if chosen != "store":
+            return chosen
+        on_cuda = self.rollout.device.startswith("cuda") or self.train.device.startswith("cuda")
+        return f"{self.store.root.rstrip('/')}/compile_cache" if on_cuda else None
 
     def config_hash(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]

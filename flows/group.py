@@ -308,6 +308,7 @@ class WorkerGroup:
                 cfg.data,
                 weights=named,
                 weight_version=resume_iteration or 0,
+                compile_cache=cfg.compile_cache_uri(),
                 **extra,
             )
         )
@@ -382,6 +383,7 @@ class WorkerGroup:
                     run=cfg.run,
                     temperature=cfg.rollout.temperature or 1.0,
                     resume_iteration=resume_iteration or None,
+                    compile_cache=cfg.compile_cache_uri(),
                     wait=False,
                     **extra,
                 )

@@ -8,17 +8,27 @@
 # runs and the JSON says so); rollflow need not be installed (scripts/use_checkout.sh maps the checkout).
 # Writes benchmarks/results/<gpu>-<date>-e2e-<shape>.json and logs under $OUT (default ./gpu-out).
 # Knobs (env): SHAPES (default "0.5b 1.5b"; empty: skip), LARGEST (default "5b 3b"; empty: skip), E2E_ARGS (e.g. --quick,
-# --repeats 5), E2E_TIMEOUT (seconds per shape, default 1200), RESULTS (default benchmarks/results).
+# --repeats 5), E2E_TIMEOUT (seconds per shape, default 1200), RESULTS (default benchmarks/results), COMPILE_CACHE (a
+# folder: each shape's process starts with an empty TORCHINDUCTOR_CACHE_DIR, as on a fresh node, and loads / writes
+# torch.compile's caches there, store.compile_cache's mechanism; list a shape twice in SHAPES to see the second
+# first iteration start warm).
 set -uo pipefail
 source "$(dirname "$0")/gpu_bench_env.sh" || exit 1  # OUT, RESULTS, stem; the checkout as rollflow.*
 
 run_shape() {
-  local shape=$1
+  local shape=$1 cache=()
   local json="$RESULTS/$stem-e2e-$shape.json" log="$OUT/e2e-$shape.log"
+  if [ -n "${COMPILE_CACHE:-}" ]; then
+    cache=(--compile-cache "$COMPILE_CACHE")
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+    export TORCHINDUCTOR_CACHE_DIR
+    local n=1
+    while [ -e "$json" ]; do n=$((n + 1)); json="$RESULTS/$stem-e2e-$shape-run$n.json"; log="$OUT/e2e-$shape-run$n.log"; done
+  fi
   echo "== e2e $shape -> $json"
   # shellcheck disable=SC2086  # E2E_ARGS is a list of flags
   timeout "${E2E_TIMEOUT:-1200}" python3 -m benchmarks --suite e2e --shape "$shape" --no-table --out "$json" \
-    ${E2E_ARGS:-} > "$log" 2>&1
+    "${cache[@]}" ${E2E_ARGS:-} > "$log" 2>&1
   local rc=$?
   sed -n '/^e2e /,/overhead/p' "$log"
   if [ $rc != 0 ]; then

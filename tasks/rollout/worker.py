@@ -13,6 +13,7 @@ import torch
 
 from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.tasks.compile_cache import CompileCacheSaver, load_compile_cache
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.teacher_forced import ScoringLayout
@@ -130,7 +131,12 @@ class RolloutWorker:
         servers: list | None = None,
         scoring: ScoringLayout | None = None,
         record_routes: bool = False,
+        compile_cache: str | None = None,
     ):
+        """`compile_cache`: a folder URL holding torch.compile's caches (RunConfig.compile_cache_uri()), loaded
+        before anything compiles and written after the first rollout that compiled (tasks/compile_cache.py)."""
+        load_compile_cache(compile_cache, "engine")
+        self._compile_cache = CompileCacheSaver(compile_cache, "engine")
         self.rollout_cfg = rollout
         self.data_cfg = data
         self.engine, self.tokenizer = build_engine(
@@ -167,6 +173,22 @@ class RolloutWorker:
 
         `attempt` >= 1: an over-sampling call of dynamic sampling (its own prompts and seed). `continue_from`:
         the previous rollout's artifact URI, whose aborted groups are continued first (partial rollouts)."""
+        samples = self._rollout_call(
+            rollout_id, split, greedy=greedy, attempt=attempt, continue_from=continue_from, max_staleness=max_staleness
+        )
+        self._compile_cache.after_work()
+        return samples
+
+    def _rollout_call(
+        self,
+        rollout_id: int,
+        split: str,
+        *,
+        greedy: bool,
+        attempt: int,
+        continue_from: str | None,
+        max_staleness: int,
+    ) -> list[Sample]:
         if attempt == 0 and isinstance(self.engine, StickyAbort):
             self.engine.reset_abort()  # an abort meant for the previous rollout does not cut this one
         continued = self._continued(rollout_id, continue_from, max_staleness) if continue_from else []

@@ -20,6 +20,7 @@ from rollflow.artifacts.sample import Sample
 from rollflow.artifacts.slime import check_token_ids
 from rollflow.artifacts.storage import open_fs
 from rollflow.artifacts.store import ArtifactRef, RolloutStore
+from rollflow.tasks.compile_cache import CompileCacheSaver, load_compile_cache
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.source import resolve_model_path
 from rollflow.tasks.model.tiny import load_model
@@ -114,9 +115,14 @@ class TrainWorker:
         storage_options: dict | None = None,
         dp: DataParallel | None = None,
         lora: LoraSettings | None = None,
+        compile_cache: str | None = None,
     ):
         """`dp`: this worker is one rank of a data-parallel trainer (one TrainWorker per rank, all built
-        concurrently: construction blocks until every rank has joined). `lora`: model.lora."""
+        concurrently: construction blocks until every rank has joined). `lora`: model.lora. `compile_cache`: a
+        folder URL of torch.compile's caches, loaded before anything compiles; rank 0 writes it after its first train
+        call (tasks/compile_cache.py)."""
+        load_compile_cache(compile_cache, "trainer")
+        self._compile_cache = CompileCacheSaver(compile_cache if (dp is None or dp.rank == 0) else None, "trainer")
         self.optim = optim
         self.dp = dp
         self.algo = algo
@@ -251,6 +257,7 @@ class TrainWorker:
         if record_uri is not None and self.is_primary:
             self._write(record_uri, records_bytes(sample_records(result.batch, artifact.manifest.rollout_id)))
         metrics = result.metrics | {"train/n_samples": float(len(samples))}
+        self._compile_cache.after_work()
         if missing:
             for key in ("train/train_rollout_logprob_abs_diff", "rollout/rollout_log_probs"):
                 metrics.pop(key, None)
