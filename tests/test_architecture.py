@@ -632,7 +632,7 @@ LOCAL_IMPORT_ALLOWED: frozenset[tuple[str, str]] = frozenset(
         # these lazy, `rollflow --help` costs 0.8-0.9 s CPU; importing them at module level loads torch, prefect and ray
         # and costs 4.4-5.0 s CPU (11-21 s wall under load; idle box before: 0.25 s wall). Everything light that the CLI
         # uses is imported at module level. An entry names a target module: it covers the names imported from it.
-        ("rollflow.flows.cli.common", "rollflow.flows.config"),
+        ("rollflow.flows.cli.common", "rollflow.flows.config_loading"),
         ("rollflow.flows.cli.align", "rollflow.flows.alignment"),
         ("rollflow.flows.cli.align", "rollflow.flows.preflight"),
         ("rollflow.flows.cli.align", "rollflow.tasks.debug.alignment"),

@@ -343,7 +343,7 @@ def test_async_run_killed_and_resumed_matches_uninterrupted_run(tmp_path, prefec
     final weights equal an uninterrupted async run's with the same seed, and nothing committed is regenerated."""
     import torch
 
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
     from rollflow.flows.train import rl_train
 
     rl_train(load_config(None, _async_sets(tmp_path, "whole")))
@@ -385,7 +385,7 @@ def test_async_run_killed_and_resumed_matches_uninterrupted_run(tmp_path, prefec
 
 # ----------------------------------------------------------------------------- config and group selection
 def test_pipeline_config_errors_name_the_field_and_the_fix():
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     cases = {
         ("pipeline.max_staleness=1", "placement=colocate"): "pipeline.max_staleness=1 needs placement='disaggregated'",
@@ -402,7 +402,8 @@ def test_pipeline_config_errors_name_the_field_and_the_fix():
 
 
 def test_off_policy_correction_is_on_by_default_for_async_runs_and_kept_in_their_replay():
-    from rollflow.flows.config import RunConfig, load_config
+    from rollflow.flows.config import RunConfig
+    from rollflow.flows.config_loading import load_config
 
     sync = load_config(None, [])
     assert sync.algo.use_tis is False and not sync.notices

@@ -143,7 +143,7 @@ def test_same_checkpoint_again_is_a_no_op(tmp_path):
 
 
 def test_resume_from_config_and_cli_flag():
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
 
     assert load_config(None, ["resume_from=2"]).resume_from == 2
 

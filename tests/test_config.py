@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.flows.config import ConfigError, load_config
+from rollflow.flows.config_loading import ConfigError, load_config
 
 
 def error_of(*overrides: str) -> str:

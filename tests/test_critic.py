@@ -156,7 +156,7 @@ def test_explained_variance():
     ],
 )
 def test_ppo_config_rejections_name_the_field(overrides, needle):
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="ppo|lambd") as err:
         load_config(None, overrides)
@@ -165,7 +165,7 @@ def test_ppo_config_rejections_name_the_field(overrides, needle):
 
 def test_ppo_config_accepts_megatron_gpus_and_replay():
     """What this build refused before: ppo with the megatron trainer, on GPUs, and replayed."""
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
 
     load_config(None, ["algo.advantage_estimator=ppo", "train.backend=megatron"])
     load_config(None, ["algo.advantage_estimator=ppo", "debug.train_only=true"])
@@ -183,7 +183,7 @@ def test_ppo_config_accepts_megatron_gpus_and_replay():
 
 
 def test_ppo_config_accepts_gamma_lambd_and_kl_loss():
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
 
     cfg = load_config(
         None,

@@ -113,7 +113,7 @@ def _run_locally(flow_name: str, cfg, tmp_path: Path) -> None:
 
 
 def _config(tmp_path: Path, flow_name: str, *sets: str):
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
 
     cfg = small_config(tmp_path / "runs", run=flow_name.replace("_", "-"), **SMALL)
     base = cfg.model_dump(mode="json")

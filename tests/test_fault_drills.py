@@ -600,7 +600,7 @@ def test_drill6_code_carrying_pt_is_refused_and_runs_nothing(any_root, tmp_path,
 
 def test_drill7_config_errors_name_field_and_fix():
     """The config half (more in test_config.py): one error each, naming the field and the fix."""
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     cases = {
         "trian.lr=1e-4": ("trian", "unknown field"),

@@ -163,7 +163,7 @@ def test_lora_dropout_acts_in_the_gradient_forward_only(engine_worker):
 # -- config ------------------------------------------------------------------------------------------------------
 def test_lora_config_and_refusals(tmp_path, monkeypatch):
     from rollflow.flows import config as config_mod
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     cfg = load_config(None, ["model.lora.rank=16", "model.lora.alpha=32", f"store.root={tmp_path}"])
     assert cfg.model.lora.scaling == 2.0 and cfg.model.lora.target_modules == LORA_DEFAULT_TARGETS

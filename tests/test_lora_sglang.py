@@ -178,7 +178,7 @@ def test_two_servers_a_failed_load_leaves_the_previous_adapter_everywhere():
 
 
 def test_lora_sync_config(tmp_path):
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
     from rollflow.tasks.rollout.sglang.from_config import launch_spec_for
     from rollflow.tasks.rollout.sglang.server import launch_command
 

@@ -109,7 +109,8 @@ def test_cpu_default_and_one_sided_runs():
 
 
 def test_budget_is_checked_at_config_time():
-    from rollflow.flows.config import ConfigError, RunConfig, load_config
+    from rollflow.flows.config import RunConfig
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     assert RunConfig().resources.num_gpus == 0  # CPU default unchanged
     with pytest.raises(ConfigError, match=r"disaggregated needs trainer 4 \+ engines 2 x 2 = 8 GPUs, cluster has 6"):

@@ -157,7 +157,7 @@ def test_cli_spelling_rewrites_to_config_overrides():
 
 
 def test_config_validates_passthrough_and_refuses_managed_flags():
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.args.disable_cuda_graph=true"])
     assert cfg.rollout.sglang.args == {"disable-cuda-graph": True}
@@ -234,7 +234,7 @@ def test_static_extractor_on_a_synthetic_sglang_tree(tmp_path):
 
 
 def test_launch_command_for_a_config():
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
 
     cfg = load_config(
         None,

@@ -81,7 +81,7 @@ def _state(client) -> dict:
 
 
 def _configs():
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
 
     yield load_config(None, ["rollout.engine=sglang"])  # defaults: bf16, SGLang's memory share
     yield load_config(
@@ -423,7 +423,7 @@ def test_lora_adapter_bodies_pass_sglangs_request_structures(own, tmp_path):
     """rollout.sglang.lora_sync=adapter: every body the engine posts (both load routes, unload, the version,
     generate naming the adapter) through SGLang's structures; the tensor payload through its unpickler and
     flattened-bucket reconstruction, tensors equal to the adapter; the launch flags through its parser."""
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
     from rollflow.tasks.rollout.sglang.from_config import launch_spec_for
 
     g = torch.Generator().manual_seed(0)

@@ -250,7 +250,7 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
 def test_engine_dtype_memory_share_and_allocator_env_defaults(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
     from rollflow.tasks.rollout.sglang.from_config import dropped_env, launch_spec_for
     from rollflow.tasks.rollout.sglang.server import SGLangServer
 
@@ -385,7 +385,7 @@ class _FailingTrainer:
 def test_a_sync_that_fails_mid_way_ends_its_session(mode):
     """Left open, the session would refuse the next sync's begin; ended (bounded: the engine may still be
     inside the failed bucket), and the sync's own error is the one raised."""
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
     from rollflow.flows.weight_sync.distributed import push_distributed
     from rollflow.flows.weight_sync.shared import END_AFTER_FAILURE_S
     from rollflow.flows.weight_sync.tensor import push_tensor

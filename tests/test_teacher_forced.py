@@ -258,7 +258,7 @@ def test_mismatch_check_verdicts():
     ],
 )
 def test_config_rejects_what_cannot_hold(override, expected):
-    from rollflow.flows.config import ConfigError, load_config
+    from rollflow.flows.config_loading import ConfigError, load_config
 
     overrides = [f"{section}.{key}={value}" for section, fields in override.items() for key, value in _flat(fields)]
     with pytest.raises(ConfigError) as err:
@@ -381,7 +381,7 @@ def test_sglang_repeat_mode_seeds_every_sample(monkeypatch):
 def test_sglang_native_seeded_groups_get_one_seed_per_sample(monkeypatch):
     """SGLang's native n copies one sampling_seed to all n samples: seeded native n sends n seeds
     (one batch request per prompt, tests/test_sglang_protocol.py checks the body)."""
-    from rollflow.flows.config import load_config
+    from rollflow.flows.config_loading import load_config
     from rollflow.tasks.rollout.sglang.engine import SGLangEngine
 
     load_config(overrides=["rollout.engine=sglang", "rollout.sglang.seeded=true", "rollout.sglang.n_mode=native"])

@@ -149,7 +149,8 @@ def wandb_steps(folder: Path, pattern: str = "wandb/offline-run-*/run-*.wandb") 
 
 
 def test_config_section_defaults_off_and_validates():
-    from rollflow.flows.config import ConfigError, RunConfig, load_config
+    from rollflow.flows.config import RunConfig
+    from rollflow.flows.config_loading import ConfigError, load_config
     from rollflow.flows.params import PARAMS_MODELS
 
     assert RunConfig().tracking.backends == []

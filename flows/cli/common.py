@@ -90,7 +90,7 @@ def notice(message: str) -> None:
 
 def build_config(config: Optional[str], sets: Optional[List[str]], base: dict | None = None):
     """The validated RunConfig of `--config FILE` + `--set key=value` overrides; a bad one is a one-line exit 2."""
-    from rollflow.flows.config import ConfigError, load_config  # lazy: keeps torch out of CLI start-up
+    from rollflow.flows.config_loading import ConfigError, load_config  # lazy: keeps torch out of CLI start-up
 
     try:
         return load_config(config, sets or [], base=base)
