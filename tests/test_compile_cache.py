@@ -2,7 +2,8 @@
 workers of a fresh one, whose first compile then hits torch's cache instead of compiling.
 
 Real torch.compile on the CPU (inductor's C++ backend). Each process has its own empty TORCHINDUCTOR_CACHE_DIR, as a
-fresh node would: a hit can only come from the store's file. The control process, same function, no store, misses.
+fresh node would: a hit can only come from the store's file. The writing process, same function with nothing
+loaded, is the control: it misses.
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler"
-    ),
-]
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler"
+)
 
 # The compiled function, and how its compilation is reported: torch's own counters.
 PRELUDE = """
@@ -86,12 +84,15 @@ def _run(script: str, tmp_path: Path, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@needs_compiler
 def test_a_fresh_process_loads_the_workers_cache_and_skips_compiling(tmp_path):
     from rollflow.tasks.compile_cache import cache_file, cached_roles
 
     uri = str(tmp_path / "compile_cache")
     wrote = _run(WRITER, tmp_path, uri)
-    assert wrote["counters"] == {"fxgraph_cache_miss": 1}  # the writer compiled for real
+    # the control: a fresh local cache and nothing loaded compiles for real
+    assert wrote["counters"] == {"fxgraph_cache_miss": 1}
     engine_file = Path(cache_file(uri, "engine"))
     assert engine_file.stat().st_size > 1000 and wrote["trainer_bytes"] > 1000
     assert cached_roles(uri) == ["engine", "trainer"]
@@ -101,8 +102,6 @@ def test_a_fresh_process_loads_the_workers_cache_and_skips_compiling(tmp_path):
     for role in ("engine", "trainer"):
         got = _run(READER, tmp_path, uri, role, store)["counters"]
         assert got.get("fxgraph_cache_hit") == 1 and not got.get("fxgraph_cache_miss"), (role, got)
-    control = _run(READER, tmp_path, "", "engine", store)["counters"]
-    assert control == {"fxgraph_cache_miss": 1}
 
 
 def test_an_unusable_cache_is_a_miss_not_a_failure(tmp_path, caplog):

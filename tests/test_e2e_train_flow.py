@@ -90,8 +90,8 @@ def test_two_iterations_step1_exact_and_synced(tmp_path, prefect_api, ray_local)
 
 def test_the_hf_engine_takes_the_trainers_buckets_from_the_rank_on_its_gpu(tmp_path, prefect_api, ray_local):
     """rollout.hf_weight_sync=tensor under placement=colocate, on Ray-only GPUs (no CUDA behind them: the CPU tensors
-    travel by value through the code that sends CUDA IPC handles on a real GPU): every sync goes bucket by bucket
-    from the trainer rank on the engine's GPU, and parity holds after each."""
+    travel by value through the code that sends CUDA IPC handles on a real GPU): the sync goes bucket by bucket
+    from the trainer rank on the engine's GPU, and parity holds after it."""
     import rollflow.flows.iteration as iteration
     from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
@@ -100,7 +100,7 @@ def test_the_hf_engine_takes_the_trainers_buckets_from_the_rank_on_its_gpu(tmp_p
     cfg = small_config(
         tmp_path,
         run="hf-tensor",
-        iterations=2,
+        iterations=1,
         eval_every=0,
         placement="colocate",
         offload=True,
@@ -123,9 +123,9 @@ def test_the_hf_engine_takes_the_trainers_buckets_from_the_rank_on_its_gpu(tmp_p
     finally:
         iteration.sync_task.fn = original
     rows = read_metrics(cfg)
-    assert [r["sync/weight_version"] for r in rows] == [1, 2] and all(r["sync/parity_ok"] == 1.0 for r in rows)
-    assert rows[1]["rollout/log_probs_equal_ref"] == 0.0  # the policy moved: the synced weights are new ones
-    assert len(seen) == 2
+    assert [r["sync/weight_version"] for r in rows] == [1] and rows[0]["sync/parity_ok"] == 1.0
+    assert rows[0]["train/grad_norm"] > 0  # the step moved the policy: parity compared new weights
+    assert len(seen) == 1
     for sync in seen:
         assert sync["out"]["sync_mode"] == "tensor" and sync["out"]["sync_buckets"] >= 1
         assert sync["engine_gpu"] is not None and sync["trainer"] == [sync["engine_gpu"]]
