@@ -44,7 +44,7 @@ from benchmarks.e2e_iteration import (
 )
 from benchmarks.models import param_count, qwen2, save_model_dir
 from rollflow.tasks.compile_cache import cached_roles
-from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, resolve_hf_weight_sync
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 TITLE = "end-to-end iteration, colocated, offload on"
@@ -107,11 +107,6 @@ def model_path(ctx: BenchContext, shape: str, dtype: str) -> str:
     return str(path)
 
 
-def resolved_weight_sync(chosen: str, device: str) -> str:
-    """rollout.hf_weight_sync=auto as RunConfig resolves it under placement=colocate."""
-    return chosen if chosen != "auto" else "tensor" if device.startswith("cuda") else "object_store"
-
-
 def make_setup(ctx: BenchContext, shape: str, load: Workload, backend: str, model: str, dtype: str) -> Setup:
     threads = torch.get_num_threads()
     rollout = RolloutConfig(
@@ -120,7 +115,8 @@ def make_setup(ctx: BenchContext, shape: str, load: Workload, backend: str, mode
         dtype=dtype,
         device=ctx.device,
         threads=threads,
-        hf_weight_sync=resolved_weight_sync(ctx.options.get("e2e_weight_sync", "auto"), ctx.device),
+        # as RunConfig resolves auto: the suite's workers are colocated
+        hf_weight_sync=resolve_hf_weight_sync(ctx.options.get("e2e_weight_sync", "auto"), ctx.device, "colocate"),
     )
     optim = OptimConfig(
         backend=backend,

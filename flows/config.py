@@ -23,7 +23,7 @@ from rollflow.infra.placement import ResourcesConfig, plan_placement
 from rollflow.tasks.model.source import MOE_MODEL_TYPES, model_type_of
 from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.rollout.pipeline_settings import PipelineConfig
-from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, resolve_hf_weight_sync
 from rollflow.tasks.rollout.sglang.config import check_lora_adapter_sync, colocated_mem_fraction
 from rollflow.tasks.rollout.sglang.from_config import engine_dtype
 from rollflow.tasks.train.lora import PEFT_MISSING, peft_available
@@ -534,7 +534,7 @@ def _hf_weight_sync(cfg: RunConfig) -> None:
     ro = cfg.rollout
     cuda = ro.device.startswith("cuda")
     if ro.hf_weight_sync == "auto":
-        ro.hf_weight_sync = "tensor" if cuda and cfg.placement == "colocate" else "object_store"
+        ro.hf_weight_sync = resolve_hf_weight_sync("auto", ro.device, cfg.placement)
         if ro.hf_weight_sync == "tensor":
             cfg._notices.append("rollout.hf_weight_sync=auto -> 'tensor' (placement=colocate on CUDA: no host staging)")
     elif ro.hf_weight_sync == "tensor" and cuda and cfg.placement != "colocate":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import uuid
@@ -275,3 +276,23 @@ def small_config(root, run: str = "t", **overrides):
         else:
             data[key] = value
     return RunConfig.model_validate(data)
+
+
+@contextlib.contextmanager
+def watching_syncs(observe):
+    """rl_iteration's sync task with `observe(cfg, result)` called after each sync, in the flow's process (where
+    the actors can still be asked what they hold); the task is restored afterwards."""
+    import rollflow.flows.iteration as iteration
+
+    original = iteration.sync_task.fn
+
+    def spy(cfg, weight_version):
+        out = original(cfg, weight_version)
+        observe(cfg, out)
+        return out
+
+    iteration.sync_task.fn = spy
+    try:
+        yield
+    finally:
+        iteration.sync_task.fn = original

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollflow.artifacts import ArtifactCorrupt, RolloutStore
-from tests.conftest import small_config
+from tests.conftest import small_config, watching_syncs
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,6 @@ def test_the_hf_engine_takes_the_trainers_buckets_from_the_rank_on_its_gpu(tmp_p
     """rollout.hf_weight_sync=tensor under placement=colocate, on Ray-only GPUs (no CUDA behind them: the CPU tensors
     travel by value through the code that sends CUDA IPC handles on a real GPU): the sync goes bucket by bucket
     from the trainer rank on the engine's GPU, and parity holds after it."""
-    import rollflow.flows.iteration as iteration
     from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
@@ -109,19 +108,13 @@ def test_the_hf_engine_takes_the_trainers_buckets_from_the_rank_on_its_gpu(tmp_p
         train={"lr": 1e-2},
     )
     seen: list[dict] = []
-    original = iteration.sync_task.fn
 
-    def spy(cfg_, weight_version):
-        out = original(cfg_, weight_version)
+    def observe(cfg_, out):
         group = WorkerGroup.for_run(cfg_)
         seen.append({"out": out, "engine_gpu": group.engine().visible_gpu(), "trainer": group.trainer().gpu_ids()})
-        return out
 
-    iteration.sync_task.fn = spy
-    try:
+    with watching_syncs(observe):
         rl_train(cfg)
-    finally:
-        iteration.sync_task.fn = original
     rows = read_metrics(cfg)
     assert [r["sync/weight_version"] for r in rows] == [1] and rows[0]["sync/parity_ok"] == 1.0
     assert rows[0]["train/grad_norm"] > 0  # the step moved the policy: parity compared new weights

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollflow.tasks.rollout.capabilities import BucketedWeightSync, TakesBuckets, WeightUpdateSession
 from rollflow.tasks.rollout.hf_engine import HFEngine
 from rollflow.tasks.sync import ipc
 from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
+from tests.test_engine_weight_update import _model as tiny_qwen2
+from tests.test_engine_weight_update import _state
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,21 +26,7 @@ SMALL_BUCKET = 4 << 10  # bytes: the tiny model comes in many buckets
 
 
 def _model(seed: int, tie: bool = True, dtype=torch.float32, device: str = "cpu"):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        tie_word_embeddings=tie,
-    )
-    return Qwen2ForCausalLM(cfg).to(dtype=dtype, device=device)
-
-
-def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return tiny_qwen2(seed, tie, dtype).to(device)
 
 
 def _buckets(state: dict[str, torch.Tensor], bucket_bytes: int = SMALL_BUCKET, dtype: str | None = None):
@@ -193,6 +180,8 @@ def test_run_config_resolves_auto_and_refuses_tensor_across_gpus():
 SENDER = """
 import sys, torch
 from rollflow.tasks.train.weight_sender import WeightSender, dict_buckets
+from tests.test_engine_weight_update import _model as tiny_qwen2
+from tests.test_engine_weight_update import _state
 sys.path.insert(0, sys.argv[2])
 from test_hf_bucket_sync import _model, _state
 sent = {k: v.cuda() for k, v in _state(_model(7)).items()}

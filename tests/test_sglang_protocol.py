@@ -25,7 +25,7 @@ from rollflow.tasks.rollout.sglang.engine import SGLangEngine
 from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError, request_id
 from rollflow.tasks.sync import ipc
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
-from tests.conftest import small_config
+from tests.conftest import small_config, watching_syncs
 from tests.fake_sglang_server import FakeSGLang
 from tests.test_sglang_contract import BUILTIN, builtin_weights, fake_launcher
 
@@ -174,7 +174,6 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
     """Acceptance 2: placement=colocate, 2 engines x 1 GPU sharing their GPUs with 2 trainer ranks (Ray-only
     GPUs), offload on: the startup whole-tensor check and each iteration's sync run through tensor/IPC in
     a weight-update session per server, and each engine takes the payload of the trainer rank on its GPU."""
-    import rollflow.flows.iteration as iteration
     from rollflow.flows.group import WorkerGroup
     from rollflow.flows.reporting import read_metrics
     from rollflow.flows.train import rl_train
@@ -199,10 +198,8 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
     assert cfg.rollout.sglang.weight_sync == "tensor" and cfg.rollout.sglang.dtype == "bfloat16"
     assert cfg.rollout.sglang.mem_fraction_static == 0.5  # colocated default beside the trainer's share
     seen: list = []
-    original = iteration.sync_task.fn
 
-    def spy(cfg_, weight_version):
-        out = original(cfg_, weight_version)
+    def observe(cfg_, out):
         group = WorkerGroup.for_run(cfg_)
         servers = [group.server(k) for k in range(2)]
         seen.append(
@@ -213,13 +210,9 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
                 "states": [httpx.get(f"{s.url()}/_fake/state", timeout=10).json() for s in servers],
             }
         )
-        return out
 
-    iteration.sync_task.fn = spy
-    try:
+    with watching_syncs(observe):
         rl_train(cfg)
-    finally:
-        iteration.sync_task.fn = original
     rows = read_metrics(cfg)
     assert rows[-1]["sync/parity_ok"] == 1.0 and rows[-1]["sync/weight_version"] == 1
     (sync,) = seen

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import small_config
+from tests.conftest import small_config, watching_syncs
 from tests.test_sglang_contract import fake_launcher
 
 
@@ -171,21 +171,12 @@ def test_rl_train_on_sglang_engines_syncs_by_each_path(mode, tmp_path, prefect_a
     )
     states: list[dict] = []
 
-    import rollflow.flows.iteration as iteration
-
-    original = iteration.sync_task.fn
-
-    def spy(cfg_, weight_version):
-        out = original(cfg_, weight_version)
+    def observe(cfg_, out):
         group = WorkerGroup.for_run(cfg_)
         states.append([_fake_state(group.server(k).url()) for k in range(2)])
-        return out
 
-    iteration.sync_task.fn = spy
-    try:
+    with watching_syncs(observe):
         rl_train(cfg)
-    finally:
-        iteration.sync_task.fn = original
     rows = read_metrics(cfg)
     assert [r["sync/weight_version"] for r in rows] == [1, 2] and all(r["sync/parity_ok"] == 1.0 for r in rows)
     assert len(states) == 2

@@ -264,3 +264,11 @@ def prompts_for(data: DataConfig, rollout_id: int, split: str = "train") -> list
     if split == "eval":
         return addition_prompts(data.eval_prompts, seed=data.seed + EVAL_SEED_OFFSET, digits=data.digits)
     return addition_prompts(data.prompts_per_rollout, seed=data.seed + rollout_id, digits=data.digits)
+
+
+def resolve_hf_weight_sync(chosen: str, device: str, placement: str) -> str:
+    """rollout.hf_weight_sync=auto made concrete: the trainer's GPU buckets by CUDA IPC (tensor) only where engine and
+    trainer share a GPU (placement=colocate on CUDA), else the object store; an explicit choice stays."""
+    if chosen != "auto":
+        return chosen
+    return "tensor" if device.startswith("cuda") and placement == "colocate" else "object_store"

@@ -25,9 +25,9 @@ class BucketedUpdate:
         self.aliases = aliases
         self.written: set[str] = set()
 
-    def apply(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy one bucket in; its bytes. Every name and shape is checked before anything is written, so a bad
-        bucket changes nothing."""
+    def apply(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket in. Every name and shape is checked before anything is written, so a bad bucket changes
+        nothing."""
         names, dst, src = [], [], []
         for name, tensor in named:
             target = self.targets.get(name)
@@ -45,7 +45,6 @@ class BucketedUpdate:
             src.append(tensor)
         copy_eagerly(dst, src)
         self.written.update(names)
-        return sum(t.numel() * t.element_size() for t in src)
 
     def missing(self) -> list[str]:
         """The engine's weights no bucket has written so far (a tied name counts as written with its tensor)."""
