@@ -254,3 +254,21 @@ def test_a_ppo_run_is_checked_with_grpo_advantages(tmp_path):
     assert report.ok, report.summary()
     assert report.context["advantage_estimator"].startswith("grpo")
     assert report.check("one_step_update").figures["ppo_kl"] == 0.0
+
+
+def test_alignment_workers_read_the_runs_compile_cache(tmp_path, caplog):
+    """`rollflow align --local` builds its workers as the run's are built: with store.compile_cache set, each
+    loads its role's file before compiling (here unreadable bytes, so each load is a logged miss naming its file)."""
+    from pathlib import Path
+
+    from rollflow.tasks.compile_cache import cache_file
+
+    uri = str(tmp_path / "cc")
+    cfg = small_config(tmp_path, run="align-cc", store={"root": str(tmp_path), "compile_cache": uri})
+    for role in ("engine", "trainer"):
+        path = Path(cache_file(uri, role))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not a cache")
+    alignment_workers(cfg)
+    for role in ("engine", "trainer"):
+        assert f"compile cache {cache_file(uri, role)} not loaded" in caplog.text, caplog.text

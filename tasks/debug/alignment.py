@@ -27,7 +27,7 @@ import datetime as _dt
 import math
 import time
 import traceback
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import torch
 
@@ -58,11 +58,13 @@ from rollflow.tasks.debug.train_checks import (
     ref_equal_check,
     train_step_figures,
 )
+from rollflow.tasks.model.teacher_forced import ScoringLayout
 from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
-from rollflow.tasks.rollout.settings import prompts_for
+from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from rollflow.tasks.rollout.worker import RolloutWorker
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.worker import TrainWorker
 
 STEP2 = "step2_load_and_memory"
@@ -503,11 +505,29 @@ def run_alignment(
     return finish(checks)
 
 
-def alignment_workers(cfg: Any) -> tuple[Any, Any]:
-    """Fresh `RolloutWorker` + `TrainWorker` for `cfg`, trainer at one optimizer step per rollout."""
+class AlignmentRun(Protocol):
+    """What building the alignment workers reads of a run's config (flows' RunConfig has it; tasks/ does not
+    import flows/, docs/architecture.md)."""
+
+    run: str
+    model: Any  # .path, .lora
+    store: Any  # .root
+    rollout: RolloutConfig
+    data: DataConfig
+    train: OptimConfig
+    algo: AlgoConfig
+
+    def scoring_layout(self) -> Optional[ScoringLayout]: ...
+
+    def compile_cache_uri(self) -> Optional[str]: ...
+
+
+def alignment_workers(cfg: AlignmentRun) -> tuple[Any, Any]:
+    """Fresh `RolloutWorker` + `TrainWorker` for `cfg`, trainer at one optimizer step per rollout. They load
+    and save torch.compile's caches where the run's workers do (store.compile_cache)."""
     optim = cfg.train.model_copy(update={"num_steps_per_rollout": 1})
-    scoring = cfg.scoring_layout() if hasattr(cfg, "scoring_layout") else None  # rollout.logprobs='teacher_forced'
-    rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data, scoring=scoring)
+    cache = cfg.compile_cache_uri()
+    rollout = RolloutWorker(cfg.model.path, cfg.rollout, cfg.data, scoring=cfg.scoring_layout(), compile_cache=cache)
     trainer = TrainWorker(
         cfg.model.path,
         optim,
@@ -516,11 +536,12 @@ def alignment_workers(cfg: Any) -> tuple[Any, Any]:
         run=cfg.run,
         temperature=cfg.rollout.temperature or 1.0,
         lora=cfg.model.lora,
+        compile_cache=cache,
     )
     return rollout, trainer
 
 
-def run_alignment_local(cfg: Any, **kwargs: Any) -> AlignmentReport:
+def run_alignment_local(cfg: AlignmentRun, **kwargs: Any) -> AlignmentReport:
     """Build the workers in this process (no Prefect, no Ray) and run the checks: a GPU box with torch
     is enough (set rollout.device / train.device to cuda)."""
     rollout, trainer = alignment_workers(cfg)
@@ -532,6 +553,7 @@ __all__ = [
     "STEP2",
     "AlignmentFaults",
     "AlignmentReport",
+    "AlignmentRun",
     "AlignmentThresholds",
     "CheckResult",
     "InProcess",
