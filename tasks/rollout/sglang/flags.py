@@ -28,6 +28,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import re
 import sys
 import tempfile
@@ -107,13 +108,9 @@ def parse_flag_file(text: str) -> FlagList:
     return FlagList(version, flags)
 
 
-_CACHE: dict[Path, FlagList] = {}
-
-
+@functools.cache  # the shipped file does not change while a process runs
 def load_flags(path: Path = FLAGS_FILE) -> FlagList:
-    if path not in _CACHE:
-        _CACHE[path] = parse_flag_file(path.read_text())
-    return _CACHE[path]
+    return parse_flag_file(path.read_text())
 
 
 def format_flag_file(flags: Iterable[FlagSpec], version: str, source: str) -> str:
