@@ -78,6 +78,13 @@ def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
     assert artifact is not None and "**Result: PASS**" in artifact.data
 
     monkeypatch.setenv("ROLLFLOW_FAULT", "resume-resets-data-cursor")
+    # the straight-through reference never resumes, so the fault cannot touch it: the second drill reads the first
+    # one's (same config, same code) instead of running it again, and runs only the killed and the resumed legs
+    from rollflow.flows import alignment, resume_drill
+
+    monkeypatch.setattr(
+        alignment, "run_resume_drill", lambda cfg: resume_drill.run_resume_drill(cfg, reuse_reference=True)
+    )
     state = alignment_check(**params, return_state=True)
     assert state.is_failed()
     exc = state.result(raise_on_failure=False)
