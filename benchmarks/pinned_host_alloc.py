@@ -1,0 +1,128 @@
+"""How fast this machine page-locks host memory, and whether doing it off the main thread hides it (docs/performance.md
+section 7: what is left of the first iteration on a fresh node is the trainer's first offload pinning its buffers).
+
+    python -m benchmarks.pinned_host_alloc                 # torch's default pinned allocator (cudaHostAlloc)
+    python -m benchmarks.pinned_host_alloc --register 8    # the same, each case in a fresh process with
+        PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8
+
+Per size: the seconds of one fresh pinned allocation (sizes not a power of two, so torch's pinned cache, which
+rounds each block up to one, cannot serve a later size from an earlier block) and a device-to-host copy into it.
+Then a loop of bf16 matmuls on the GPU alone, and again while another thread pins 4 x 3 GiB: the slowdown says
+whether the allocation can hide behind GPU work in the same process. Writes benchmarks/results/<machine>-<date>-
+pinned-host-alloc.json. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+ODD = 4097  # bytes past a whole GiB: no earlier block of the cache fits exactly
+
+
+def measure(sizes_gib: list[int]) -> dict:
+    """One process: fresh allocations of each size, then the overlap probe."""
+    import torch
+
+    torch.empty(1, device="cuda")  # the context first: its start is not an allocation
+    rows = []
+    for n in sizes_gib:
+        started = time.perf_counter()
+        host = torch.empty(n * GIB + ODD, dtype=torch.uint8, pin_memory=True)
+        alloc_s = time.perf_counter() - started
+        assert host.is_pinned()
+        device = torch.empty(n * GIB + ODD, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        host.copy_(device, non_blocking=True)
+        torch.cuda.synchronize()
+        copy_s = time.perf_counter() - started
+        rows.append({"gib": n, "alloc_s": alloc_s, "alloc_gib_s": n / alloc_s, "d2h_gib_s": n / copy_s})
+        del host, device
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def gpu_loop(k: int = 1000) -> float:
+        started = time.perf_counter()
+        for _ in range(k):
+            a @ a
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    gpu_loop(20)
+    alone = gpu_loop()
+    held: list = []
+    took: dict[str, float] = {}
+
+    def pin_in_background() -> None:
+        started = time.perf_counter()
+        for _ in range(4):
+            held.append(torch.empty(3 * GIB + ODD + len(held), dtype=torch.uint8, pin_memory=True))
+        took["s"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=pin_in_background)
+    thread.start()
+    beside = gpu_loop()
+    thread.join()
+    return {
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+        "sizes": rows,
+        "gpu_loop_alone_s": alone,
+        "gpu_loop_beside_background_pinning_s": beside,
+        "background_pinning_12gib_s": took["s"],
+        "slowdown": beside / alone,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,3,12", help="GiB per fresh allocation, comma-separated")
+    ap.add_argument("--register", type=int, nargs="*", default=[], help="also run with N host-register threads")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.child:
+        print(json.dumps(measure(sizes)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("pinned_host_alloc: needs a CUDA device (pinned host memory is a CUDA allocation)", file=sys.stderr)
+        return 2
+    from benchmarks.core import default_out, machine_info, versions
+
+    confs = ["default"] + [f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{n}" for n in args.register]
+    cases = []
+    for conf in confs:  # the allocator reads its settings once per process
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if conf != "default":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        cmd = [sys.executable, "-m", "benchmarks.pinned_host_alloc", "--child", "--sizes", args.sizes]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        case = json.loads(out.strip().splitlines()[-1])
+        cases.append(case)
+        sizes_line = ", ".join(
+            f"{r['gib']} GiB {r['alloc_s']:.2f} s ({r['alloc_gib_s']:.1f} GiB/s)" for r in case["sizes"]
+        )
+        print(
+            f"{conf}: {sizes_line}; GPU loop {case['gpu_loop_alone_s']:.2f} s alone, "
+            f"{case['gpu_loop_beside_background_pinning_s']:.2f} s beside 12 GiB pinned in a thread "
+            f"({case['slowdown']:.2f}x)"
+        )
+    path = args.out or default_out("cuda").with_name(default_out("cuda").stem + "-pinned-host-alloc.json")
+    path.write_text(json.dumps({"machine": machine_info(), "versions": versions(), "cases": cases}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
