@@ -6,7 +6,8 @@
 # decides the fit as much as GPU memory does). One process per shape, so each starts on an empty GPU.
 # Needs torch + transformers + pydantic (+ megatron-core for the megatron trainer; without it the torch trainer
 # runs and the JSON says so); rollflow need not be installed (scripts/use_checkout.sh maps the checkout).
-# Writes benchmarks/results/<gpu>-<date>-e2e-<shape>.json and logs under $OUT (default ./gpu-out).
+# Writes benchmarks/results/<gpu>-<date>-e2e-<shape>.json, and logs and the stage plot (e2e-stages.png, when
+# matplotlib is installed) under $OUT (default ./gpu-out).
 # Knobs (env): SHAPES (default "0.5b 1.5b"; empty: skip), LARGEST (default "5b 3b"; empty: skip), E2E_ARGS (e.g. --quick,
 # --repeats 5), E2E_TIMEOUT (seconds per shape, default 1200), RESULTS (default benchmarks/results), COMPILE_CACHE (a
 # folder: each shape's process starts with an empty TORCHINDUCTOR_CACHE_DIR, as on a fresh node, and loads / writes
@@ -26,6 +27,7 @@ run_shape() {
     while [ -e "$json" ]; do n=$((n + 1)); json="$RESULTS/$stem-e2e-$shape-run$n.json"; log="$OUT/e2e-$shape-run$n.log"; done
   fi
   echo "== e2e $shape -> $json"
+  written+=("$json")
   # shellcheck disable=SC2086  # E2E_ARGS is a list of flags
   timeout "${E2E_TIMEOUT:-1200}" python3 -m benchmarks --suite e2e --shape "$shape" --no-table --out "$json" \
     "${cache[@]}" ${E2E_ARGS:-} > "$log" 2>&1
@@ -41,6 +43,7 @@ run_shape() {
 }
 
 rc=0
+written=()  # this run's JSON, for the stage plot
 for shape in ${SHAPES-0.5b 1.5b}; do
   run_shape "$shape" || rc=1
 done
@@ -53,5 +56,15 @@ for shape in ${LARGEST-5b 3b}; do
 done
 if [ -n "${LARGEST-5b 3b}" ]; then
   if [ -n "$largest" ]; then echo "largest shape that fits: $largest"; else echo "no LARGEST shape fit"; rc=1; fi
+fi
+# the stage breakdown of every shape that finished, as stacked bars (docs/performance.md section 7)
+done_json=()
+for json in "${written[@]}"; do [ -f "$json" ] && done_json+=("$json"); done
+if [ ${#done_json[@]} -gt 0 ]; then
+  if python3 -c "import matplotlib" 2>/dev/null; then
+    python3 -m benchmarks.plot_e2e "${done_json[@]}" --out "$OUT/e2e-stages.png" | tail -1
+  else
+    echo "no stage plot: matplotlib is not installed (pip install matplotlib; then python3 -m benchmarks.plot_e2e $RESULTS/*-e2e-*.json)"
+  fi
 fi
 exit $rc
