@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("pinned_host_alloc: needs a CUDA device (pinned host memory is a CUDA allocation)", file=sys.stderr)
         return 2
-    from benchmarks.core import default_out, machine_info, versions
+    from benchmarks.core import default_out, machine_info, versions, write_json
 
     confs = ["default"] + [f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{n}" for n in args.register]
     cases = []
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{case['gpu_loop_beside_background_pinning_s']:.2f} s beside 12 GiB pinned in a thread "
             f"({case['slowdown']:.2f}x)"
         )
-    path = args.out or default_out("cuda").with_name(default_out("cuda").stem + "-pinned-host-alloc.json")
-    path.write_text(json.dumps({"machine": machine_info(), "versions": versions(), "cases": cases}, indent=1))
+    stem = default_out("cuda")
+    path = args.out or stem.with_name(f"{stem.stem}-pinned-host-alloc.json")
+    write_json({"machine": machine_info(), "versions": versions(), "cases": cases}, path)
     print(f"wrote {path}")
     return 0
 
