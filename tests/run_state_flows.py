@@ -1,6 +1,5 @@
 """Small flows for tests/test_run_states.py, run in a subprocess (`python -m tests.run_state_flows ...`).
 
-    beat <seconds>           a flow that sleeps (sending rollflow's heartbeats) until killed
     plain <seconds>          another team's flow: sleeps with Prefect's own heartbeats only
     watched <run> <seconds>  a flow with the run's Ray actors (engine + trainer, named as rl_train names
                              them), watched by CancellationWatcher, doing task work with retries
@@ -22,15 +21,6 @@ from rollflow.flows.prefect_ops.cancellation import CancellationWatcher, current
 
 def announce() -> None:
     print(f"FLOW_RUN_ID {current_flow_run_id()}", flush=True)
-
-
-@flow(name="test_beat")
-def beat(seconds: float) -> None:
-    from rollflow.flows.prefect_ops.heartbeats import flow_heartbeats
-
-    with flow_heartbeats():  # what every rollflow flow body enters
-        announce()
-        time.sleep(seconds)
 
 
 @flow(name="test_plain_beat")
@@ -109,9 +99,7 @@ def fail() -> None:
 
 def main(argv: list[str]) -> int:
     kind, *rest = argv
-    if kind == "beat":
-        beat(float(rest[0]))
-    elif kind == "plain":
+    if kind == "plain":
         plain(float(rest[0]))
     elif kind == "watched":
         state = watched(rest[0], float(rest[1]), return_state=True)
