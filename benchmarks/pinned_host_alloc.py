@@ -5,11 +5,14 @@ section 7: what is left of the first iteration on a fresh node is the trainer's 
     python -m benchmarks.pinned_host_alloc --register 8    # the same, each case in a fresh process with
         PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8
 
+    python -m benchmarks.pinned_host_alloc --thp           # also with THP_MEM_ALLOC_ENABLE=1 (huge pages)
+
 Per size: the seconds of one fresh pinned allocation (sizes not a power of two, so torch's pinned cache, which
-rounds each block up to one, cannot serve a later size from an earlier block) and a device-to-host copy into it.
-Then a loop of bf16 matmuls on the GPU alone, and again while another thread pins 4 x 3 GiB: the slowdown says
-whether the allocation can hide behind GPU work in the same process. Writes benchmarks/results/<machine>-<date>-
-pinned-host-alloc.json. CUDA only.
+rounds each block up to one, cannot serve a later size from an earlier block) and a device-to-host copy into it;
+then the same size on a `HostShelf` (rollflow.tasks.pinned: exact size, pages touched on all cores, then
+registered), its two steps timed apart. Then a loop of bf16 matmuls on the GPU alone, and again while another
+thread pins 4 x 3 GiB, torch's way and the shelf's: the slowdown says whether the allocation can hide behind GPU
+work in the same process. Writes benchmarks/results/<machine>-<date>-pinned-host-alloc.json. CUDA only.
 """
 
 from __future__ import annotations
@@ -44,8 +47,23 @@ def measure(sizes_gib: list[int]) -> dict:
         host.copy_(device, non_blocking=True)
         torch.cuda.synchronize()
         copy_s = time.perf_counter() - started
-        rows.append({"gib": n, "alloc_s": alloc_s, "alloc_gib_s": n / alloc_s, "d2h_gib_s": n / copy_s})
-        del host, device
+        del host
+        shelf_row = shelf_alloc(n * GIB + ODD)
+        started = time.perf_counter()
+        shelf_row.pop("buffer").copy_(device, non_blocking=True)
+        torch.cuda.synchronize()
+        rows.append(
+            {
+                "gib": n,
+                "alloc_s": alloc_s,
+                "alloc_gib_s": n / alloc_s,
+                "d2h_gib_s": n / copy_s,
+                **{f"shelf_{k}": v for k, v in shelf_row.items()},
+                "shelf_gib_s": n / shelf_row["s"],
+                "shelf_d2h_gib_s": n / (time.perf_counter() - started),
+            }
+        )
+        del device
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
@@ -71,6 +89,18 @@ def measure(sizes_gib: list[int]) -> dict:
     thread.start()
     beside = gpu_loop()
     thread.join()
+    held.clear()
+
+    def shelf_in_background() -> None:
+        started = time.perf_counter()
+        for k in range(4):
+            held.append(shelf_alloc(3 * GIB + ODD + k))
+        took["shelf_s"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=shelf_in_background)
+    thread.start()
+    beside_shelf = gpu_loop()
+    thread.join()
     return {
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
         "sizes": rows,
@@ -78,13 +108,40 @@ def measure(sizes_gib: list[int]) -> dict:
         "gpu_loop_beside_background_pinning_s": beside,
         "background_pinning_12gib_s": took["s"],
         "slowdown": beside / alone,
+        "gpu_loop_beside_background_shelf_s": beside_shelf,
+        "background_shelf_12gib_s": took["shelf_s"],
+        "shelf_slowdown": beside_shelf / alone,
     }
+
+
+def shelf_alloc(nbytes: int) -> dict:
+    """One fresh `HostShelf` buffer of `nbytes`: the seconds of the whole, of touching the pages (the zero fill
+    on all cores) and of registering them, apart; the buffer under "buffer"."""
+    import torch
+
+    from rollflow.tasks.pinned import HostShelf, _register
+
+    like = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+    started = time.perf_counter()
+    buffer = HostShelf().place({"x": like})["x"]
+    whole = time.perf_counter() - started
+    assert buffer.is_pinned()
+    # the two steps apart, on a second buffer of the same size
+    plain = HostShelf(pin=False).place({"x": like})["x"]
+    started = time.perf_counter()
+    plain.zero_()
+    touch = time.perf_counter() - started
+    started = time.perf_counter()
+    _register(plain)
+    register = time.perf_counter() - started
+    return {"s": whole, "touch_s": touch, "register_s": register, "buffer": buffer}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1,3,12", help="GiB per fresh allocation, comma-separated")
     ap.add_argument("--register", type=int, nargs="*", default=[], help="also run with N host-register threads")
+    ap.add_argument("--thp", action="store_true", help="also run with THP_MEM_ALLOC_ENABLE=1 (huge pages)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -99,24 +156,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from benchmarks.core import default_out, machine_info, versions, write_json
 
-    confs = ["default"] + [f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{n}" for n in args.register]
+    confs = [("default", {})] + [
+        (
+            f"register {n}",
+            {"PYTORCH_CUDA_ALLOC_CONF": f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{n}"},
+        )
+        for n in args.register
+    ]
+    if args.thp:
+        confs.append(("huge pages", {"THP_MEM_ALLOC_ENABLE": "1"}))
     cases = []
-    for conf in confs:  # the allocator reads its settings once per process
+    for name, extra in confs:  # the allocator reads its settings once per process
         env = dict(os.environ)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if conf != "default":
-            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        env.update(extra)
         cmd = [sys.executable, "-m", "benchmarks.pinned_host_alloc", "--child", "--sizes", args.sizes]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-        case = json.loads(out.strip().splitlines()[-1])
+        case = {"case": name, "env": extra, **json.loads(out.strip().splitlines()[-1])}
         cases.append(case)
         sizes_line = ", ".join(
-            f"{r['gib']} GiB {r['alloc_s']:.2f} s ({r['alloc_gib_s']:.1f} GiB/s)" for r in case["sizes"]
+            f"{r['gib']} GiB {r['alloc_s']:.2f} s ({r['alloc_gib_s']:.1f} GiB/s; shelf {r['shelf_s']:.2f} s = "
+            f"touch {r['shelf_touch_s']:.2f} + register {r['shelf_register_s']:.2f})"
+            for r in case["sizes"]
         )
         print(
-            f"{conf}: {sizes_line}; GPU loop {case['gpu_loop_alone_s']:.2f} s alone, "
+            f"{name}: {sizes_line}; GPU loop {case['gpu_loop_alone_s']:.2f} s alone, "
             f"{case['gpu_loop_beside_background_pinning_s']:.2f} s beside 12 GiB pinned in a thread "
-            f"({case['slowdown']:.2f}x)"
+            f"({case['slowdown']:.2f}x), {case['gpu_loop_beside_background_shelf_s']:.2f} s beside 12 GiB shelved "
+            f"({case['shelf_slowdown']:.2f}x)"
         )
     stem = default_out("cuda")
     path = args.out or stem.with_name(f"{stem.stem}-pinned-host-alloc.json")

@@ -30,7 +30,7 @@ if [ "${SKIP_PYTEST:-0}" != 1 ]; then
   grep '^SKIPPED' "$OUT/pytest_gpu.log" || true  # each skip with its reason
   tail -3 "$OUT/pytest_gpu.log"
   timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_ipc_sync.py \
-    tests/test_static_decode.py tests/test_trainer_offload.py tests/test_hf_bucket_sync.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1
+    tests/test_static_decode.py tests/test_trainer_offload.py tests/test_hf_bucket_sync.py tests/test_host_shelf.py > "$OUT/pytest_ipc.log" 2>&1 || rc=1
   grep '^SKIPPED' "$OUT/pytest_ipc.log" || true
   tail -3 "$OUT/pytest_ipc.log"
 fi

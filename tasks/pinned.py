@@ -3,19 +3,77 @@
 Pinned (page-locked) host memory is what lets a copy between host and GPU run at the bus's speed and without
 blocking the host. A pageable copy (`Module.to("cpu")`) is several times slower, and pinning fresh host memory costs
 about as much again, so a model parked every iteration keeps its pinned buffers (docs/performance.md 7).
+
+`HostShelf` is where those buffers live: one allocation per batch of new tensors, of exactly their size, its pages
+touched on every core and then registered with the driver. torch's own pinned allocator (`pin_memory=True`) takes a
+block per tensor, rounded up to a power of two (up to 2x the host memory), and page-locks it on one thread at a few
+GiB/s, which is most of a fresh node's first iteration beyond a steady one (docs/performance.md 7).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
 import torch
 
+ALIGN = 4096  # every buffer starts on its own page: any dtype's view is aligned, and no two share a page
 
-def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t` in pinned memory, started asynchronously (synchronize before freeing `t`'s storage)
-    so that the copy back to the GPU can be asynchronous too."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
+
+def _register(base: torch.Tensor) -> None:
+    """Page-lock `base` (a contiguous host tensor) until it is collected."""
+    cudart = torch.cuda.cudart()
+    nbytes = base.numel() * base.element_size()
+    rc = cudart.cudaHostRegister(base.data_ptr(), nbytes, 0)
+    if int(rc) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes / 2**30:.1f} GiB of host memory failed ({rc}): the host is short of "
+            "memory it can lock; offload less (colocate=false) or use a host with more memory"
+        )
+    # Unregistered when the tensor object goes, which is before its memory can be freed (it holds the storage).
+    weakref.finalize(base, cudart.cudaHostUnregister, base.data_ptr())
+
+
+@dataclass
+class HostShelf:
+    """Host buffers by key, each the shape and dtype of the tensor it holds, kept and reused between calls.
+
+    `pin` (default: a CUDA device is present) page-locks them; without it the shelf is plain host memory (what a
+    CPU-only host can have, and what the carving is tested on)."""
+
+    pin: bool = field(default_factory=torch.cuda.is_available)
+    slots: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    blocks: list[torch.Tensor] = field(default_factory=list)  # the allocations the slots are views of
+
+    def place(self, tensors: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
+        """A buffer for each of `tensors` (same key), reusing this shelf's buffer of that key when its shape and
+        dtype still match; the rest are carved from one new allocation of exactly their size. Values are not
+        copied."""
+        fresh = [
+            (key, t)
+            for key, t in tensors.items()
+            if key not in self.slots or self.slots[key].shape != t.shape or self.slots[key].dtype != t.dtype
+        ]
+        if fresh:
+            offsets, total = [], 0
+            for _, t in fresh:
+                offsets.append(total)
+                total += -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
+            raw = torch.empty(total + ALIGN, dtype=torch.uint8)  # torch aligns to 64 bytes; start on a page
+            base = raw[-raw.data_ptr() % ALIGN :][: max(total, 1)]
+            if self.pin:
+                base.zero_()  # touches every page on all cores; the driver's register would fault them in on one
+                _register(base)
+            self.blocks.append(base)
+            for (key, t), offset in zip(fresh, offsets):
+                nbytes = t.numel() * t.element_size()
+                self.slots[key] = base[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        return {key: self.slots[key] for key in tensors}
+
+    def nbytes(self) -> int:
+        """Host memory this shelf holds."""
+        return sum(b.numel() for b in self.blocks)
 
 
 def _state(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -30,17 +88,15 @@ def _state(module: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def park_on_host(module: torch.nn.Module, shelf: dict[int, torch.Tensor]) -> None:
+def park_on_host(module: torch.nn.Module, shelf: HostShelf) -> None:
     """`module`'s parameters and buffers to pinned host memory; their GPU memory is free once this returns.
 
     `shelf` (the caller's, kept between calls) holds one pinned buffer per tensor, reused by every later park:
     pinning fresh host memory costs about what a pageable copy does, so only the first park pays it."""
-    for t in _state(module):
-        if not t.is_cuda:
-            continue
-        buf = shelf.get(id(t))
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = shelf[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    on_gpu = [t for t in _state(module) if t.is_cuda]
+    bufs = shelf.place({id(t): t for t in on_gpu})
+    for t in on_gpu:
+        buf = bufs[id(t)]
         buf.copy_(t.data, non_blocking=True)
         t.data = buf
     torch.cuda.synchronize()

@@ -30,7 +30,7 @@ import torch
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.routing import decode_routes, padded_routes, record_routes, route_shape
 from rollflow.tasks.model.teacher_forced import ScoringLayout, right_padded, teacher_forced_log_probs
-from rollflow.tasks.pinned import bring_back, park_on_host
+from rollflow.tasks.pinned import HostShelf, bring_back, park_on_host
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams, next_weight_version
 from rollflow.tasks.rollout.static_decode import StaticDecoder
@@ -114,7 +114,7 @@ class HFEngine:
         self.resident = ResidentWeights(self.model)
         # Recent updates' copies by key (sources / destinations / shapes), reused while a key holds.
         self._copy_plans: dict[tuple, CopyPlan] = {}
-        self._host_shelf: dict[int, torch.Tensor] = {}  # pinned buffers the weights are parked in (release_memory)
+        self._host_shelf = HostShelf()  # pinned buffers the weights are parked in (release_memory)
         self._decoder: StaticDecoder | None = None
         if weight_sync not in ("object_store", "tensor"):
             raise ValueError(f"rollout.hf_weight_sync={weight_sync!r}: expected object_store or tensor")

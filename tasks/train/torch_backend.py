@@ -11,7 +11,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES, cast_model
 from rollflow.tasks.model.teacher_forced import gather_log_probs, next_token_logits, teacher_forced_log_probs
-from rollflow.tasks.pinned import pinned_copy
+from rollflow.tasks.pinned import HostShelf
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync.resident import ResidentWeights
 from rollflow.tasks.train.batch import TrainBatch
@@ -81,6 +81,7 @@ class TorchBackend:
         self.model = cast_model(model, DTYPES[optim.dtype], optim.device)
         self._resident: ResidentWeights | None = None
         self._offloaded = False  # `offload` moved the state to host memory; `onload` brings it back
+        self._shelf = HostShelf()  # the pinned host buffers it moves into, kept for the next offload
         # Micro-batches trained and batches scored, read from the control group by a stall deadline.
         self.progress = Progress()
         if self.group is not None:
@@ -114,12 +115,20 @@ class TorchBackend:
         if torch.device(self.optim_cfg.device).type != "cuda" or self._offloaded:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        for t in self._movable():
-            t.data = pinned_copy(t.data)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.is_cuda:
-                    state[k] = pinned_copy(v)
+        movable = {("t", n): t for n, t in enumerate(self._movable())}
+        state_of = {
+            ("state", n, k): (state, v)
+            for n, state in enumerate(self.optimizer.state.values())
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_cuda
+        }
+        bufs = self._shelf.place(
+            {**{k: t.data for k, t in movable.items()}, **{k: v for k, (_, v) in state_of.items()}}
+        )
+        for key, t in movable.items():
+            t.data = bufs[key].copy_(t.data, non_blocking=True)
+        for key, (state, v) in state_of.items():
+            state[key[2]] = bufs[key].copy_(v, non_blocking=True)
         torch.cuda.synchronize()
         self._offloaded, self._resident = True, None  # the resident views pointed at the GPU storage
         torch.cuda.empty_cache()

@@ -32,6 +32,7 @@ import torch
 
 from rollflow.tasks.model.dtypes import DTYPES
 from rollflow.tasks.model.tiny import load_model
+from rollflow.tasks.pinned import HostShelf
 from rollflow.tasks.progress import Progress
 from rollflow.tasks.sync import megatron_names as mn
 from rollflow.tasks.sync.buckets import buckets_by_bytes
@@ -186,10 +187,11 @@ class MegatronBackend:
         # The reference is the starting policy, frozen: kept as a host copy (pinned on CUDA) and swapped into
         # the one model for the reference pass, so no second model sits in GPU memory (slime does the same).
         self._ref_state: dict[str, torch.Tensor] | None = None
+        self._shelf = HostShelf(pin=self.device.type == "cuda")  # pinned host buffers: offload's and the reference's
         if keep_ref:
-            self._ref_state = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}
-            if self.device.type == "cuda":
-                self._ref_state = {k: v.pin_memory() for k, v in self._ref_state.items()}
+            weights = self._weights()
+            self._ref_state = self._shelf.place({("ref", k): v for k, v in weights.items()})
+            self._ref_state = {k: self._ref_state[("ref", k)].copy_(v.detach()) for k, v in weights.items()}
         self._build_optimizer()
 
     # -- optimizer ---------------------------------------------------------------------------------
@@ -564,7 +566,7 @@ class MegatronBackend:
                 "and optimizer state know how to move); optimizer='torch' keeps its state"
             )
         self._host_weights, self._offloaded_opt_params = offload_to_host(
-            self.chunks, self.ddps, inner_optimizers(self.optimizer), self.device
+            self.chunks, self.ddps, inner_optimizers(self.optimizer), self.device, self._shelf
         )
 
     def onload(self) -> None:
