@@ -188,6 +188,9 @@ def alignment_check(
             f"faults {', '.join(faults.repro_only)} act on the reproducibility gate only: pass "
             "reproducibility=True (`rollflow align --repro`)"
         )
+    refused = faults.refusal(lora=cfg.model.lora is not None) if faults is not None else None
+    if refused:
+        raise ValueError(refused)
     tag_current_run(cfg.run, "align")
     logger = get_run_logger()
     acfg = alignment_config(cfg)

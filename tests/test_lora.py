@@ -240,3 +240,22 @@ def test_rl_train_with_lora_syncs_merged_weights_and_resumes(tmp_path, prefect_a
     rows3 = read_metrics(cfg3)
     assert len(rows3) == 3 and rows3[2]["sync/parity_ok"] == 1.0
     assert rows3[:2] == rows  # the first two iterations were not redone
+
+
+def test_reference_drill_is_refused_under_lora_before_any_worker_is_built(tmp_path, monkeypatch):
+    """Under LoRA the reference is the base model with the adapters off: `faults.perturb_ref_std` has nothing of
+    its own to perturb, so `rollflow align` refuses it in one line naming the field, before building a worker
+    (it used to build both and fail with a TypeError from inside the trainer)."""
+    from rollflow.flows.config_loading import load_config
+    from rollflow.tasks.debug import alignment
+    from rollflow.tasks.debug.faults import AlignmentFaults
+
+    cfg = load_config(None, ["model.lora.rank=4", f"store.root={tmp_path}"])
+    monkeypatch.setattr(alignment, "alignment_workers", lambda cfg: pytest.fail("a worker was built"))
+    with pytest.raises(ValueError) as err:
+        alignment.run_alignment_local(cfg, faults=AlignmentFaults(perturb_ref_std=0.05))
+    message = str(err.value)
+    assert "faults.perturb_ref_std" in message and "model.lora" in message and "\n" not in message
+    # what LoRA leaves alone is not refused: the same fault on a full model, other faults under LoRA
+    assert AlignmentFaults(perturb_ref_std=0.05).refusal(lora=False) is None
+    assert AlignmentFaults(perturb_policy_std=0.05, gibberish_weights="shuffle").refusal(lora=True) is None

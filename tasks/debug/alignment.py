@@ -544,6 +544,10 @@ def alignment_workers(cfg: AlignmentRun) -> tuple[Any, Any]:
 def run_alignment_local(cfg: AlignmentRun, **kwargs: Any) -> AlignmentReport:
     """Build the workers in this process (no Prefect, no Ray) and run the checks: a GPU box with torch
     is enough (set rollout.device / train.device to cuda)."""
+    faults = kwargs.get("faults")
+    refused = faults.refusal(lora=cfg.model.lora is not None) if faults is not None else None
+    if refused:
+        raise ValueError(refused)
     rollout, trainer = alignment_workers(cfg)
     return run_alignment(rollout, trainer, cfg, **kwargs)
 

@@ -79,6 +79,17 @@ class AlignmentFaults(BaseModel):
             out.append("greedy_sampling (engine, temperature unchanged)")
         return out
 
+    def refusal(self, lora: bool) -> str | None:
+        """Why these faults cannot act on the run's trainer, in one line (None: they can). Asked before any worker
+        starts."""
+        if self.perturb_ref_std and lora:
+            return (
+                "faults.perturb_ref_std: under model.lora the reference is the base model with the adapters off, "
+                "the weights the policy is built on, so there is no reference of its own to perturb; run this "
+                "drill on the config without model.lora"
+            )
+        return None
+
     @property
     def repro_only(self) -> list[str]:
         """The faults only the reproducibility gate applies (refused without it: a fault that does nothing)."""
