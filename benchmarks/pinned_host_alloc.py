@@ -119,13 +119,13 @@ def shelf_alloc(nbytes: int) -> dict:
     on all cores) and of registering them, apart; the buffer under "buffer"."""
     import torch
 
-    from rollflow.tasks.pinned import HostShelf, _register
+    from rollflow.tasks.pinned import HostShelf, _register, page_locked
 
     like = torch.empty(nbytes, dtype=torch.uint8, device="meta")
     started = time.perf_counter()
     buffer = HostShelf().place({"x": like})["x"]
     whole = time.perf_counter() - started
-    assert buffer.is_pinned()
+    assert page_locked(buffer)
     # the two steps apart, on a second buffer of the same size
     plain = HostShelf(pin=False).place({"x": like})["x"]
     started = time.perf_counter()

@@ -21,6 +21,23 @@ import torch
 ALIGN = 4096  # every buffer starts on its own page: any dtype's view is aligned, and no two share a page
 
 
+def page_locked(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is page-locked host memory the driver knows, however it got so (torch's pinned
+    allocator or `HostShelf`'s registration). `Tensor.is_pinned()` answers for torch's allocator only (False for
+    registered memory in torch 2.11), so it cannot tell. Asks the driver API, which leaves the runtime's last-error
+    state alone; False without a CUDA driver."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    memory_type = ctypes.c_uint(0)
+    # CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2; CU_MEMORYTYPE_HOST = 1 (pageable memory: an error code instead)
+    rc = driver.cuPointerGetAttribute(ctypes.byref(memory_type), 2, ctypes.c_void_p(t.data_ptr()))
+    return rc == 0 and memory_type.value == 1
+
+
 def _register(base: torch.Tensor) -> None:
     """Page-lock `base` (a contiguous host tensor) until it is collected."""
     cudart = torch.cuda.cudart()

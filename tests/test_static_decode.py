@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from rollflow.tasks.pinned import page_locked
 from rollflow.tasks.rollout.engine import GenerationRequest, SamplingParams
 from rollflow.tasks.rollout.hf_engine import HFEngine
 
@@ -140,7 +141,7 @@ def test_release_frees_the_gpu_and_resume_brings_back_every_bit_ties_and_the_com
 
     engine.release_memory(["weights"])
     assert allocated - torch.cuda.memory_allocated() >= weight_bytes
-    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    assert all(p.device.type == "cpu" and page_locked(p) for p in model.parameters())
     engine.resume_memory(["weights"])
 
     assert all(p.is_cuda for p in model.parameters())

@@ -140,10 +140,10 @@ class TorchBackend:
         device = torch.device(self.optim_cfg.device)
         for t in self._movable():
             t.data = t.data.to(device, non_blocking=True)
-        for state in self.optimizer.state.values():
+        for n, state in enumerate(self.optimizer.state.values()):
             for k, v in state.items():
-                # AdamW keeps `step` on the host unless capturable / fused: only what was on the GPU goes back
-                if isinstance(v, torch.Tensor) and v.is_pinned():
+                # AdamW keeps `step` on the host unless capturable / fused: only what offload moved goes back
+                if ("state", n, k) in self._shelf.slots and v is self._shelf.slots[("state", n, k)]:
                     state[k] = v.to(device, non_blocking=True)
         torch.cuda.synchronize()
         self._offloaded = False
