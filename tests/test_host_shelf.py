@@ -101,3 +101,12 @@ def test_park_on_host_reuses_the_shelf_between_parks():
     park_on_host(model, shelf)
     assert len(shelf.blocks) == 1 and {k: v.data_ptr() for k, v in model.state_dict().items()} == ptrs
     assert all(torch.equal(v.cuda(), want[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a host without CUDA gets")
+def test_the_allocation_probe_refuses_in_one_line_without_cuda(capsys, tmp_path):
+    from benchmarks import pinned_host_alloc
+
+    assert pinned_host_alloc.main(["--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a CUDA device" in err and "\n" not in err and not (tmp_path / "x.json").exists()
