@@ -262,7 +262,7 @@ def test_engines_and_backends_declare_their_capabilities(tmp_path):
         has = {p for p in [*caps, ResidentTensors] if isinstance(obj, p)}
         assert has == wanted, f"{type(obj).__name__}: has {sorted(p.__name__ for p in has)}"
     # megatron-core is not needed to see the class's members (its constructor would need it)
-    for protocol in (tc.Sharded, tc.Offloadable, tc.BucketExporter):
+    for protocol in (tc.Sharded, tc.Offloadable, tc.BucketExporter, tc.HostReference):
         missing = _members(protocol) - set(dir(MegatronBackend))
         assert not missing, f"MegatronBackend lacks {sorted(missing)} of {protocol.__name__}"
     assert not (_members(ResidentTensors) | _members(tc.KnowsVocabSize)) & set(dir(MegatronBackend))

@@ -64,6 +64,7 @@ from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from rollflow.tasks.rollout.worker import RolloutWorker
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
+from rollflow.tasks.train.capabilities import HostReference
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.worker import TrainWorker
 
@@ -123,7 +124,7 @@ def _torch_model(obj: Any, attr: str, fault: str):
 
 def engine_describe(worker: Any) -> dict[str, Any]:
     cfg = getattr(worker, "rollout_cfg", None)
-    info = dataclasses.asdict(worker.describe()) if hasattr(worker, "describe") else {}
+    info = dataclasses.asdict(worker.describe())
     return {
         "backend": info.get("backend", "?"),
         "model": info.get("model", "?"),
@@ -154,13 +155,13 @@ def trainer_scramble(worker: Any, mode: str, seed: int) -> None:
     ref = getattr(backend, "ref_model", None)
     if ref is not None:  # the reference is the starting policy: gibberish too
         scramble_module(ref, mode, seed)  # type: ignore[arg-type]
-    elif hasattr(backend, "reset_reference"):  # megatron: the reference is a host copy of the weights
+    elif isinstance(backend, HostReference):  # megatron: the reference is a host copy of the weights
         backend.reset_reference()
 
 
 def trainer_perturb_ref(worker: Any, std: float, seed: int) -> None:
     backend = backend_of(worker)
-    tensors = backend.reference_tensors() if hasattr(backend, "reference_tensors") else None
+    tensors = backend.reference_tensors() if isinstance(backend, HostReference) else None
     if tensors is not None:  # megatron: the reference's host copies
         perturb_tensors(tensors.values(), std, seed)
         return

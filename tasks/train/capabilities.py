@@ -53,3 +53,13 @@ class KnowsVocabSize(Protocol):
     """The model's vocabulary size (None: unknown), so token ids beyond it are refused before the forward."""
 
     vocab_size: int | None
+
+
+@runtime_checkable
+class HostReference(Protocol):
+    """The frozen reference is a host copy of the starting weights swapped into the one model (megatron), not a
+    second module (the torch backend's `ref_model`): the alignment drills perturb or reset it through these."""
+
+    def reference_tensors(self) -> dict[str, torch.Tensor] | None: ...
+
+    def reset_reference(self) -> None: ...
