@@ -239,7 +239,7 @@ def test_cli_align_local(cfg, tmp_path):
     args = ["align", "--local"] + [x for s in sets for x in ("--set", s)]
     ok = CliRunner().invoke(app, args + ["--json"])
     assert ok.exit_code == 0, ok.output
-    data = json.loads(ok.output)
+    data = json.loads(ok.stdout)
     assert data["status"] == "pass" and (tmp_path / "cli" / "alignment").is_dir()
     assert json.loads(open(data["json_path"]).read())["status"] == "pass"
     bad = CliRunner().invoke(app, args + ["--memory-budget-mb", "1"])

@@ -97,7 +97,7 @@ def test_resume_continues_at_the_same_sample_across_an_epoch_boundary(tmp_path, 
     register(app)
     res = CliRunner().invoke(app, ["show", str(tmp_path / "ds"), "--split", "eval", "--json"])
     assert res.exit_code == 0, res.output
-    shown = json.loads(res.output)
+    shown = json.loads(res.stdout)
     assert shown["split"] == "eval" and shown["metrics"]["n_samples"] == 12
 
 

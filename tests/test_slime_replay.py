@@ -183,11 +183,11 @@ def test_show_and_replay_reward_honour_run_level_reward_keys(tmp_path, app):
     # Train split: --reward-key picks `acc` (half the samples are 1.0).
     res = invoke(app, "show", template, "--id", "0", "--split", "train", "--reward-key", "acc", "--json")
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.output)
+    doc = json.loads(res.stdout)
     assert doc["ids"] == {"train": [0], "eval": [0]}  # the eval dump is discovered too
     assert doc["metrics"]["reward_mean"] == pytest.approx(0.5)
     # Without a key slime's dict rewards have no scalar value: none are counted as scored.
-    doc = json.loads(invoke(app, "show", template, "--id", "0", "--split", "train", "--json").output)
+    doc = json.loads(invoke(app, "show", template, "--id", "0", "--split", "train", "--json").stdout)
     assert doc["metrics"]["n_scored"] == 0
     # Eval split: --eval-reward-key wins over --reward-key (as slime's --eval-reward-key).
     res = invoke(
@@ -204,7 +204,7 @@ def test_show_and_replay_reward_honour_run_level_reward_keys(tmp_path, app):
         "score",
         "--json",
     )
-    doc = json.loads(res.output)
+    doc = json.loads(res.stdout)
     assert doc["metrics"]["reward_mean"] == pytest.approx(0.5 + 0.25 * 1.5)
 
     # replay-reward compares the stored `acc` with a function returning {acc, ...}: nothing changed.
@@ -223,7 +223,7 @@ def test_show_and_replay_reward_honour_run_level_reward_keys(tmp_path, app):
         "--json",
     )
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["n_changed"] == 0
+    assert json.loads(res.stdout)["n_changed"] == 0
 
 
 def same_acc(sample) -> dict:
