@@ -33,7 +33,7 @@ from rollflow.flows.prefect_ops.run_lock import one_run_at_a_time
 from rollflow.flows.repro_gate import run_repro_gate
 from rollflow.flows.resume_drill import DRILL, drill_markdown, run_resume_drill
 from rollflow.infra.automations import apply_with_alert
-from rollflow.tasks.debug.alignment import run_alignment
+from rollflow.tasks.debug.alignment import refuse_faults_it_cannot_take, run_alignment
 from rollflow.tasks.debug.checks import FAIL, AlignmentReport, AlignmentThresholds, CheckResult
 from rollflow.tasks.debug.faults import AlignmentFaults
 
@@ -188,9 +188,7 @@ def alignment_check(
             f"faults {', '.join(faults.repro_only)} act on the reproducibility gate only: pass "
             "reproducibility=True (`rollflow align --repro`)"
         )
-    refused = faults.refusal(lora=cfg.model.lora is not None) if faults is not None else None
-    if refused:
-        raise ValueError(refused)
+    refuse_faults_it_cannot_take(cfg, faults)
     tag_current_run(cfg.run, "align")
     logger = get_run_logger()
     acfg = alignment_config(cfg)

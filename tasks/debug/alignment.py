@@ -542,13 +542,17 @@ def alignment_workers(cfg: AlignmentRun) -> tuple[Any, Any]:
     return rollout, trainer
 
 
-def run_alignment_local(cfg: AlignmentRun, **kwargs: Any) -> AlignmentReport:
-    """Build the workers in this process (no Prefect, no Ray) and run the checks: a GPU box with torch
-    is enough (set rollout.device / train.device to cuda)."""
-    faults = kwargs.get("faults")
+def refuse_faults_it_cannot_take(cfg: AlignmentRun, faults: AlignmentFaults | None) -> None:
+    """ValueError, one line naming the field, when `faults` cannot act on `cfg`'s trainer; before any worker."""
     refused = faults.refusal(lora=cfg.model.lora is not None) if faults is not None else None
     if refused:
         raise ValueError(refused)
+
+
+def run_alignment_local(cfg: AlignmentRun, **kwargs: Any) -> AlignmentReport:
+    """Build the workers in this process (no Prefect, no Ray) and run the checks: a GPU box with torch
+    is enough (set rollout.device / train.device to cuda)."""
+    refuse_faults_it_cannot_take(cfg, kwargs.get("faults"))
     rollout, trainer = alignment_workers(cfg)
     return run_alignment(rollout, trainer, cfg, **kwargs)
 
@@ -566,6 +570,7 @@ __all__ = [
     "alignment_workers",
     "as_runner",
     "run_alignment",
+    "refuse_faults_it_cannot_take",
     "run_alignment_local",
     "step2_check",
 ]

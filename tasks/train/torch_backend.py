@@ -143,7 +143,7 @@ class TorchBackend:
         for n, state in enumerate(self.optimizer.state.values()):
             for k, v in state.items():
                 # AdamW keeps `step` on the host unless capturable / fused: only what offload moved goes back
-                if ("state", n, k) in self._shelf.slots and v is self._shelf.slots[("state", n, k)]:
+                if v is self._shelf.slots.get(("state", n, k)):
                     state[k] = v.to(device, non_blocking=True)
         torch.cuda.synchronize()
         self._offloaded = False

@@ -190,8 +190,8 @@ class MegatronBackend:
         self._shelf = HostShelf(pin=self.device.type == "cuda")  # pinned host buffers: offload's and the reference's
         if keep_ref:
             weights = self._weights()
-            self._ref_state = self._shelf.place({("ref", k): v for k, v in weights.items()})
-            self._ref_state = {k: self._ref_state[("ref", k)].copy_(v.detach()) for k, v in weights.items()}
+            bufs = self._shelf.place({("ref", k): v for k, v in weights.items()})
+            self._ref_state = {k: bufs[("ref", k)].copy_(v.detach()) for k, v in weights.items()}
         self._build_optimizer()
 
     # -- optimizer ---------------------------------------------------------------------------------

@@ -61,8 +61,8 @@ def offload_to_host(
     for key, tensor in moving.items():
         bufs[key].copy_(tensor, non_blocking=True)
     host = {key: bufs[key] for key in moving}
-    for (_, n), buf in ((key, bufs[key]) for key in held):
-        buffers[n].param_data_cpu = buf
+    for key in held:
+        buffers[key[1]].param_data_cpu = bufs[key]
     torch.cuda.synchronize()
     for b in buffers:  # grad buffers, and the param buffer of the distributed optimizer
         b.offload_to_cpu(move_params=True, move_grads=True)
