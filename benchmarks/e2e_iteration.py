@@ -131,7 +131,7 @@ def _trainer_args(setup: Setup) -> tuple[tuple, dict]:
     """TrainWorker's arguments, as rl_train starts it (resident), in process or as an actor alike."""
     args = (setup.model, setup.optim, setup.algo)
     kwargs = {"store_root": setup.store_root, "run": RUN, "temperature": setup.rollout.temperature or 1.0}
-    return args, kwargs | {"compile_cache": setup.compile_cache}
+    return args, kwargs | {"compile_cache": setup.compile_cache, "parks_on_host": True}
 
 
 def build_workers(setup: Setup) -> Workers:

@@ -45,6 +45,7 @@ from benchmarks.e2e_iteration import (
 from benchmarks.models import param_count, qwen2, save_model_dir
 from rollflow.tasks.compile_cache import cached_roles
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, resolve_hf_weight_sync
+from rollflow.tasks.train.memory_fit import TrainerDoesNotFit, check_trainer_fits
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 TITLE = "end-to-end iteration, colocated, offload on"
@@ -61,6 +62,9 @@ SHAPES = {
     "1.5b": "qwen2-1.5b",
     "3b": "qwen2.5-3b",
     "5b": "qwen2.5-7b-20l",
+    # Qwen2.5-7B's shape: its trainer state (~18 bytes per parameter with Megatron's optimizer) exceeds an 80 GB GPU,
+    # which the fit check (tasks/train/memory_fit.py) refuses before anything is built
+    "7b": "qwen2.5-7b",
 }
 
 
@@ -152,8 +156,17 @@ def run(ctx: BenchContext) -> SuiteResult:
     steady = ctx.n(3, 2)
     backend, why = train_backend(ctx.options.get("train_backends"))
     dtype = "bfloat16" if cuda else "float32"
-    model = model_path(ctx, shape, dtype)
-    setup = make_setup(ctx, shape, load, backend, model, dtype)
+    setup = make_setup(ctx, shape, load, backend, SHAPES[shape], dtype)
+    if not SHAPES[shape].startswith("builtin:"):
+        # The trainer worker checks this too, but only after the model is built, saved and the engine loaded it.
+        try:
+            check_trainer_fits(param_count(qwen2(SHAPES[shape], device="meta")), setup.optim, parks_on_host=True)
+        except TrainerDoesNotFit as exc:
+            print(f"[e2e] {shape}: {exc}", file=sys.stderr, flush=True)
+            res.params = {"shape": shape, "model": SHAPES[shape], "dtype": dtype, "train_backend": backend}
+            res.error = f"{type(exc).__name__}: {exc}"
+            return res
+    setup = dataclasses.replace(setup, model=model_path(ctx, shape, dtype))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     cached = cached_roles(setup.compile_cache)  # what the workers load (before they write their own)

@@ -384,6 +384,8 @@ class WorkerGroup:
                     temperature=cfg.rollout.temperature or 1.0,
                     resume_iteration=resume_iteration or None,
                     compile_cache=cfg.compile_cache_uri(),
+                    # replay trains with no engine to make room for (and its form has no placement)
+                    parks_on_host=not cfg.debug.train_only and cfg.placement == "colocate" and cfg.offload,
                     wait=False,
                     **extra,
                 )

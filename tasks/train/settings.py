@@ -367,6 +367,11 @@ class OptimConfig(_Strict):
     threads: int = Field(1, ge=1, description="torch threads of the trainer (fixed so numerics repeat)")
     compute_ref_log_probs: bool = Field(True, description="also needed by the alignment checks")
     seed: int = 1234
+    check_memory_fit: bool = Field(
+        True,
+        description="refuse before loading when the trainer's state (weights, grads, optimizer) cannot fit the GPU, "
+        "or with colocated offload the node's host memory (a lower bound: tasks/train/memory_fit.py)",
+    )
     megatron: MegatronSettings = Field(default_factory=MegatronSettings)
 
 

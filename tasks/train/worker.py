@@ -43,6 +43,7 @@ from rollflow.tasks.train.data_parallel import DataParallel
 from rollflow.tasks.train.dump import train_dump_bytes
 from rollflow.tasks.train.lora_backend import LoraTorchBackend
 from rollflow.tasks.train.megatron.backend import build_megatron_backend  # megatron-core itself loads on use
+from rollflow.tasks.train.memory_fit import check_trainer_fits, safetensors_params
 from rollflow.tasks.train.mismatch import corrects
 from rollflow.tasks.train.probe import probe_log_probs
 from rollflow.tasks.train.records import records_bytes, sample_records
@@ -78,15 +79,25 @@ def build_backend(
     temperature: float,
     dp: DataParallel | None = None,
     lora: LoraSettings | None = None,
+    parks_on_host: bool = False,
 ):
     """The backend of `optim.backend`; `dp` makes the backend one rank of a data-parallel group; `lora`
-    (model.lora) trains adapters on a frozen base (torch only)."""
+    (model.lora) trains adapters on a frozen base (torch only); `parks_on_host`: colocated offload will move
+    the state to host memory (counted by the fit check)."""
     multi_rank = dp is not None and dp.enabled
     if lora is not None and optim.backend != "torch":
         raise NotImplementedError(LORA_BACKEND_REFUSED)
     if optim.backend == "megatron" and multi_rank and (why := megatron_multi_rank_refusal(optim)):
         # Refused before anything loads or joins a group.
         raise NotImplementedError(f"{why} (got world_size={dp.world_size})")
+    if optim.check_memory_fit:  # before a weight is read (tasks/train/memory_fit.py)
+        check_trainer_fits(
+            safetensors_params(resolve_model_path(model_spec)),
+            optim,
+            world=dp.world_size if multi_rank else 1,
+            lora=lora is not None,
+            parks_on_host=parks_on_host,
+        )
     if optim.backend == "megatron":
         return build_megatron_backend(
             resolve_model_path(model_spec), optim, temperature=temperature, dp=dp if multi_rank else None
@@ -116,11 +127,13 @@ class TrainWorker:
         dp: DataParallel | None = None,
         lora: LoraSettings | None = None,
         compile_cache: str | None = None,
+        parks_on_host: bool = False,
     ):
         """`dp`: this worker is one rank of a data-parallel trainer (one TrainWorker per rank, all built
         concurrently: construction blocks until every rank has joined). `lora`: model.lora. `compile_cache`: a
         folder URL of torch.compile's caches, loaded before anything compiles; rank 0 writes it after its first train
-        call (tasks/compile_cache.py)."""
+        call (tasks/compile_cache.py). `parks_on_host`: placement=colocate with offload=true, so the state must also
+        fit the node's host memory (tasks/train/memory_fit.py)."""
         load_compile_cache(compile_cache, "trainer")
         self._compile_cache = CompileCacheSaver(compile_cache if (dp is None or dp.rank == 0) else None, "trainer")
         self.optim = optim
@@ -130,7 +143,9 @@ class TrainWorker:
         self.store_root = store_root
         self.storage_options = storage_options
         self.store = RolloutStore(store_root, storage_options)
-        self.backend = build_backend(model_spec, optim, temperature=temperature, dp=dp, lora=lora)
+        self.backend = build_backend(
+            model_spec, optim, temperature=temperature, dp=dp, lora=lora, parks_on_host=parks_on_host
+        )
         # No rank holds the whole state (megatron tp / pp > 1): checkpoints are distributed, weight reads collective.
         self.sharded = isinstance(self.backend, Sharded) and bool(self.backend.sharded)
         self._steps: list[dict[str, float]] = []  # per-optimizer-step statistics of the last train call

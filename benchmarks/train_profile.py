@@ -1,0 +1,160 @@
+"""Where the megatron micro-step's time goes: the train_throughput shape (~0.9B Llama, sequence 2048, micro-batch 4,
+bf16, the CUDA defaults `megatron/sdpa-opt`) under torch.profiler, device time summed by kernel family.
+
+    python benchmarks/train_profile.py --out $OUT     # one CUDA GPU; megatron-core installed
+    python benchmarks/train_profile.py --small --device cpu --variant torch/hf-sdpa   # the script itself, on CPU
+
+Writes <out>/train_profile.json and prints a table: per micro-step, the wall time, the device's busy time by
+family (matmul, attention, compiled / elementwise / reduction kernels, copies, other), the time the device sat
+idle (host-bound), and the matmul family's rate against a bf16 8192^3 matmul measured in the same process. That
+rate times the matmul share bounds the MFU: with every other kernel free and no idle time, MFU could reach only
+(matmul FLOPs / all counted FLOPs) x (matmul rate / peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks import train_throughput as tt  # noqa: E402
+
+# Kernel families, first match wins. Names are the CUDA kernels torch.profiler reports (cuBLAS / cuBLASLt's nvjet
+# and cutlass GEMMs, cuDNN / flash attention, inductor's triton kernels, ATen's elementwise and reduction kernels).
+FAMILIES: tuple[tuple[str, re.Pattern], ...] = (
+    ("communication", re.compile(r"nccl|allreduce|allgather|reducescatter", re.I)),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|_attn", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|sm\d+_.*(tn|nt|nn|tt)|^aten::(mm|bmm|addmm)$", re.I)),
+    ("compiled (triton)", re.compile(r"^triton_", re.I)),
+    ("copy / memset", re.compile(r"memcpy|memset|copy_kernel|Memcpy|Memset", re.I)),
+    ("reduction", re.compile(r"reduce|softmax|norm|sum_kernel|max_kernel", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|fill|index|scatter|gather|where", re.I)),
+)
+
+
+def family(kernel: str) -> str:
+    for name, pattern in FAMILIES:
+        if pattern.search(kernel):
+            return name
+    return "other"
+
+
+def breakdown(kernel_us: dict[str, float]) -> dict[str, float]:
+    """Device microseconds by family, from microseconds by kernel name."""
+    out: dict[str, float] = {}
+    for kernel, us in kernel_us.items():
+        out[family(kernel)] = out.get(family(kernel), 0.0) + us
+    return out
+
+
+def kernel_times(prof, device: str) -> dict[str, float]:
+    """Self device time of each kernel (CUDA) or operator (CPU, where there are no kernels), microseconds."""
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
+        if device == "cuda" and evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if device != "cuda" and not evt.key.startswith("aten::"):
+            continue  # CPU: operators only (their children are counted by their own self time)
+        if us > 0:
+            out[evt.key] = out.get(evt.key, 0.0) + us
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variant", default="megatron/sdpa-opt", choices=sorted(tt.VARIANTS))
+    ap.add_argument("--steps", type=int, default=5, help="micro-steps profiled (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--small", action="store_true", help="a tiny shape, to test the script itself")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    tt.DEVICE = args.device
+    shape = dict(tt.SHAPE)
+    if args.small:
+        shape.update(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=256, vocab=1000)
+    fl = tt.flops(shape)
+    peak = tt.matmul_peak()  # 0 on CPU
+    be, step, ctx = tt.VARIANTS[args.variant](shape)
+    micro = tt.make_batch(shape, shape["micro_batch"])
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollflow.tasks.train.objective import Denominators
+
+    algo = tt.AlgoConfig()
+    with ctx() if ctx else contextlib.nullcontext():
+        micro.log_probs = be.compute_log_probs(micro)
+        denom = Denominators.of(micro)
+        be.model.eval()
+        times = tt.cuda_time(lambda: step(micro, algo, denom), args.steps, args.warmup)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                step(micro, algo, denom)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        profiled_wall = (time.perf_counter() - started) / args.steps
+    per_kernel = {k: v / args.steps for k, v in kernel_times(prof, args.device).items()}
+    families = breakdown(per_kernel)
+    step_s = statistics.median(times)
+    busy_s = sum(families.values()) / 1e6
+    matmul_s = families.get("matmul", 0.0) / 1e6
+    matmul_flops = fl["model_flops"]  # 6 N T: every linear layer incl. the output layer, forward and backward
+    result = {
+        "variant": args.variant,
+        "shape": shape,
+        "flops": fl,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "measured_matmul_tflops_8192": peak / 1e12,
+        "step_s_median": step_s,
+        "step_s_all": times,
+        "profiled_step_wall_s": profiled_wall,
+        "mfu_vs_measured_peak": fl["total_flops"] / step_s / peak if peak else None,
+        "device_busy_s": busy_s,
+        "device_idle_s": max(0.0, profiled_wall - busy_s),
+        "families_s": {k: v / 1e6 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+        "matmul_tflops": matmul_flops / matmul_s / 1e12 if matmul_s else None,
+        "top_kernels_s": dict(sorted(((k, v / 1e6) for k, v in per_kernel.items()), key=lambda kv: -kv[1])[:25]),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if peak and matmul_s:
+        # MFU if everything but the matmuls (and attention at its measured time) took no time at all
+        attn_s = families.get("attention", 0.0) / 1e6
+        result["mfu_bound_matmul_and_attention_only"] = fl["total_flops"] / (matmul_s + attn_s) / peak
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "train_profile.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"== {args.variant} on {result['device']}: micro-step {step_s * 1e3:.1f} ms "
+        f"(profiled {profiled_wall * 1e3:.1f} ms)"
+    )
+    if result["mfu_vs_measured_peak"]:
+        print(f"MFU {result['mfu_vs_measured_peak']:.1%} of the measured {peak / 1e12:.0f} TFLOP/s")
+    for name, s in result["families_s"].items():
+        print(f"  {name:20s} {s * 1e3:8.1f} ms  {s / profiled_wall:6.1%}")
+    print(
+        f"  {'device idle':20s} {result['device_idle_s'] * 1e3:8.1f} ms  {result['device_idle_s'] / profiled_wall:6.1%}"
+    )
+    if result.get("matmul_tflops"):
+        print(f"matmul family: {result['matmul_tflops']:.0f} TFLOP/s")
+    if "mfu_bound_matmul_and_attention_only" in result:
+        print(f"MFU with every other kernel free and no idle time: {result['mfu_bound_matmul_and_attention_only']:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

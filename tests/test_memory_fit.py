@@ -1,0 +1,146 @@
+"""The trainer's memory fit check (tasks/train/memory_fit.py): parameter counts from safetensors headers, bytes per
+parameter against Megatron's measured state, and the refusal of a model too big for where its state must live."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollflow.tasks.model.source import BUILTIN_MODELS, resolve_model_path
+from rollflow.tasks.train.memory_fit import (
+    GIB,
+    TrainerDoesNotFit,
+    fit_refusal,
+    host_available_bytes,
+    megatron_state,
+    safetensors_params,
+    torch_state,
+    trainer_state,
+)
+from rollflow.tasks.train.settings import AlgoConfig, MegatronSettings, OptimConfig
+from rollflow.tasks.train.worker import TrainWorker
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+H100 = int(79.2 * GIB)  # what torch reports for an H100 80GB HBM3
+H200 = int(139.8 * GIB)
+
+
+def _qwen25_7b_params() -> int:
+    """Qwen2.5-7B's shape with tied embeddings, counted by transformers itself on the meta device."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_safetensors_params_is_the_models_parameter_count(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path("builtin:addition")))
+    expected = sum(p.numel() for p in model.parameters())  # tied embedding counted once, as saved
+    assert safetensors_params(resolve_model_path("builtin:addition")) == expected
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards + an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert safetensors_params(tmp_path) == expected
+
+
+@pytest.mark.parametrize("shape", ["0.9b", "3b", "6b"])
+def test_megatron_bytes_per_param_is_a_lower_bound_of_the_measured_state(shape):
+    """The H200 fit sweep measured the memory Megatron's DDP + optimizer hold after a step (bf16, one GPU)."""
+    measured = json.loads((RESULTS / f"h200-2026-12-03-megatron-fit-{shape}.json").read_text())
+    state = megatron_state("bfloat16", "megatron", 1, False)
+    assert state.gpu <= measured["state_bytes_per_param"] <= state.gpu * 1.01
+
+
+def test_the_7b_shape_is_refused_on_an_80gb_gpu_and_fits_with_tp2():
+    params = _qwen25_7b_params()
+    state = megatron_state("bfloat16", "megatron", 1, False)
+    why = fit_refusal(params, 1, state, device="cuda", gpu_bytes=H100, host_bytes=None, parks_on_host=False)
+    assert why is not None and why.startswith("train: ")
+    assert f"{params * 18 / GIB:.1f} GiB" in why and "79.2 GiB" in why
+    assert "train.megatron.tp" in why and "use_distributed_optimizer" in why
+    assert fit_refusal(params, 2, state, device="cuda", gpu_bytes=H100, host_bytes=None, parks_on_host=False) is None
+    assert fit_refusal(params, 1, state, device="cuda", gpu_bytes=H200, host_bytes=None, parks_on_host=False) is None
+
+
+def test_offload_is_refused_when_the_parked_state_exceeds_host_memory():
+    params = _qwen25_7b_params()
+    state = megatron_state("bfloat16", "megatron", 1, False)
+    parked = params * (2 + 12 + 2)  # bf16 weights, fp32 master + Adam m, v, the bf16 reference copy
+    host = parked - GIB
+    why = fit_refusal(params, 1, state, device="cuda", gpu_bytes=H200, host_bytes=host, parks_on_host=True)
+    assert why is not None and why.startswith("offload: ") and "offload=false" in why
+    assert f"{parked / GIB:.1f} GiB" in why
+    # not parking: the same host memory is no concern
+    assert fit_refusal(params, 1, state, device="cuda", gpu_bytes=H200, host_bytes=host, parks_on_host=False) is None
+    assert fit_refusal(params, 1, state, device="cuda", gpu_bytes=H200, host_bytes=parked, parks_on_host=True) is None
+
+
+def test_bytes_per_param_by_backend():
+    # the distributed optimizer shards fp32 master + m + v (12 B) over data parallel
+    assert megatron_state("bfloat16", "megatron", 8, True).gpu == 2 + 4 + 12 / 8
+    assert megatron_state("bfloat16", "megatron", 8, False).gpu == 2 + 4 + 12
+    assert megatron_state("float32", "megatron", 1, False).gpu == 4 + 4 + 8  # no separate master copy
+    # MasterAdamW: grads in the param dtype
+    assert megatron_state("bfloat16", "torch", 1, False).gpu == 2 + 2 + 12
+    # torch backend: AdamW moments in the param dtype, the reference model on the device
+    assert torch_state("float32", False).gpu == 4 * 5
+    assert torch_state("bfloat16", True).gpu == 2  # LoRA: the frozen base only
+    megatron = OptimConfig(
+        backend="megatron",
+        dtype="bfloat16",
+        device="cuda",
+        megatron=MegatronSettings(tp=2, pp=2, use_distributed_optimizer=True),
+    )
+    state, sharing = trainer_state(megatron, 16, False)
+    assert sharing == 4 and state.gpu == 2 + 4 + 12 / 4  # 16 ranks / (tp 2 x pp 2) = dp 4
+
+
+def test_host_available_bytes_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1000 kB\nMemAvailable:   20971520 kB\n")
+    assert host_available_bytes(str(meminfo)) == 20 * GIB
+    assert host_available_bytes(str(tmp_path / "missing")) is None
+    assert host_available_bytes() is not None  # this Linux box says
+
+
+def _giant_model_dir(root: Path, params: int) -> Path:
+    """The built-in model's directory (config, tokenizer) with its weights replaced by one bf16 tensor of
+    `params` elements: a real safetensors file whose data part is a hole (sparse), never read."""
+    model_dir = root / "giant"
+    shutil.copytree(BUILTIN_MODELS["builtin:addition"], model_dir)
+    for f in model_dir.glob("*.safetensors"):
+        f.unlink()
+    header = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}
+    )
+    header += " " * (-len(header) % 8)
+    path = model_dir / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.truncate(8 + len(header) + 2 * params)
+    return model_dir
+
+
+def test_a_model_too_big_for_this_node_is_refused_before_any_weight_loads(tmp_path):
+    available = host_available_bytes()
+    params = 4 * available  # the torch backend in fp32 holds 20 B per parameter: far over what is available
+    model_dir = _giant_model_dir(tmp_path, params)
+    assert safetensors_params(model_dir) == params
+    with pytest.raises(TrainerDoesNotFit, match=r"^train: .* this node's memory.*train\.device=cuda"):
+        TrainWorker(str(model_dir), OptimConfig(), AlgoConfig(), store_root=f"file://{tmp_path}/s", run="r")

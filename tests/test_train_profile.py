@@ -1,0 +1,55 @@
+"""benchmarks/train_profile.py: kernel families of real profiler names, and the script end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.train_profile import family
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kernel_names_of_a_real_h200_profile_fall_in_their_families():
+    # names as torch.profiler printed them on the H200 (benchmarks/results/h200-2026-12-03-megatron-packing-profile.txt)
+    text = (ROOT / "benchmarks/results/h200-2026-12-03-megatron-packing-profile.txt").read_text()
+    assert "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT" in text
+    assert family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "matmul"
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x128x128_4x1x1") == "attention"
+    assert family("triton_poi_fused__to_copy_mul_silu_0") == "compiled (triton)"
+    assert family("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "elementwise"
+    assert family("Memcpy DtoD (Device -> Device)") == "copy / memset"
+    assert family("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>") == "reduction"
+    assert family("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
+
+
+def test_the_profile_script_runs_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/train_profile.py",
+            "--small",
+            "--device",
+            "cpu",
+            "--variant",
+            "torch/hf-sdpa",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "train_profile.json").read_text())
+    families = result["families_s"]
+    assert families["matmul"] > 0 and families["attention"] > 0
+    assert abs(sum(families.values()) - result["device_busy_s"]) < 1e-9
+    assert "matmul" in proc.stdout and "device idle" in proc.stdout
