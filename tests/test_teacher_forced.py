@@ -126,6 +126,28 @@ def test_bitwise_survives_the_artifact_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_with_use_rollout_logprobs_the_trainer_skips_its_own_pass_and_lands_on_the_same_weights(device):
+    """teacher_forced already ran the trainer's scoring forward in the engine: algo.use_rollout_logprobs=true takes
+    those log-probs as the old ones instead of scoring the batch again, and the update is bit for bit the same."""
+    rollout, _, recomputing, samples = _setup(device, "float32")
+    reusing = build_backend(MODEL, recomputing.optim_cfg, temperature=rollout.temperature or 1.0)
+    for name, tensor in reusing.model.state_dict().items():
+        assert torch.equal(tensor, recomputing.model.state_dict()[name])  # the same start
+    group = rollout.n_samples_per_prompt
+    before = (recomputing.progress.value, reusing.progress.value)
+    train_on_samples(recomputing, samples, AlgoConfig(), group_size=group)
+    train_on_samples(reusing, samples, AlgoConfig(use_rollout_logprobs=True), group_size=group)
+    # the same training forwards; the reusing trainer scored one pass fewer (the policy's old log-probs)
+    assert (recomputing.progress.value - before[0]) - (reusing.progress.value - before[1]) == 1
+    after = reusing.model.state_dict()
+    changed = False
+    for name, tensor in recomputing.model.state_dict().items():
+        assert torch.equal(tensor, after[name]), name
+        changed |= not torch.equal(tensor, recomputing.ref_model.state_dict()[name])
+    assert changed  # the step moved the weights, so equality is not the trivial kind
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_engine_log_probs_are_only_close(device):
     """The control: log-probs taken while sampling are not the trainer's bit for bit (why the option exists)."""
     rollout, worker, backend, samples = _setup(device, "float32", logprobs="engine")
