@@ -144,3 +144,32 @@ def test_a_model_too_big_for_this_node_is_refused_before_any_weight_loads(tmp_pa
     assert safetensors_params(model_dir) == params
     with pytest.raises(TrainerDoesNotFit, match=r"^train: .* this node's memory.*train\.device=cuda"):
         TrainWorker(str(model_dir), OptimConfig(), AlgoConfig(), store_root=f"file://{tmp_path}/s", run="r")
+
+
+def test_a_trainer_actor_refusing_to_start_is_reported_as_its_one_line(tmp_path, ray_local):
+    """Through Ray, as `rollflow train` starts it: Ray keeps only the text of the constructor's exception, and the
+    command's error line is that refusal (exit 2), not "an actor died: run the command again"."""
+    from rollflow.flows.cli.common import error_line
+    from rollflow.infra.clients import TrainerClient
+    from rollflow.infra.workers import start_actor, stop_actor
+
+    model_dir = _giant_model_dir(tmp_path, 4 * host_available_bytes())
+    actor = start_actor(
+        "fit",
+        "trainer",
+        TrainWorker,
+        str(model_dir),
+        OptimConfig(),
+        AlgoConfig(),
+        store_root=f"file://{tmp_path}/s",
+        run="fit",
+        wait=False,
+    )
+    try:
+        with pytest.raises(Exception) as raised:
+            TrainerClient([actor]).wait_started()
+    finally:
+        stop_actor("fit", "trainer")
+    message, code = error_line(raised.value)
+    assert code == 2
+    assert message.startswith("train: the trainer's state does not fit this node's memory: ") and "\n" not in message

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -45,6 +46,7 @@ USER_ERROR_NAMES = frozenset(
         "RunExistsError",
         "RunBusy",
         "ModelDirError",
+        "TrainerDoesNotFit",
         "ValueError",
         "FileNotFoundError",
         "PermissionError",
@@ -171,6 +173,22 @@ def _actor_died(exc: BaseException) -> bool:
     )
 
 
+# The last line of the traceback Ray folds into an actor's error when its __init__ raised: "pkg.module.Name: text".
+_RAISED_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*): (.+)$")
+
+
+def _init_failure(died: BaseException) -> Optional[tuple[str, str]]:
+    """(class name, message) of what an actor's constructor raised, from Ray's error text (Ray keeps the text, not
+    the exception); None when the actor died some other way."""
+    if not getattr(died, "actor_init_failed", False):
+        return None
+    for line in reversed(str(died).splitlines()):
+        found = _RAISED_LINE.match(line.strip())
+        if found:
+            return found.group(1), found.group(2).strip()
+    return None
+
+
 def error_line(exc: BaseException) -> tuple[str, int]:
     """(one-line message, exit code) for an exception that ended a command."""
     chain = list(_chain(exc))
@@ -181,6 +199,12 @@ def error_line(exc: BaseException) -> tuple[str, int]:
         ), 1
     died = next((e for e in chain if _actor_died(e)), None)
     if died is not None:
+        raised = _init_failure(died)
+        if raised is not None:  # a worker refused its inputs (or broke) while starting: rerunning changes nothing
+            name, text = raised
+            if name in USER_ERROR_NAMES:
+                return text, 2
+            return f"a worker actor could not start ({name}: {text[:300]})", 1
         first = next((line for line in str(died).splitlines() if line.strip()), type(died).__name__)
         return (
             f"a worker actor died during the run ({first.strip()[:300]}); committed rollouts and checkpoints "
