@@ -3,10 +3,10 @@ its GPU (or, with colocated offload, for the node's host memory) is refused in o
 running out of memory at the first optimizer step (Adam allocates its moments lazily) or at the first offload.
 
 The figure is a lower bound: the bytes per parameter of the state the backend keeps whatever the batch
-(weights, gradients, optimizer state; docs/performance.md section 7 has the measured peaks, which add
-activations and allocator slack on top), times the parameters this rank holds at least (the model's count
-divided over tensor and pipeline ranks). So a refusal is certain, never a guess; a config that passes can still
-run out of memory on activations.
+(weights, gradients, optimizer state; docs/megatron.md "What fits on one H200" has the measured peaks, which
+add activations and the optimizer step's working set on top), times the parameters this rank holds at least
+(the model's count divided over tensor and pipeline ranks). So a refusal is certain, never a guess; a config
+that passes can still run out of memory on activations.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollflow.tasks.train.settings import OptimConfig
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -157,7 +161,7 @@ def fit_refusal(
     return None
 
 
-def trainer_state(optim, world: int, lora: bool) -> tuple[StateBytes, int]:
+def trainer_state(optim: OptimConfig, world: int, lora: bool) -> tuple[StateBytes, int]:
     """(bytes per parameter, tensor x pipeline ranks sharing the model) of `optim` (train.*) on `world` ranks."""
     if optim.backend != "megatron":
         return torch_state(optim.dtype, lora), 1
@@ -170,7 +174,9 @@ def trainer_state(optim, world: int, lora: bool) -> tuple[StateBytes, int]:
     return megatron_state(optim.dtype, optimizer, dp, m.use_distributed_optimizer), model_parallel
 
 
-def check_trainer_fits(params: int, optim, *, world: int = 1, lora: bool = False, parks_on_host: bool) -> None:
+def check_trainer_fits(
+    params: int, optim: OptimConfig, *, world: int = 1, lora: bool = False, parks_on_host: bool
+) -> None:
     """Raise `TrainerDoesNotFit` when this rank's state cannot fit this machine (`fit_refusal`), before anything
     is loaded. `params`: the model's (`safetensors_params`); `optim`: train.*; `parks_on_host`: colocated
     offload."""
