@@ -31,20 +31,13 @@ H200 = int(139.8 * GIB)
 
 
 def _qwen25_7b_params() -> int:
-    """Qwen2.5-7B's shape with tied embeddings, counted by transformers itself on the meta device."""
+    """Qwen2.5-7B's shape with tied embeddings (the e2e suite's `7b`), counted by transformers on the meta device."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=True,
-    )
+    from benchmarks.models import SHAPES
+
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES["qwen2.5-7b"], tie_word_embeddings=True))
     return sum(p.numel() for p in model.parameters())
 
 
