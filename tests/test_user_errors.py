@@ -298,3 +298,28 @@ def test_s3_checkpoint_messages_keep_the_scheme(s3_endpoint):
         load_checkpoint(root, "r", 2)
     assert f"{root}/r/checkpoints/000002/trainer.pt" in str(info.value) and root.startswith("s3://")
     assert "--resume-from 1" in str(info.value)
+
+
+class _BrokenAtStart:
+    """An actor whose constructor fails with a bug, not a refusal of its inputs."""
+
+    def __init__(self):
+        raise RuntimeError("cuda driver too old for this build")
+
+    def ping(self) -> bool:
+        return True
+
+
+def test_an_actor_failing_in_its_constructor_is_named_with_its_error(ray_local):
+    """Ray keeps only the text of what `__init__` raised: the line names the class and message, exit 1, and does not
+    tell the user to rerun (a constructor that failed fails again)."""
+    import ray
+
+    from rollflow.flows.cli.common import error_line
+
+    actor = ray.remote(_BrokenAtStart).remote()
+    with pytest.raises(Exception) as raised:
+        ray.get(actor.ping.remote(), timeout=60)
+    message, code = error_line(raised.value)
+    assert code == 1
+    assert message == "a worker actor could not start (RuntimeError: cuda driver too old for this build)"
