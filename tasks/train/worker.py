@@ -90,23 +90,22 @@ def build_backend(
     if optim.backend == "megatron" and multi_rank and (why := megatron_multi_rank_refusal(optim)):
         # Refused before anything loads or joins a group.
         raise NotImplementedError(f"{why} (got world_size={dp.world_size})")
+    model_dir = resolve_model_path(model_spec)  # checked once (config, weight index), then read by what follows
     if optim.check_memory_fit:  # before a weight is read (tasks/train/memory_fit.py)
         check_trainer_fits(
-            safetensors_params(resolve_model_path(model_spec)),
+            safetensors_params(model_dir),
             optim,
             world=dp.world_size if multi_rank else 1,
             lora=lora is not None,
             parks_on_host=parks_on_host,
         )
     if optim.backend == "megatron":
-        return build_megatron_backend(
-            resolve_model_path(model_spec), optim, temperature=temperature, dp=dp if multi_rank else None
-        )
+        return build_megatron_backend(model_dir, optim, temperature=temperature, dp=dp if multi_rank else None)
     if optim.backend != "torch":
         raise NotImplementedError(f"train.backend={optim.backend!r} is not available; use 'torch' or 'megatron'")
 
     # Loaded in the trainer's dtype and device (a bf16 model is never materialised in fp32 first).
-    model = load_model(resolve_model_path(model_spec), dtype=DTYPES[optim.dtype], device=optim.device)
+    model = load_model(model_dir, dtype=DTYPES[optim.dtype], device=optim.device)
     if lora is not None:
         return LoraTorchBackend(model, optim, lora, temperature=temperature, dp=dp)
     return TorchBackend(model, optim, temperature=temperature, dp=dp)
