@@ -19,8 +19,10 @@ from rollflow.infra.placement import (
     actor_options,
     bundle_address,
     bundle_gpus,
+    bundle_nodes,
     create_placement_group,
     plan_placement,
+    ranks_per_node,
 )
 from rollflow.infra.remote_server import RemoteServer
 from rollflow.infra.workers import actor_name, ensure_ray, get_actor, missing_actor_error, start_actor, stop_actor
@@ -219,6 +221,16 @@ class WorkerGroup:
             )
         return [gpu for _, gpu in located]
 
+    def trainer_node_ranks(self, world: int) -> list[int]:
+        """For each trainer rank, the trainer ranks on its node (their parked state shares its host memory).
+        Placed: as Ray placed their bundles; not placed: all of them on a one-node Ray, else 1 each (unknown,
+        and the fit check stays a lower bound)."""
+        if self.plan is not None:
+            pg = self.placement_group()
+            if pg is not None:
+                return ranks_per_node(bundle_nodes(pg), [self.plan.actor_bundle(TRAINER, r) for r in range(world)])
+        return [world if alive_nodes() == 1 else 1] * world
+
     def _rendezvous(self) -> tuple[str, int]:
         """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
         if self.plan is not None:
@@ -361,6 +373,10 @@ class WorkerGroup:
                 for r in range(world)
             ]
         ranks = []
+        # replay trains with no engine to make room for (and its form has no placement)
+        parks_on_host = not cfg.debug.train_only and cfg.placement == "colocate" and cfg.offload
+        on_host = parks_on_host or not cfg.train.device.startswith("cuda")  # CPU ranks keep everything there
+        node_ranks = self.trainer_node_ranks(world) if on_host else [1] * world
         worker_cls = SlowTrainWorker if cfg.debug.slow_train_s else TrainWorker  # a fault drill (docs/checks.md)
         for rank, dp in enumerate(dps):
             options = self.placement_options(TRAINER, rank)
@@ -384,8 +400,8 @@ class WorkerGroup:
                     temperature=cfg.rollout.temperature or 1.0,
                     resume_iteration=resume_iteration or None,
                     compile_cache=cfg.compile_cache_uri(),
-                    # replay trains with no engine to make room for (and its form has no placement)
-                    parks_on_host=not cfg.debug.train_only and cfg.placement == "colocate" and cfg.offload,
+                    parks_on_host=parks_on_host,
+                    node_ranks=node_ranks[rank],
                     wait=False,
                     **extra,
                 )

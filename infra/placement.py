@@ -218,6 +218,21 @@ def create_placement_group(
     return pg
 
 
+def ranks_per_node(bundle_nodes: dict[int, str], rank_bundles: list[int]) -> list[int]:
+    """For each rank (placed in `rank_bundles[rank]`), how many of the ranks share its node: their host memory
+    is one pool (the trainer's fit check counts what they park there together). `bundle_nodes`: bundle index
+    -> node id, as Ray placed them; a bundle Ray has not placed counts as a node of its own."""
+    nodes = [bundle_nodes.get(b) or f"unplaced-{b}" for b in rank_bundles]
+    return [nodes.count(node) for node in nodes]
+
+
+def bundle_nodes(pg) -> dict[int, str]:
+    """Bundle index -> the id of the node Ray placed it on (from the GCS's placement group table)."""
+    from ray.util import placement_group_table
+
+    return {int(b): str(node) for b, node in placement_group_table(pg).get("bundles_to_node_id", {}).items() if node}
+
+
 def actor_options(plan: PlacementPlan, pg, role: str, index: int = 0, *, gpu_resource: str = "GPU") -> dict[str, Any]:
     """`.options(...)` for the trainer / engine actor `index`: its bundle and GPU fraction ({} on CPU)."""
     if pg is None or plan.empty:

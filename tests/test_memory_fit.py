@@ -84,6 +84,30 @@ def test_offload_is_refused_when_the_parked_state_exceeds_host_memory():
     assert fit_refusal(params, 1, state, device="cuda", gpu_bytes=H200, host_bytes=parked, parks_on_host=True) is None
 
 
+def test_the_trainer_ranks_of_one_node_park_together():
+    """Each rank checks before any of them loads, so each sees the whole MemAvailable: the parked state of the
+    node's ranks adds up (8 x 0.5B data-parallel ranks park 8 x 16 B x 0.5B = 59.6 GiB)."""
+    params = 500_000_000
+    state = megatron_state("bfloat16", "megatron", 8, False)
+    host = 40 * GIB
+    one = dict(device="cuda", gpu_bytes=H100, host_bytes=host, parks_on_host=True)
+    assert fit_refusal(params, 1, state, **one) is None  # one rank alone parks 7.5 GiB
+    assert fit_refusal(params, 1, state, node_ranks=4, **one) is None  # 29.8 GiB
+    why = fit_refusal(params, 1, state, node_ranks=8, **one)
+    assert why is not None and why.startswith("offload: ") and "x 8 trainer ranks on this node" in why
+    assert f"{8 * params * 16 / GIB:.1f} GiB" in why and "40.0 GiB available" in why
+    # on CPU the whole state lives in host memory: 2 ranks of a 2 GiB-per-rank state need 4 GiB
+    cpu_state = torch_state("float32", False)  # 20 B per parameter
+    small = 100_000_000
+    assert (
+        fit_refusal(small, 1, cpu_state, device="cpu", gpu_bytes=None, host_bytes=3 * GIB, parks_on_host=False) is None
+    )
+    why = fit_refusal(
+        small, 1, cpu_state, device="cpu", gpu_bytes=None, host_bytes=3 * GIB, parks_on_host=False, node_ranks=2
+    )
+    assert why is not None and "x 2 trainer ranks on this node" in why and f"{2 * small * 20 / GIB:.1f} GiB" in why
+
+
 def test_bytes_per_param_by_backend():
     # the distributed optimizer shards fp32 master + m + v (12 B) over data parallel
     assert megatron_state("bfloat16", "megatron", 8, True).gpu == 2 + 4 + 12 / 8

@@ -12,9 +12,11 @@ from rollflow.infra.placement import (
     PlacementError,
     ResourcesConfig,
     actor_options,
+    bundle_nodes,
     check_cluster,
     create_placement_group,
     plan_placement,
+    ranks_per_node,
 )
 
 FAKE = "fake_gpu"
@@ -216,6 +218,10 @@ def test_placement_groups_on_fake_gpus(ray_local):
         assert ray.get([a.ping.remote() for a in actors], timeout=60) == [True] * 6
         expected = {0: 0.6, 1: 0.4, 2: 0.6, 3: 0.4}
         assert _wait_use(pg, expected) == expected
+        # one node: every bundle is on it, so the 4 trainer ranks share its host memory
+        here = ray.get_runtime_context().get_node_id()
+        assert bundle_nodes(pg) == {i: here for i in range(4)}
+        assert ranks_per_node(bundle_nodes(pg), plan.trainer_bundles) == [4, 4, 4, 4]
         for a in actors:
             ray.kill(a)
     finally:
@@ -236,3 +242,10 @@ def test_over_budget_against_the_ray_cluster(ray_local):
         FAKE,
     )
     assert actor_options(plan_placement("disaggregated", ResourcesConfig()), None, "engine") == {}
+
+
+def test_ranks_per_node_counts_the_ranks_whose_bundles_share_a_node():
+    nodes = {0: "a", 1: "b", 2: "a", 3: "a", 4: "c"}
+    assert ranks_per_node(nodes, [0, 1, 2, 3]) == [3, 1, 3, 3]
+    assert ranks_per_node(nodes, [1, 4]) == [1, 1]
+    assert ranks_per_node({0: "a"}, [0, 5, 6]) == [1, 1, 1]  # bundles Ray has not placed: a node each
