@@ -13,10 +13,14 @@ from rollflow.tasks.model.tokenizer import CharTokenizer
 ADDITION_ALPHABET = "0123456789+="
 
 
-def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, heads: int = 4, max_positions: int = 64):
-    from transformers import Qwen2Config
+def addition_tokenizer() -> CharTokenizer:
+    """The demo's character tokenizer (the built-in models share it)."""
+    return CharTokenizer(alphabet=ADDITION_ALPHABET, vocab_size=len(ADDITION_ALPHABET) + 3)
 
-    return Qwen2Config(
+
+def tiny_shape(vocab_size: int, *, hidden: int, layers: int, heads: int, max_positions: int) -> dict:
+    """The config fields every built-in tiny model shares (its dense and MoE variants differ only in the FFN)."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 4,
@@ -33,14 +37,23 @@ def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, he
     )
 
 
+def seeded_model(model_cls, config, seed: int):
+    """`model_cls(config)` with its random init drawn after `torch.manual_seed(seed)`."""
+    torch.manual_seed(seed)
+    return model_cls(config)
+
+
+def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, heads: int = 4, max_positions: int = 64):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**tiny_shape(vocab_size, hidden=hidden, layers=layers, heads=heads, max_positions=max_positions))
+
+
 def build_tiny_model(seed: int = 0, **config_overrides):
     from transformers import Qwen2ForCausalLM
 
-    tokenizer = CharTokenizer(alphabet=ADDITION_ALPHABET, vocab_size=len(ADDITION_ALPHABET) + 3)
-    config = tiny_qwen2_config(tokenizer.vocab_size, **config_overrides)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    return model, tokenizer
+    tokenizer = addition_tokenizer()
+    return seeded_model(Qwen2ForCausalLM, tiny_qwen2_config(tokenizer.vocab_size, **config_overrides), seed), tokenizer
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):

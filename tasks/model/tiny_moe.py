@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from rollflow.tasks.model.tiny import ADDITION_ALPHABET
-from rollflow.tasks.model.tokenizer import CharTokenizer
+from rollflow.tasks.model.tiny import addition_tokenizer, seeded_model, tiny_shape
 
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
@@ -23,35 +20,21 @@ def tiny_moe_config(vocab_size: int, *, hidden: int = 128, layers: int = 2, head
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
+        **tiny_shape(vocab_size, hidden=hidden, layers=layers, heads=heads, max_positions=max_positions),
         moe_intermediate_size=hidden // 2,
         num_experts=MOE_EXPERTS,
         num_experts_per_tok=MOE_TOP_K,
         norm_topk_prob=True,
         decoder_sparse_step=1,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
         head_dim=hidden // heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="sdpa",
     )
 
 
 def build_tiny_moe(seed: int = 0, **config_overrides):
     from transformers import Qwen3MoeForCausalLM
 
-    tokenizer = CharTokenizer(alphabet=ADDITION_ALPHABET, vocab_size=len(ADDITION_ALPHABET) + 3)
-    config = tiny_moe_config(tokenizer.vocab_size, **config_overrides)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    return model, tokenizer
+    tokenizer = addition_tokenizer()
+    return seeded_model(Qwen3MoeForCausalLM, tiny_moe_config(tokenizer.vocab_size, **config_overrides), seed), tokenizer
 
 
 def write_tiny_moe(out: str | Path, seed: int = 0) -> Path:
