@@ -39,6 +39,10 @@ def test_the_profile_script_runs_on_cpu(tmp_path):
             "2",
             "--warmup",
             "1",
+            "--micro-batch",
+            "2",
+            "--name",
+            "mb2",
             "--out",
             str(tmp_path),
         ],
@@ -48,7 +52,8 @@ def test_the_profile_script_runs_on_cpu(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads((tmp_path / "train_profile.json").read_text())
+    result = json.loads((tmp_path / "mb2.json").read_text())
+    assert result["shape"]["micro_batch"] == 2 and result["flops"]["tokens"] == 2 * 256  # --small: sequence 256
     families = result["families_s"]
     assert families["matmul"] > 0 and families["attention"] > 0
     assert abs(sum(families.values()) - result["device_busy_s"]) < 1e-9
