@@ -60,6 +60,20 @@ def test_megatron_bytes_per_param_is_a_lower_bound_of_the_measured_state(shape):
     assert state.gpu <= measured["state_bytes_per_param"] <= state.gpu * 1.01
 
 
+@pytest.mark.parametrize("shape", ["0.5b", "1.5b", "5b"])
+def test_the_bounds_are_below_what_the_h200_e2e_runs_held(shape):
+    """The colocated e2e iterations on the H200 (megatron trainer, offload on) peaked above both lower bounds: the GPU
+    state (18 B per parameter) and what offload parks on the host (16 B)."""
+    run = json.loads((RESULTS / f"h200-2026-12-06-e2e-{shape}.json").read_text())["suites"]["e2e"]
+    figures = {f["name"]: f for f in run["figures"]}
+    params = run["params"]["params"]
+    state = megatron_state("bfloat16", "megatron", 1, False)
+    assert params * state.gpu <= max(figures["peak GPU memory GiB"]["values"]) * GIB
+    assert params * state.parked <= figures["peak host memory GiB (process)"]["values"][0] * GIB
+    host = int(125.7 * GIB)  # that machine's memory, all of it available before the run
+    assert fit_refusal(params, 1, state, device="cuda", gpu_bytes=H200, host_bytes=host, parks_on_host=True) is None
+
+
 def test_the_7b_shape_is_refused_on_an_80gb_gpu_and_fits_with_tp2():
     params = _qwen25_7b_params()
     state = megatron_state("bfloat16", "megatron", 1, False)
