@@ -3,6 +3,7 @@ bf16, the CUDA defaults `megatron/sdpa-opt`) under torch.profiler, device time s
 
     python benchmarks/train_profile.py --out $OUT     # one CUDA GPU; megatron-core installed
     python benchmarks/train_profile.py --small --device cpu --variant torch/hf-sdpa   # the script itself, on CPU
+    python benchmarks/train_profile.py --preset 7b --micro-batch 2 --out $OUT   # Llama-2-7B's shape (H200: ~90 GiB)
 
 Writes <out>/train_profile.json and prints a table: per micro-step, the wall time, the device's busy time by
 family (matmul, attention, compiled / elementwise / reduction kernels, copies, other), the time the device sat
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import train_throughput as tt  # noqa: E402
+from benchmarks.megatron_scale import PRESETS  # noqa: E402
 
 # Kernel families, first match wins. Names are the CUDA kernels torch.profiler reports (cuBLAS / cuBLASLt's nvjet
 # and cutlass GEMMs, cuDNN / flash attention, inductor's triton kernels, ATen's elementwise and reduction kernels).
@@ -77,6 +79,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="micro-steps profiled (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="a tiny shape, to test the script itself")
+    ap.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="a Llama shape of benchmarks/megatron_scale.py instead of the ~0.9B one (e.g. 7b: Llama-2-7B; its "
+        "micro-step holds bf16 weights, fp32 masters and fp32 main grads, ~10 B per parameter, plus activations)",
+    )
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--micro-batch",
@@ -91,6 +101,11 @@ def main(argv=None) -> int:
     shape = dict(tt.SHAPE)
     if args.small:
         shape.update(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=256, vocab=1000)
+    if args.preset:
+        vocab, hidden, layers, heads, kv_heads, ffn = PRESETS[args.preset]
+        shape.update(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn)
+    if args.seq:
+        shape["seq"] = args.seq
     if args.micro_batch:
         shape["micro_batch"] = args.micro_batch
     fl = tt.flops(shape)
@@ -127,6 +142,7 @@ def main(argv=None) -> int:
     matmul_flops = fl["model_flops"]  # 6 N T: every linear layer incl. the output layer, forward and backward
     result = {
         "variant": args.variant,
+        "preset": args.preset,
         "shape": shape,
         "flops": fl,
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",

@@ -30,7 +30,10 @@ def test_the_profile_script_runs_on_cpu(tmp_path):
         [
             sys.executable,
             "benchmarks/train_profile.py",
-            "--small",
+            "--preset",
+            "tiny",
+            "--seq",
+            "64",
             "--device",
             "cpu",
             "--variant",
@@ -53,7 +56,11 @@ def test_the_profile_script_runs_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "mb2.json").read_text())
-    assert result["shape"]["micro_batch"] == 2 and result["flops"]["tokens"] == 2 * 256  # --small: sequence 256
+    # megatron_scale's `tiny` Llama: vocab 512, hidden 64, 4 layers, 4 heads, 2 KV heads, FFN 128
+    assert {k: result["shape"][k] for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn")} == dict(
+        vocab=512, hidden=64, layers=4, heads=4, kv_heads=2, ffn=128
+    )
+    assert result["shape"]["micro_batch"] == 2 and result["flops"]["tokens"] == 2 * 64
     families = result["families_s"]
     assert families["matmul"] > 0 and families["attention"] > 0
     assert abs(sum(families.values()) - result["device_busy_s"]) < 1e-9
