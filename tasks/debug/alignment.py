@@ -122,26 +122,24 @@ def _torch_model(obj: Any, attr: str, fault: str):
     return model
 
 
-def engine_describe(worker: Any) -> dict[str, Any]:
-    cfg = getattr(worker, "rollout_cfg", None)
+def engine_describe(worker: RolloutWorker) -> dict[str, Any]:
     info = dataclasses.asdict(worker.describe())
     return {
         "backend": info.get("backend", "?"),
         "model": info.get("model", "?"),
         "weight_version": int(worker.engine.weight_version),
-        "dtype": getattr(cfg, "dtype", "?"),
-        "device": getattr(cfg, "device", "?"),
+        "dtype": worker.rollout_cfg.dtype,
+        "device": worker.rollout_cfg.device,
     }
 
 
 def trainer_describe(worker: Any) -> dict[str, Any]:
     backend = backend_of(worker)
-    optim = getattr(backend, "optim_cfg", None)
     return {
-        "backend": getattr(backend, "name", type(backend).__name__),
-        "dtype": getattr(optim, "dtype", "?"),
-        "device": getattr(optim, "device", "?"),
-        "temperature": float(getattr(backend, "temperature", 1.0)),
+        "backend": backend.name,
+        "dtype": backend.optim_cfg.dtype,
+        "device": backend.optim_cfg.device,
+        "temperature": float(backend.temperature),
     }
 
 

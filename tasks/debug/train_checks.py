@@ -60,10 +60,10 @@ def backend_of(worker: Any) -> TrainBackend:
 
 
 @contextlib.contextmanager
-def one_optimizer_step(backend: Any) -> Iterator[None]:
+def one_optimizer_step(backend: TrainBackend) -> Iterator[None]:
     """Make `backend.train` take exactly one optimizer step (num_steps_per_rollout = 1)."""
-    optim = getattr(backend, "optim_cfg", None)
-    if optim is None or optim.num_steps_per_rollout == 1:
+    optim = backend.optim_cfg
+    if optim.num_steps_per_rollout == 1:
         yield
         return
     backend.optim_cfg = optim.model_copy(update={"num_steps_per_rollout": 1})

@@ -19,7 +19,7 @@ from rollflow.tasks.train.batch_columns import batch_from_columns, identical_gro
 from rollflow.tasks.train.kl import approx_kl
 from rollflow.tasks.train.losses import masked_mean
 from rollflow.tasks.train.mismatch import correction, corrects, mismatch_metrics
-from rollflow.tasks.train.settings import AlgoConfig
+from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.turn_credit import turn_units
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ class TrainBackend(Protocol):
     export, ...) are the capability protocols of tasks/train/capabilities.py, asked with `isinstance`."""
 
     name: str
+    optim_cfg: OptimConfig  # train.* as the backend applies it (checks may narrow it for one call)
+    temperature: float  # the sampling temperature its log-probs divide by
 
     def compute_log_probs(self, batch: TrainBatch, which: str = "policy") -> torch.Tensor: ...
 
