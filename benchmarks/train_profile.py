@@ -155,6 +155,7 @@ def main(argv=None) -> int:
         "device_idle_s": max(0.0, profiled_wall - busy_s),
         "families_s": {k: v / 1e6 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "matmul_tflops": matmul_flops / matmul_s / 1e12 if matmul_s else None,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
         "top_kernels_s": dict(sorted(((k, v / 1e6) for k, v in per_kernel.items()), key=lambda kv: -kv[1])[:25]),
         "date": time.strftime("%Y-%m-%d"),
     }
