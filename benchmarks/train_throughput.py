@@ -118,8 +118,9 @@ def cuda_time(fn, iters: int, warmup: int) -> list[float]:
     return times
 
 
-def optim(backend: str, **megatron) -> OptimConfig:
+def optim(backend: str, check_memory_fit: bool = True, **megatron) -> OptimConfig:
     return OptimConfig(
+        check_memory_fit=check_memory_fit,
         backend=backend,
         dtype="bfloat16",
         device=DEVICE,
@@ -160,14 +161,17 @@ FALLBACKS: list[str] = []
 def build_megatron(shape: dict, **settings):
     from rollflow.tasks.train.megatron.backend import MegatronBackend
 
+    # shape["check_memory_fit"] False: a caller that drops the optimizer after the build (train_profile's
+    # --drop-optimizer) needs no room for its Adam state
+    fit = shape.get("check_memory_fit", True)
     try:
-        be = MegatronBackend(llama_config(shape), None, optim("megatron", **settings), keep_ref=False)
+        be = MegatronBackend(llama_config(shape), None, optim("megatron", fit, **settings), keep_ref=False)
     except Exception as exc:  # Megatron's optimizer failed to build: time the model with the torch optimizer
         FALLBACKS.append(f"{settings}: optimizer=megatron failed ({type(exc).__name__}: {exc}); used torch")
         gc.collect()
         torch.cuda.empty_cache()
         be = MegatronBackend(
-            llama_config(shape), None, optim("megatron", optimizer="torch", **settings), keep_ref=False
+            llama_config(shape), None, optim("megatron", fit, optimizer="torch", **settings), keep_ref=False
         )
     return be, be.micro_step, None
 
