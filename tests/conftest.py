@@ -23,28 +23,30 @@ PREFECT_OFFLINE = {
 }
 
 
-# Seconds each of the longest files took in a fresh-clone `make test` on a 2-core box (3 xdist workers, summed test
-# durations, 2026-12-05). Longest first: a long file that starts last runs alone at the end while the other workers
+# Seconds each of the longest files took in `make test`'s first stage on a 2-core box (4 xdist workers, summed test
+# durations, 2026-12-06). Longest first: a long file that starts last runs alone at the end while the other workers
 # idle. A file not listed is ordered by its number of `slow` tests, after these.
 MEASURED_FILE_SECONDS = {
-    "tests/test_run_states.py": 1071,
-    "tests/test_watchdog.py": 973,
-    "tests/test_deployments.py": 883,
-    "tests/test_resume_drill.py": 736,
-    "tests/test_async_pipeline.py": 561,
-    "tests/test_fault_drills.py": 513,
-    "tests/test_stage_replay.py": 434,
-    "tests/test_checkpoint_commit.py": 399,
-    "tests/test_sglang_ray.py": 374,
-    "tests/test_ima_bisect.py": 370,
-    "tests/test_megatron_flow.py": 329,
-    "tests/test_tracking.py": 318,
-    "tests/test_debug_flows.py": 305,
-    "tests/test_deployment_forms.py": 290,
-    "tests/test_group_placement.py": 283,
-    "tests/test_repro_gate.py": 280,
-    "tests/test_critic.py": 257,
-    "tests/test_moe.py": 237,
+    "tests/test_run_states.py": 462,
+    "tests/test_watchdog.py": 397,
+    "tests/test_deployments.py": 368,
+    "tests/test_megatron_flow.py": 325,
+    "tests/test_resume_drill.py": 276,
+    "tests/test_deployment_forms.py": 217,
+    "tests/test_sglang_ray.py": 209,
+    "tests/test_fault_drills.py": 200,
+    "tests/test_group_placement.py": 184,
+    "tests/test_stage_replay.py": 155,
+    "tests/test_tracking.py": 147,
+    "tests/test_moe.py": 137,
+    "tests/test_checkpoint_commit.py": 136,
+    "tests/test_repro_gate.py": 130,
+    "tests/test_debug_flows.py": 122,
+    "tests/test_async_pipeline.py": 104,
+    "tests/test_critic.py": 91,
+    "tests/test_sync_probe.py": 87,
+    "tests/test_megatron_parallel.py": 75,
+    "tests/test_lora.py": 74,
 }
 
 
