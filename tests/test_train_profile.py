@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.train_profile import family
+from benchmarks.train_profile import drop_optimizer, family
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,9 +83,15 @@ def test_dropping_the_optimizer_frees_it_and_the_micro_step_still_accumulates_gr
     shape["check_memory_fit"] = False
     be, step, _ = tt.VARIANTS["megatron/sdpa-opt"](shape)
     gone = weakref.ref(be.optimizer)
-    be.optimizer = be.scheduler = None
+    # where Megatron's optimizer builds the masters (CUDA) it also sets them as `main_param` on each parameter
+    masters = [torch.zeros(1) for _ in be.model.parameters()]
+    for param, master in zip(be.model.parameters(), masters):
+        param.main_param = master
+    held = [weakref.ref(m) for m in masters]
+    del masters, param, master
+    drop_optimizer(be)
     gc.collect()
-    assert gone() is None
+    assert gone() is None and all(m() is None for m in held)
     micro = tt.make_batch(shape, 2)  # its responses start at token 512
     micro.log_probs = be.compute_log_probs(micro)
     step(micro, tt.AlgoConfig(), Denominators.of(micro))
