@@ -26,6 +26,7 @@ from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.rollout.worker import RolloutWorker
 from rollflow.tasks.sync.parity import compare
+from rollflow.tasks.train.memory_fit import DTYPE_BYTES
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.worker import TrainWorker
 
@@ -131,7 +132,13 @@ def _trainer_args(setup: Setup) -> tuple[tuple, dict]:
     """TrainWorker's arguments, as rl_train starts it (resident), in process or as an actor alike."""
     args = (setup.model, setup.optim, setup.algo)
     kwargs = {"store_root": setup.store_root, "run": RUN, "temperature": setup.rollout.temperature or 1.0}
-    return args, kwargs | {"compile_cache": setup.compile_cache, "parks_on_host": True}
+    # the engine beside it keeps its weights on the host while the trainer trains (the fit check counts them)
+    engine_bytes = float(DTYPE_BYTES[setup.rollout.dtype])
+    return args, kwargs | {
+        "compile_cache": setup.compile_cache,
+        "parks_on_host": True,
+        "engine_host_bytes_per_param": engine_bytes,
+    }
 
 
 def build_workers(setup: Setup) -> Workers:

@@ -45,7 +45,7 @@ from benchmarks.e2e_iteration import (
 from benchmarks.models import param_count, qwen2, save_model_dir
 from rollflow.tasks.compile_cache import cached_roles
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, resolve_hf_weight_sync
-from rollflow.tasks.train.memory_fit import TrainerDoesNotFit, check_trainer_fits
+from rollflow.tasks.train.memory_fit import DTYPE_BYTES, TrainerDoesNotFit, check_trainer_fits
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 TITLE = "end-to-end iteration, colocated, offload on"
@@ -160,7 +160,12 @@ def run(ctx: BenchContext) -> SuiteResult:
     if not SHAPES[shape].startswith("builtin:"):
         # The trainer worker checks this too, but only after the model is built, saved and the engine loaded it.
         try:
-            check_trainer_fits(param_count(qwen2(SHAPES[shape], device="meta")), setup.optim, parks_on_host=True)
+            check_trainer_fits(
+                param_count(qwen2(SHAPES[shape], device="meta")),
+                setup.optim,
+                parks_on_host=True,
+                engine_host_bytes_per_param=float(DTYPE_BYTES[setup.rollout.dtype]),
+            )
         except TrainerDoesNotFit as exc:
             print(f"[e2e] {shape}: {exc}", file=sys.stderr, flush=True)
             res.params = {"shape": shape, "model": SHAPES[shape], "dtype": dtype, "train_backend": backend}

@@ -36,6 +36,7 @@ from rollflow.tasks.train.checkpoint import load_checkpoint
 from rollflow.tasks.train.checkpoint_weights import hf_weights_of_checkpoint
 from rollflow.tasks.train.critic_worker import CriticWorker
 from rollflow.tasks.train.data_parallel import DataParallel
+from rollflow.tasks.train.memory_fit import DTYPE_BYTES
 from rollflow.tasks.train.worker import TrainWorker
 
 if TYPE_CHECKING:
@@ -231,6 +232,26 @@ class WorkerGroup:
                 return ranks_per_node(bundle_nodes(pg), [self.plan.actor_bundle(TRAINER, r) for r in range(world)])
         return [world if alive_nodes() == 1 else 1] * world
 
+    def engine_host_bytes_per_param(self, world: int) -> list[float]:
+        """For each trainer rank, the host memory the engines on its node keep while it trains, in bytes per model
+        parameter: an `hf` engine's weights in its dtype (parked on a pinned host shelf when colocated on a GPU,
+        living there on CPU), times the engines on that node. SGLang's memory saver frees released weights (0).
+        Placed: the engines' first bundles on the rank's node; not placed: every engine on a one-node Ray, else
+        0 (unknown: the fit check stays a lower bound)."""
+        cfg = self.cfg
+        if cfg.debug.train_only or cfg.debug.rollout_only or cfg.rollout.engine != "hf":
+            return [0.0] * world
+        per_engine = float(DTYPE_BYTES[cfg.rollout.dtype])
+        if self.plan is not None:
+            pg = self.placement_group()
+            if pg is not None:
+                nodes = bundle_nodes(pg)
+                engine_nodes = [nodes.get(bundles[0]) for bundles in self.plan.engine_bundles]
+                rank_nodes = [nodes.get(self.plan.actor_bundle(TRAINER, r)) for r in range(world)]
+                return [per_engine * engine_nodes.count(n) if n else 0.0 for n in rank_nodes]
+        one_node = alive_nodes() == 1
+        return [per_engine * cfg.resources.num_engines if one_node else 0.0] * world
+
     def _rendezvous(self) -> tuple[str, int]:
         """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
         if self.plan is not None:
@@ -377,6 +398,7 @@ class WorkerGroup:
         parks_on_host = not cfg.debug.train_only and cfg.placement == "colocate" and cfg.offload
         on_host = parks_on_host or not cfg.train.device.startswith("cuda")  # CPU ranks keep everything there
         node_ranks = self.trainer_node_ranks(world) if on_host else [1] * world
+        engine_bytes = self.engine_host_bytes_per_param(world) if on_host else [0.0] * world
         worker_cls = SlowTrainWorker if cfg.debug.slow_train_s else TrainWorker  # a fault drill (docs/checks.md)
         for rank, dp in enumerate(dps):
             options = self.placement_options(TRAINER, rank)
@@ -402,6 +424,7 @@ class WorkerGroup:
                     compile_cache=cfg.compile_cache_uri(),
                     parks_on_host=parks_on_host,
                     node_ranks=node_ranks[rank],
+                    engine_host_bytes_per_param=engine_bytes[rank],
                     wait=False,
                     **extra,
                 )

@@ -123,17 +123,22 @@ def fit_refusal(
     host_bytes: int | None,
     parks_on_host: bool,
     node_ranks: int = 1,
+    engine_host_bytes_per_param: float = 0.0,
 ) -> str | None:
     """Why this rank's state cannot fit, or None. `params`: the model's; `ranks_sharing`: tensor x pipeline
     ranks it is divided over; `gpu_bytes`: the device's total memory (CUDA); `host_bytes`: memory available on
     the node; `parks_on_host`: colocated offload (placement=colocate, offload=true); `node_ranks`: trainer
     ranks on this node, each keeping as much in its host memory (checked before any of them loads, so each
-    sees the same MemAvailable)."""
+    sees the same MemAvailable); `engine_host_bytes_per_param`: what the engines of this node keep in its host
+    memory while the trainer runs, per model parameter (all of them together: the `hf` engine's weights, parked
+    on a host shelf when colocated, or living there on CPU)."""
     per_rank = params / ranks_sharing
     who = f"{per_rank / 1e9:.2f}B parameters" + (
         f" on each of {ranks_sharing} tensor x pipeline ranks" if ranks_sharing > 1 else ""
     )
     on_node = f" x {node_ranks} trainer ranks on this node" if node_ranks > 1 else ""
+    engines = params * engine_host_bytes_per_param
+    beside = f" + {_gib(engines)} of the engines' weights on this node" if engines else ""
     shard_fix = (
         "spread the model over more GPUs (train.megatron.tp / pp, or resources.trainer_gpus with "
         "train.megatron.use_distributed_optimizer=true) or train adapters only (model.lora)"
@@ -146,21 +151,21 @@ def fit_refusal(
                 f"{_gib(need)} at least, the GPU has {_gib(gpu_bytes)}: {shard_fix}"
             )
         if parks_on_host:
-            need = per_rank * state.parked * node_ranks
+            need = per_rank * state.parked * node_ranks + engines
             if host_bytes is not None and need > host_bytes:
                 return (
                     f"offload: the trainer parks {_gib(need)} at least in host memory while the engine generates "
                     f"({who} x {state.parked:g} B{on_node}: weights, optimizer state and reference; grads are "
-                    "dropped), "
+                    f"dropped{beside}), "
                     f"this node has {_gib(host_bytes)} available: set offload=false (the state stays on the GPU), "
                     f"or {shard_fix}"
                 )
         return None
-    need = per_rank * state.gpu * node_ranks  # on CPU every part lives in host memory
+    need = per_rank * state.gpu * node_ranks + engines  # on CPU every part lives in host memory
     if host_bytes is not None and need > host_bytes:
         return (
             f"train: the trainer's state does not fit this node's memory: {who} x {state.gpu:g} B ({state.parts})"
-            f"{on_node} = "
+            f"{on_node}{beside} = "
             f"{_gib(need)} at least, {_gib(host_bytes)} available: train on a GPU (train.device=cuda) or "
             "a smaller model (model.path)"
         )
@@ -188,10 +193,12 @@ def check_trainer_fits(
     lora: bool = False,
     parks_on_host: bool,
     node_ranks: int = 1,
+    engine_host_bytes_per_param: float = 0.0,
 ) -> None:
     """Raise `TrainerDoesNotFit` when this rank's state cannot fit this machine (`fit_refusal`), before anything
     is loaded. `params`: the model's (`safetensors_params`); `optim`: train.*; `parks_on_host`: colocated
-    offload; `node_ranks`: trainer ranks on this node (their host-side state adds up)."""
+    offload; `node_ranks`: trainer ranks on this node (their host-side state adds up);
+    `engine_host_bytes_per_param`: the host memory this node's engines keep beside it (`fit_refusal`)."""
     import torch
 
     state, sharing = trainer_state(optim, world, lora)
@@ -209,6 +216,7 @@ def check_trainer_fits(
         host_bytes=host_available_bytes(),
         parks_on_host=parks_on_host,
         node_ranks=node_ranks,
+        engine_host_bytes_per_param=engine_host_bytes_per_param,
     )
     if why:
         raise TrainerDoesNotFit(why)

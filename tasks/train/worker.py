@@ -81,10 +81,12 @@ def build_backend(
     lora: LoraSettings | None = None,
     parks_on_host: bool = False,
     node_ranks: int = 1,
+    engine_host_bytes_per_param: float = 0.0,
 ):
     """The backend of `optim.backend`; `dp` makes the backend one rank of a data-parallel group; `lora`
     (model.lora) trains adapters on a frozen base (torch only); `parks_on_host`: colocated offload will move
-    the state to host memory (counted by the fit check, for `node_ranks` trainer ranks on this node)."""
+    the state to host memory (counted by the fit check, for `node_ranks` trainer ranks on this node, beside
+    `engine_host_bytes_per_param` of its engines' weights)."""
     multi_rank = dp is not None and dp.enabled
     if lora is not None and optim.backend != "torch":
         raise NotImplementedError(LORA_BACKEND_REFUSED)
@@ -100,6 +102,7 @@ def build_backend(
             lora=lora is not None,
             parks_on_host=parks_on_host,
             node_ranks=node_ranks,
+            engine_host_bytes_per_param=engine_host_bytes_per_param,
         )
     if optim.backend == "megatron":
         return build_megatron_backend(model_dir, optim, temperature=temperature, dp=dp if multi_rank else None)
@@ -130,13 +133,14 @@ class TrainWorker:
         compile_cache: str | None = None,
         parks_on_host: bool = False,
         node_ranks: int = 1,
+        engine_host_bytes_per_param: float = 0.0,
     ):
         """`dp`: this worker is one rank of a data-parallel trainer (one TrainWorker per rank, all built
         concurrently: construction blocks until every rank has joined). `lora`: model.lora. `compile_cache`: a
         folder URL of torch.compile's caches, loaded before anything compiles; rank 0 writes it after its first train
         call (tasks/compile_cache.py). `parks_on_host`: placement=colocate with offload=true, so the state must also
         fit the node's host memory (tasks/train/memory_fit.py) beside the other `node_ranks` - 1 trainer ranks
-        of this node."""
+        of this node and `engine_host_bytes_per_param` of its engines' weights."""
         load_compile_cache(compile_cache, "trainer")
         self._compile_cache = CompileCacheSaver(compile_cache if (dp is None or dp.rank == 0) else None, "trainer")
         self.optim = optim
@@ -154,6 +158,7 @@ class TrainWorker:
             lora=lora,
             parks_on_host=parks_on_host,
             node_ranks=node_ranks,
+            engine_host_bytes_per_param=engine_host_bytes_per_param,
         )
         # No rank holds the whole state (megatron tp / pp > 1): checkpoints are distributed, weight reads collective.
         self.sharded = isinstance(self.backend, Sharded) and bool(self.backend.sharded)
