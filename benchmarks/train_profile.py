@@ -2,7 +2,7 @@
 bf16, the CUDA defaults `megatron/sdpa-opt`) under torch.profiler, device time summed by kernel family.
 
     python benchmarks/train_profile.py --out $OUT     # one CUDA GPU; megatron-core installed
-    python benchmarks/train_profile.py --small --device cpu --variant torch/hf-sdpa   # the script itself, on CPU
+    python benchmarks/train_profile.py --preset tiny --seq 64 --device cpu --variant torch/hf-sdpa   # on CPU
     python benchmarks/train_profile.py --preset 7b --micro-batch 2 --drop-optimizer --out $OUT   # Llama-2-7B's shape
 
 Writes <out>/train_profile.json and prints a table: per micro-step, the wall time, the device's busy time by
@@ -89,7 +89,6 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="megatron/sdpa-opt", choices=sorted(tt.VARIANTS))
     ap.add_argument("--steps", type=int, default=5, help="micro-steps profiled (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--small", action="store_true", help="a tiny shape, to test the script itself")
     ap.add_argument(
         "--preset",
         default=None,
@@ -117,8 +116,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tt.DEVICE = args.device
     shape = dict(tt.SHAPE)
-    if args.small:
-        shape.update(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=256, vocab=1000)
     if args.preset:
         vocab, hidden, layers, heads, kv_heads, ffn = PRESETS[args.preset]
         shape.update(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn)
