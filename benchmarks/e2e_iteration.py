@@ -65,6 +65,11 @@ class Setup:
     compile_cache: str | None = None  # store.compile_cache resolved: torch.compile's caches loaded / saved there
 
     @property
+    def engine_host_bytes_per_param(self) -> float:
+        """What the colocated engine keeps in host memory while the trainer trains (the fit check counts it)."""
+        return float(DTYPE_BYTES[self.rollout.dtype])
+
+    @property
     def weight_sync(self) -> str:
         """The hf engine's path (object_store or tensor; the suite resolves auto as RunConfig does)."""
         return self.rollout.hf_weight_sync
@@ -132,12 +137,10 @@ def _trainer_args(setup: Setup) -> tuple[tuple, dict]:
     """TrainWorker's arguments, as rl_train starts it (resident), in process or as an actor alike."""
     args = (setup.model, setup.optim, setup.algo)
     kwargs = {"store_root": setup.store_root, "run": RUN, "temperature": setup.rollout.temperature or 1.0}
-    # the engine beside it keeps its weights on the host while the trainer trains (the fit check counts them)
-    engine_bytes = float(DTYPE_BYTES[setup.rollout.dtype])
     return args, kwargs | {
         "compile_cache": setup.compile_cache,
         "parks_on_host": True,
-        "engine_host_bytes_per_param": engine_bytes,
+        "engine_host_bytes_per_param": setup.engine_host_bytes_per_param,
     }
 
 

@@ -45,7 +45,7 @@ from benchmarks.e2e_iteration import (
 from benchmarks.models import param_count, qwen2, save_model_dir
 from rollflow.tasks.compile_cache import cached_roles
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, resolve_hf_weight_sync
-from rollflow.tasks.train.memory_fit import DTYPE_BYTES, TrainerDoesNotFit, check_trainer_fits
+from rollflow.tasks.train.memory_fit import TrainerDoesNotFit, check_trainer_fits
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 
 TITLE = "end-to-end iteration, colocated, offload on"
@@ -164,7 +164,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                 param_count(qwen2(SHAPES[shape], device="meta")),
                 setup.optim,
                 parks_on_host=True,
-                engine_host_bytes_per_param=float(DTYPE_BYTES[setup.rollout.dtype]),
+                engine_host_bytes_per_param=setup.engine_host_bytes_per_param,
             )
         except TrainerDoesNotFit as exc:
             print(f"[e2e] {shape}: {exc}", file=sys.stderr, flush=True)

@@ -222,35 +222,27 @@ class WorkerGroup:
             )
         return [gpu for _, gpu in located]
 
-    def trainer_node_ranks(self, world: int) -> list[int]:
-        """For each trainer rank, the trainer ranks on its node (their parked state shares its host memory).
-        Placed: as Ray placed their bundles; not placed: all of them on a one-node Ray, else 1 each (unknown,
-        and the fit check stays a lower bound)."""
-        if self.plan is not None:
-            pg = self.placement_group()
-            if pg is not None:
-                return ranks_per_node(bundle_nodes(pg), [self.plan.actor_bundle(TRAINER, r) for r in range(world)])
-        return [world if alive_nodes() == 1 else 1] * world
+    def trainer_node_sharing(self, world: int) -> tuple[list[int], list[float]]:
+        """For each trainer rank, who shares its node's host memory: (the trainer ranks on it, their parked state
+        adding up; the host memory the node's engines keep while it trains, in bytes per model parameter).
 
-    def engine_host_bytes_per_param(self, world: int) -> list[float]:
-        """For each trainer rank, the host memory the engines on its node keep while it trains, in bytes per model
-        parameter: an `hf` engine's weights in its dtype (parked on a pinned host shelf when colocated on a GPU,
-        living there on CPU), times the engines on that node. SGLang's memory saver frees released weights (0).
-        Placed: the engines' first bundles on the rank's node; not placed: every engine on a one-node Ray, else
-        0 (unknown: the fit check stays a lower bound)."""
+        Engines: an `hf` engine's weights in its dtype (parked on a pinned host shelf when colocated on a GPU,
+        living there on CPU); SGLang's memory saver frees released weights (0). Placed: as Ray placed the
+        bundles (an engine by its first bundle); not placed: everything on a one-node Ray, else 1 rank and 0
+        engines each (unknown, and the fit check stays a lower bound)."""
         cfg = self.cfg
-        if cfg.debug.train_only or cfg.debug.rollout_only or cfg.rollout.engine != "hf":
-            return [0.0] * world
-        per_engine = float(DTYPE_BYTES[cfg.rollout.dtype])
-        if self.plan is not None:
-            pg = self.placement_group()
-            if pg is not None:
-                nodes = bundle_nodes(pg)
-                engine_nodes = [nodes.get(bundles[0]) for bundles in self.plan.engine_bundles]
-                rank_nodes = [nodes.get(self.plan.actor_bundle(TRAINER, r)) for r in range(world)]
-                return [per_engine * engine_nodes.count(n) if n else 0.0 for n in rank_nodes]
-        one_node = alive_nodes() == 1
-        return [per_engine * cfg.resources.num_engines if one_node else 0.0] * world
+        has_hf_engine = not (cfg.debug.train_only or cfg.debug.rollout_only) and cfg.rollout.engine == "hf"
+        per_engine = float(DTYPE_BYTES[cfg.rollout.dtype]) if has_hf_engine else 0.0
+        pg = self.placement_group() if self.plan is not None else None
+        if pg is not None:
+            nodes = bundle_nodes(pg)
+            rank_bundles = [self.plan.actor_bundle(TRAINER, r) for r in range(world)]
+            engine_nodes = [nodes.get(bundles[0]) for bundles in self.plan.engine_bundles]
+            engines = [per_engine * engine_nodes.count(nodes.get(b)) if nodes.get(b) else 0.0 for b in rank_bundles]
+            return ranks_per_node(nodes, rank_bundles), engines
+        if alive_nodes() == 1:
+            return [world] * world, [per_engine * cfg.resources.num_engines] * world
+        return [1] * world, [0.0] * world
 
     def _rendezvous(self) -> tuple[str, int]:
         """Where the data-parallel ranks meet: rank 0's node (its bundle's, when placed) and a free port there."""
@@ -397,8 +389,7 @@ class WorkerGroup:
         # replay trains with no engine to make room for (and its form has no placement)
         parks_on_host = not cfg.debug.train_only and cfg.placement == "colocate" and cfg.offload
         on_host = parks_on_host or not cfg.train.device.startswith("cuda")  # CPU ranks keep everything there
-        node_ranks = self.trainer_node_ranks(world) if on_host else [1] * world
-        engine_bytes = self.engine_host_bytes_per_param(world) if on_host else [0.0] * world
+        node_ranks, engine_bytes = self.trainer_node_sharing(world) if on_host else ([1] * world, [0.0] * world)
         worker_cls = SlowTrainWorker if cfg.debug.slow_train_s else TrainWorker  # a fault drill (docs/checks.md)
         for rank, dp in enumerate(dps):
             options = self.placement_options(TRAINER, rank)

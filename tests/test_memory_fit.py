@@ -165,14 +165,14 @@ def test_the_group_counts_the_hf_engines_on_each_trainer_ranks_node(tmp_path, ra
     assert group.plan is not None
     group.start_placement()
     try:
-        assert group.engine_host_bytes_per_param(1) == [2.0]
+        assert group.trainer_node_sharing(1)[1] == [2.0]
     finally:
         group.stop_placement()
-    assert WorkerGroup.for_run(small_config(tmp_path)).engine_host_bytes_per_param(1) == [4.0]
+    assert WorkerGroup.for_run(small_config(tmp_path)).trainer_node_sharing(1)[1] == [4.0]
     sglang = small_config(tmp_path, rollout={"engine": "sglang", "sglang": {"urls": ["http://127.0.0.1:1"]}})
-    assert WorkerGroup.for_run(sglang).engine_host_bytes_per_param(1) == [0.0]
+    assert WorkerGroup.for_run(sglang).trainer_node_sharing(1)[1] == [0.0]
     replay = small_config(tmp_path, debug={"train_only": True})
-    assert WorkerGroup.for_run(replay).engine_host_bytes_per_param(1) == [0.0]
+    assert WorkerGroup.for_run(replay).trainer_node_sharing(1)[1] == [0.0]
 
 
 def test_bytes_per_param_by_backend():
