@@ -26,7 +26,7 @@ from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig
 from rollflow.tasks.rollout.worker import RolloutWorker
 from rollflow.tasks.sync.parity import compare
-from rollflow.tasks.train.memory_fit import DTYPE_BYTES
+from rollflow.tasks.train.memory_fit import engine_host_bytes_per_param
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.worker import TrainWorker
 
@@ -67,7 +67,7 @@ class Setup:
     @property
     def engine_host_bytes_per_param(self) -> float:
         """What the colocated engine keeps in host memory while the trainer trains (the fit check counts it)."""
-        return float(DTYPE_BYTES[self.rollout.dtype])
+        return engine_host_bytes_per_param(self.rollout.engine, self.rollout.dtype)
 
     @property
     def weight_sync(self) -> str:

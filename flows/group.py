@@ -36,7 +36,7 @@ from rollflow.tasks.train.checkpoint import load_checkpoint
 from rollflow.tasks.train.checkpoint_weights import hf_weights_of_checkpoint
 from rollflow.tasks.train.critic_worker import CriticWorker
 from rollflow.tasks.train.data_parallel import DataParallel
-from rollflow.tasks.train.memory_fit import DTYPE_BYTES
+from rollflow.tasks.train.memory_fit import engine_host_bytes_per_param
 from rollflow.tasks.train.worker import TrainWorker
 
 if TYPE_CHECKING:
@@ -226,19 +226,19 @@ class WorkerGroup:
         """For each trainer rank, who shares its node's host memory: (the trainer ranks on it, their parked state
         adding up; the host memory the node's engines keep while it trains, in bytes per model parameter).
 
-        Engines: an `hf` engine's weights in its dtype (parked on a pinned host shelf when colocated on a GPU,
-        living there on CPU); SGLang's memory saver frees released weights (0). Placed: as Ray placed the
-        bundles (an engine by its first bundle); not placed: everything on a one-node Ray, else 1 rank and 0
-        engines each (unknown, and the fit check stays a lower bound)."""
+        Engines: `memory_fit.engine_host_bytes_per_param` each. Placed: as Ray placed the bundles (an engine by
+        its first bundle); not placed: everything on a one-node Ray, else 1 rank and 0 engines each (unknown, and
+        the fit check stays a lower bound)."""
         cfg = self.cfg
-        has_hf_engine = not (cfg.debug.train_only or cfg.debug.rollout_only) and cfg.rollout.engine == "hf"
-        per_engine = float(DTYPE_BYTES[cfg.rollout.dtype]) if has_hf_engine else 0.0
+        has_engine = not (cfg.debug.train_only or cfg.debug.rollout_only)
+        per_engine = engine_host_bytes_per_param(cfg.rollout.engine, cfg.rollout.dtype) if has_engine else 0.0
         pg = self.placement_group() if self.plan is not None else None
         if pg is not None:
             nodes = bundle_nodes(pg)
             rank_bundles = [self.plan.actor_bundle(TRAINER, r) for r in range(world)]
             engine_nodes = [nodes.get(bundles[0]) for bundles in self.plan.engine_bundles]
-            engines = [per_engine * engine_nodes.count(nodes.get(b)) if nodes.get(b) else 0.0 for b in rank_bundles]
+            rank_nodes = [nodes.get(b) for b in rank_bundles]
+            engines = [per_engine * engine_nodes.count(node) if node else 0.0 for node in rank_nodes]
             return ranks_per_node(nodes, rank_bundles), engines
         if alive_nodes() == 1:
             return [world] * world, [per_engine * cfg.resources.num_engines] * world

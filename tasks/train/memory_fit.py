@@ -96,6 +96,13 @@ def safetensors_params(model_dir: str | Path) -> int:
     return total
 
 
+def engine_host_bytes_per_param(engine: str, dtype: str) -> float:
+    """Host memory one engine keeps while a trainer beside it trains, per model parameter: an `hf` engine's
+    weights in its dtype (parked on a pinned host shelf when colocated on a GPU, living there on CPU); SGLang's
+    memory saver frees released weights (0)."""
+    return float(DTYPE_BYTES[dtype]) if engine == "hf" else 0.0
+
+
 def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """MemAvailable of this node (None where the kernel does not say)."""
     try:
