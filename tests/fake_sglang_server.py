@@ -65,6 +65,9 @@ from typing import Any
 PROTOCOL_FILE = Path(__file__).with_name("fixtures") / "sglang_protocol.json"
 PROTOCOL = json.loads(PROTOCOL_FILE.read_text())
 ENDPOINTS = PROTOCOL["endpoints"]
+# How long tests give this fake, run as a process, to answer /health: it imports torch and loads the model, which
+# took over 30 s on a fresh-clone CI run with 4 test workers on 2 cores.
+FAKE_START_S = 120
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from rollflow.tasks.rollout.sglang.server import (
     launch_command,
 )
 from rollflow.tasks.sync.weight_group import init_weight_group
-from tests.fake_sglang_server import ENDPOINTS, FakeSGLang, check_fields
+from tests.fake_sglang_server import ENDPOINTS, FAKE_START_S, FakeSGLang, check_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = str(ROOT / "tests" / "fake_sglang_server.py")
@@ -636,7 +636,7 @@ def test_update_from_distributed_gloo_end_to_end(tmp_path):
 
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher(), skip_tokenizer_init=False)
     with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
-        server.wait_healthy(timeout=30)
+        server.wait_healthy(timeout=FAKE_START_S)
         engine = SGLangEngine([server.url], servers=[server], bucket_bytes=600)
         port = free_port()
         group: list = []
@@ -715,7 +715,7 @@ def test_server_dying_mid_rollout_is_reported_with_its_log_then_a_new_one_comple
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher("--die-after", "1"))
     assert launch_command(spec)[:2] == [sys.executable, FAKE]
     server = SGLangServer(spec, log_path=tmp_path / "dying.log", tail_lines=5).start()
-    server.wait_healthy(timeout=30)
+    server.wait_healthy(timeout=FAKE_START_S)
     engine = SGLangEngine([server.url], servers=[server], max_inflight=1)
     requests = [GenerationRequest([1, 4, 5], n=1) for _ in range(3)]
     with pytest.raises(EngineDiedError) as err:
@@ -729,7 +729,7 @@ def test_server_dying_mid_rollout_is_reported_with_its_log_then_a_new_one_comple
     # the restart: a fresh server on a fresh port serves the same rollout to the end
     spec2 = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher())
     with SGLangServer(spec2, log_path=tmp_path / "fresh.log").start() as fresh:
-        fresh.wait_healthy(timeout=30)
+        fresh.wait_healthy(timeout=FAKE_START_S)
         out = SGLangEngine([fresh.url], servers=[fresh]).generate(requests, SamplingParams(max_new_tokens=3))
         assert [len(o) for o in out] == [1, 1, 1]
 
@@ -768,7 +768,7 @@ def test_stop_escalates_to_sigkill(tmp_path):
 def test_stop_is_clean_with_sigterm(tmp_path):
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher())
     server = SGLangServer(spec, log_path=tmp_path / "s.log").start()
-    server.wait_healthy(timeout=30)
+    server.wait_healthy(timeout=FAKE_START_S)
     assert server.stop(timeout=10) == 0
     assert "fake-sglang: SIGTERM, exiting" in "\n".join(server.log_tail())
 

@@ -25,7 +25,7 @@ from rollflow.tasks.rollout.sglang.weights_check import (
     parse_mismatches,
     verify_update_overwrites_all,
 )
-from tests.fake_sglang_server import ENDPOINTS, FakeSGLang, check_fields
+from tests.fake_sglang_server import ENDPOINTS, FAKE_START_S, FakeSGLang, check_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "tasks" / "model" / "builtin" / "addition-sft"
@@ -312,7 +312,7 @@ def test_distributed_path_in_a_launched_fake_with_ignore_flag(tmp_path):
         model_path=str(BUILTIN), port=free_port(), launcher=[sys.executable, FAKE, "--ignore-update-of", DROPPED]
     )
     with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
-        server.wait_healthy(timeout=30)
+        server.wait_healthy(timeout=FAKE_START_S)
         engine = SGLangEngine([server.url], servers=[server], bucket_bytes=2**20)
         port = free_port()
         group: list = []
