@@ -63,7 +63,14 @@ def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # the drill's `rollflow train` processes report here
     monkeypatch.delenv("ROLLFLOW_FAULT", raising=False)
-    cfg = small_config(tmp_path, run="nightly-drill", iterations=2, data={"prompts_per_rollout": 8})
+    import ray
+
+    # the drill's `rollflow train` legs join the session's Ray cluster, as a nightly run's would join its cluster
+    # (five local Ray starts cost the loaded CI host more than the legs' training)
+    address = ray.get_runtime_context().gcs_address
+    cfg = small_config(
+        tmp_path, run="nightly-drill", iterations=2, data={"prompts_per_rollout": 8}, ray={"address": address}
+    )
     params = nightly_parameters(cfg, resume_drill=True)
     assert params["params"]["iterations"] == 2  # the nightly form carries the drill's length
 
