@@ -56,6 +56,7 @@ def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
     drill as the `resume-drill` task, green with a PASS artifact; with the resume bug injected into the
     environment the flow runs in (what the drill's `rollflow train` processes inherit), that task and the flow
     fail and the artifact names the first differing value."""
+    import ray
     from prefect.artifacts import Artifact
 
     from rollflow.flows.alignment import AlignmentFailed, alignment_check, nightly_parameters
@@ -63,8 +64,6 @@ def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # the drill's `rollflow train` processes report here
     monkeypatch.delenv("ROLLFLOW_FAULT", raising=False)
-    import ray
-
     # the drill's `rollflow train` legs join the session's Ray cluster, as a nightly run's would join its cluster
     # (five local Ray starts cost the loaded CI host more than the legs' training)
     address = ray.get_runtime_context().gcs_address
