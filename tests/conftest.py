@@ -267,6 +267,7 @@ def any_root(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def ray_local(_loopback_s3_environment):
+    """The session's local Ray cluster; yields its GCS address, for child processes (`rollflow train`) that join it."""
     # After the S3 environment: Ray's workers inherit the environment at ray.init.
     import ray
 
@@ -275,7 +276,7 @@ def ray_local(_loopback_s3_environment):
     # fake_gpu: a custom resource standing in for GPUs in the placement tests (tests/test_placement.py);
     # num_gpus=4: Ray-only GPUs (ids 0-3, no CUDA behind them) for the bundle -> GPU id mapping tests
     ensure_ray(None, num_cpus=2, num_gpus=4, resources={"fake_gpu": 8})
-    yield
+    yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
 

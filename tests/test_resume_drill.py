@@ -56,7 +56,6 @@ def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
     drill as the `resume-drill` task, green with a PASS artifact; with the resume bug injected into the
     environment the flow runs in (what the drill's `rollflow train` processes inherit), that task and the flow
     fail and the artifact names the first differing value."""
-    import ray
     from prefect.artifacts import Artifact
 
     from rollflow.flows.alignment import AlignmentFailed, alignment_check, nightly_parameters
@@ -66,9 +65,8 @@ def test_nightly_alignment_runs_the_drill_as_a_task_and_fails_on_the_resume_bug(
     monkeypatch.delenv("ROLLFLOW_FAULT", raising=False)
     # the drill's `rollflow train` legs join the session's Ray cluster, as a nightly run's would join its cluster
     # (five local Ray starts cost the loaded CI host more than the legs' training)
-    address = ray.get_runtime_context().gcs_address
     cfg = small_config(
-        tmp_path, run="nightly-drill", iterations=2, data={"prompts_per_rollout": 8}, ray={"address": address}
+        tmp_path, run="nightly-drill", iterations=2, data={"prompts_per_rollout": 8}, ray={"address": ray_local}
     )
     params = nightly_parameters(cfg, resume_drill=True)
     assert params["params"]["iterations"] == 2  # the nightly form carries the drill's length

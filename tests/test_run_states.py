@@ -203,7 +203,7 @@ def test_ui_cancel_of_a_cli_run_ends_cancelled_and_stops_its_actors(server, ray_
     from rollflow.infra.automations import heartbeat_env
     from rollflow.infra.workers import NAMESPACE
 
-    address = ray.get_runtime_context().gcs_address
+    address = ray_local
     env = {**os.environ, **OFFLINE, **heartbeat_env(), "PREFECT_API_URL": server, "RAY_AUTH_MODE": "disabled"}
     argv = [
         str(Path(sys.executable).with_name("rollflow")),
@@ -291,7 +291,7 @@ def test_sigkill_of_rollflow_train_and_of_a_python_api_run_ends_their_runs_crash
     from rollflow.infra.automations import CRASH_AFTER_S
     from rollflow.infra.workers import NAMESPACE
 
-    address = ray.get_runtime_context().gcs_address
+    address = ray_local
     env = {**os.environ, **OFFLINE, "PREFECT_API_URL": server, "RAY_AUTH_MODE": "disabled"}
     env.pop("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)  # neither child gets heartbeats from the test
     cli = [str(Path(sys.executable).with_name("rollflow")), "train"]
