@@ -26,7 +26,7 @@ from rollflow.tasks.rollout.sglang.payloads import SGLangRequestError, request_i
 from rollflow.tasks.sync import ipc
 from rollflow.tasks.sync.ipc import FLATTENED_BUCKET, flatten_bucket, serialize_flattened_bucket
 from tests.conftest import small_config, watching_syncs
-from tests.fake_sglang_server import FakeSGLang
+from tests.fake_sglang_server import FAKE_START_S, FakeSGLang
 from tests.test_sglang_contract import BUILTIN, builtin_weights, fake_launcher
 
 
@@ -192,7 +192,7 @@ def test_rl_train_colocated_two_engines_two_trainer_ranks_sync_by_ipc_in_session
         rollout={
             "engine": "sglang",
             "n_samples_per_prompt": 2,
-            "sglang": {"launcher": fake_launcher(), "startup_timeout_s": 60, "bucket_mb": 1},
+            "sglang": {"launcher": fake_launcher(), "startup_timeout_s": FAKE_START_S, "bucket_mb": 1},
         },
     )
     assert cfg.rollout.sglang.weight_sync == "tensor" and cfg.rollout.sglang.dtype == "bfloat16"
@@ -276,7 +276,7 @@ def test_engine_dtype_memory_share_and_allocator_env_defaults(tmp_path, monkeypa
     spec = launch_spec_for(BUILTIN, cfg.rollout, port=None)
     spec = type(spec)(**{**spec.__dict__, "launcher": tuple(fake_launcher())})
     with SGLangServer(spec, log_path=tmp_path / "s.log", drop_env=dropped_env(cfg.rollout)).start() as server:
-        server.wait_healthy(timeout=60)
+        server.wait_healthy(timeout=FAKE_START_S)
         raw = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
         env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
         assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["PYTHONUNBUFFERED"] == "1"
@@ -400,7 +400,7 @@ def test_a_restarted_engine_reads_back_the_tags_its_server_has_released(tmp_path
 
     spec = LaunchSpec(model_path=str(BUILTIN), port=free_port(), launcher=fake_launcher())
     with SGLangServer(spec, log_path=tmp_path / "fake.log").start() as server:
-        server.wait_healthy(timeout=60)
+        server.wait_healthy(timeout=FAKE_START_S)
         SGLangEngine([server.url], servers=[server]).offload()  # then the actor dies
         engine = SGLangEngine([server.url], servers=[server])
         assert engine.released[server.url] == {"kv_cache", "weights", "cuda_graph"}
