@@ -557,13 +557,20 @@ def _assert_same_weights(a: dict, b: dict) -> None:
 # ----------------------------------------------------------------------------- drill d: S3 frozen
 
 
+ANSWER_GRACE_S = 0.3  # far beyond writing one small answer, well inside a generate of DRILL_D_ROLLOUT
+# The tiny model answers in ~4 tokens, so LONG_GENERATE's one batch of 256 generates in < 0.3 s; one sample at a
+# time it takes ~1.5 s on an idle host.
+DRILL_D_ROLLOUT = {**LONG_GENERATE["rollout"], "max_batch_size": 1}
+
+
 def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cluster, api):
     run = _unique("drill-d")
     s3_pid = cluster.pids["s3"]
     requests = S3Requests(cluster)
-    flow_run_id = _submit(cluster, run, 2)
+    flow_run_id = _submit(cluster, run, 2, rollout=DRILL_D_ROLLOUT)
     frozen: dict[str, float] = {}
     persist_seen: str | None = None
+    generate_seen = False
     try:
         # rollout 1 is not committed yet (the iteration's one check before generating; its last request: a prefix
         # listing) -> its generate starts (no S3 request) -> the endpoint is frozen -> its persist starts against
@@ -574,11 +581,16 @@ def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cl
             rf"GET /{cl.BUCKET}\?list-type=2&prefix=runs/{run}/rollouts/train/000001/manifest", 300
         )
         assert line, _logs(flow_run_id)
+        # The endpoint logs a request before it writes the answer (http.server's send_response): frozen right after
+        # the line, it can hold that answer back, and the check, not the persist, waits the freeze out.
+        time.sleep(ANSWER_GRACE_S)
         os.kill(s3_pid, signal.SIGSTOP)
         frozen["at"] = time.monotonic()
         running_at = None
         while time.monotonic() - frozen["at"] < 180:
-            persists = _iteration_tasks(run, 1).get("persist", [])
+            tasks = _iteration_tasks(run, 1)
+            generate_seen = generate_seen or bool(tasks.get("generate-train"))
+            persists = tasks.get("persist", [])
             if persists and running_at is None:
                 persist_seen = persists[0].state.name if persists[0].state else None
                 if persist_seen == "Running":
@@ -597,9 +609,16 @@ def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cl
     assert final.state.name == "Completed", logs
     (persist,) = _iteration_tasks(run, 1)["persist"]
     took = (persist.end_time - persist.start_time).total_seconds()
-    print(f"endpoint frozen {frozen['for']:.1f}s; persist of rollout 1: {took:.1f}s, {persist.run_count} attempt(s)")
+    (generate,) = _iteration_tasks(run, 1)["generate-train"]
+    generate_s = (generate.end_time - generate.start_time).total_seconds()
+    print(
+        f"endpoint frozen {frozen['for']:.1f}s; generate of rollout 1: {generate_s:.1f}s; "
+        f"persist: {took:.1f}s, {persist.run_count} attempt(s)"
+    )
     assert persist.state.name == "Completed"
-    assert persist_seen == "Running", f"the persist of rollout 1 was {persist_seen} while the endpoint was frozen"
+    assert persist_seen == "Running", f"the persist of rollout 1 was {persist_seen} while the endpoint was frozen; " + (
+        "its generate ran" if generate_seen else "its generate never started (the check before it was held)"
+    )
     assert took >= 10, (took, persist.run_count)  # it waited the freeze out instead of failing or skipping it
     # botocore timed the frozen request out and sent it again: both copies reach the endpoint when it thaws
     after = S3Requests.lines_since(cluster, thaw_offset)
