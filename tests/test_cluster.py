@@ -607,9 +607,9 @@ def test_drill_d_s3_endpoint_frozen_during_persist_run_completes_nothing_lost(cl
     final = _wait_final(flow_run_id)
     logs = _logs(flow_run_id)
     assert final.state.name == "Completed", logs
-    (persist,) = _iteration_tasks(run, 1)["persist"]
+    tasks = _iteration_tasks(run, 1)
+    (persist,), (generate,) = tasks["persist"], tasks["generate-train"]
     took = (persist.end_time - persist.start_time).total_seconds()
-    (generate,) = _iteration_tasks(run, 1)["generate-train"]
     generate_s = (generate.end_time - generate.start_time).total_seconds()
     print(
         f"endpoint frozen {frozen['for']:.1f}s; generate of rollout 1: {generate_s:.1f}s; "
