@@ -44,15 +44,13 @@ lint: setup
 fmt: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
-# Two stages, both always run (the exit status is a failure if either failed): the suite without the cluster
-# tests on the xdist workers, then the cluster tests (tests/test_cluster.py: PostgreSQL, S3, a Prefect server, a work
-# pool and three Ray nodes in network namespaces) alone. Beside 3 workers on 2 cores the cluster module took 32 min
-# instead of 7.5 alone, its drills' time bounds had no margin left, and its idle services slowed every other file.
+# Two stages, both always run (scripts/test_stages.sh; the exit status is a failure if either failed): the suite
+# without the cluster tests on the xdist workers, and the cluster tests (tests/test_cluster.py: PostgreSQL, S3, a
+# Prefect server, a work pool and three Ray nodes in network namespaces). Where the script may make a CPU cgroup
+# (root) the cluster stage runs beside the suite with 4x its CPU weight; otherwise, or with TEST_STAGES=serial,
+# after it, alone. Beside 3 workers on 2 cores with no weight the cluster module took 32 min instead of 7.5 alone.
 test: lint
-	@rc=0; \
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not cluster" || rc=1; \
-	$(PY) -m pytest -q -rs --durations=12 -m cluster || rc=1; \
-	exit $$rc
+	@PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) bash scripts/test_stages.sh
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"

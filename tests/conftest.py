@@ -15,6 +15,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# Ray's log monitor re-globs its node's log folder every 0.1 s until that folder holds 1,000 files, and the folder
+# grows by two files per actor: over a session-long local Ray that was 20-30 CPU-s per node on a 2-core box. With
+# the threshold at 0 it looks for new files every 0.5 s (LOG_NAME_UPDATE_INTERVAL_S, Ray's default); lines of files
+# it already follows still go to the driver every 0.1 s. Every Ray node the tests start inherits this.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 PREFECT_OFFLINE = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
