@@ -20,7 +20,7 @@ CLUSTER=("$PY" -m pytest -q -rs --durations=12 -m cluster)
 # A fresh CPU cgroup for the cluster stage, weighted 4x; prints its folder, or nothing when none can be made.
 make_group() {
   local name="rollflow-test-cluster-$$" dir
-  if [ -w /sys/fs/cgroup/cpu/cgroup.procs ] 2>/dev/null && [ -f /sys/fs/cgroup/cpu/cpu.shares ]; then
+  if [ -w /sys/fs/cgroup/cpu/cgroup.procs ] && [ -f /sys/fs/cgroup/cpu/cpu.shares ]; then
     dir=/sys/fs/cgroup/cpu/$name  # v1: shares, default 1024
     mkdir "$dir" 2>/dev/null && echo 4096 > "$dir/cpu.shares" 2>/dev/null && echo "$dir" && return
   elif [ -f /sys/fs/cgroup/cgroup.subtree_control ] && grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
