@@ -12,7 +12,11 @@ Semantics that hold for every sink:
 - rl_train logs an iteration once its checkpoint is committed (`logged_through` in
   `{store.root}/{run}/tracking.json`), so a resume never logs a step twice: MLflow cannot delete a metric
   point, and W&B refuses steps that go back. The same file keeps the MLflow and W&B run ids, so a resume
-  (or a Prefect retry) continues the same tracking run.
+  (or a Prefect retry) continues the same tracking run. A kill between a sink taking a row and that file
+  recording it makes the resume log the row again: MLflow and TensorBoard skip the (key, step) points their
+  run already holds; W&B cannot be asked (offline runs keep no history to read back) and may chart such a
+  row twice. A resume from an older checkpoint than the last logged step starts new tracking runs, and a new
+  TensorBoard folder (`rl_train/resumed-<checkpoint>-<time>`), so redone steps never sit beside the old ones.
 - Logging never fails training: a sink that raises is reported once (a warning) and disabled for the rest
   of the run, unless `tracking.fatal`. A backend that is not installed is one line naming the extra.
 - A sink whose setup cannot work (an unreachable MLflow server, a store MLflow refuses) is found when the
@@ -44,6 +48,7 @@ from rollflow.flows.reporting import STEP_PREFIX
 
 EXTRA = "pip install 'rollflow[tracking]'"
 STATE_FILE = "tracking.json"
+TB_FOLDER = "tensorboard_folder"  # tracking.json key: a kept tracking run's TensorBoard folder, if not the flow's
 STEP_KEYS = frozenset({"iteration"})  # the step itself, not a metric
 # STEP_PREFIX: per-optimizer-step train statistics (train_step/*; reporting.py: train_steps.jsonl)
 ROW_AXIS, STEP_AXIS = "step", "train_step/step"  # W&B x-axis metrics of rows and of optimizer steps
@@ -199,6 +204,7 @@ class TensorBoardSink(Sink):
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self.writer = None
+        self.logged: set[tuple[str, int]] = set()  # (tag, step) scalar points the folder already holds
 
     def open(self, state, params, tags):
         try:
@@ -206,6 +212,9 @@ class TensorBoardSink(Sink):
         except ImportError as exc:
             raise ImportError(f"tracking backend 'tensorboard' is not installed: {EXTRA}") from exc
         self.logdir.mkdir(parents=True, exist_ok=True)
+        # A kill can land after the event file took a committed row and before tracking.json recorded it: the
+        # resume logs that row again, and TensorBoard would chart both points (it drops neither).
+        self.logged = tensorboard_points(self.logdir)
         self.writer = EventFileWriter(str(self.logdir))
         if params is not None:
             lines = ["| key | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in sorted(params.items()))]
@@ -223,7 +232,9 @@ class TensorBoardSink(Sink):
     def log(self, metrics, step):
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        self._write([Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()], step)
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in metrics.items() if (k, step) not in self.logged]
+        if values:
+            self._write(values, step)
 
     def log_text(self, key, text, step=0):
         from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
@@ -253,6 +264,18 @@ class TensorBoardSink(Sink):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def tensorboard_points(logdir: Path) -> set[tuple[str, int]]:
+    """(tag, step) of every scalar point in the event files directly in `logdir` (a truncated last record, the
+    mark of a killed writer, ends its file's read)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    points: set[tuple[str, int]] = set()
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for event in LegacyEventFileLoader(str(path)).Load():  # as written: simple_value not made a tensor
+            points.update((v.tag, event.step) for v in event.summary.value if v.WhichOneof("value") == "simple_value")
+    return points
 
 
 class MlflowSink(Sink):
@@ -571,7 +594,7 @@ def start(
     fresh = not (state.get("mlflow_run_id") or state.get("wandb_run_id"))
     tags = {"rollflow.run": cfg.run, "rollflow.flow": flow, **prefect_tags(), **(links or {})}
     # without kept state each call is a tracking run of its own: TensorBoard gets a folder per call
-    folder = None if state_at else f"{flow}/{time.strftime('%Y%m%dT%H%M%S')}"
+    folder = state.get(TB_FOLDER) if state_at else f"{flow}/{time.strftime('%Y%m%dT%H%M%S')}"
     tracker = Tracker(cfg, build_sinks(cfg, flow, name, folder), state, state_at).check()
     return tracker.open(config_params(cfg) if fresh else None, tags)
 
@@ -592,7 +615,8 @@ def start_train(cfg: RunConfig, resume_at: int) -> Tracker:
             f"run {cfg.run!r} resumes from checkpoint {resume_at}, before the last step its tracking "
             f"run logged ({state['logged_through']}): logging to new tracking runs"
         )
-        state = {}
+        # TensorBoard too: a folder of its own, or the redone steps would sit beside the old ones
+        state = {TB_FOLDER: f"rl_train/resumed-{resume_at}-{time.strftime('%Y%m%dT%H%M%S')}"}
     state.setdefault("logged_through", 0)
     run_uri = RolloutStore(cfg.store.root).run_uri(cfg.run)
     links = {

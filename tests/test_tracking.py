@@ -352,6 +352,89 @@ def test_a_kill_between_logging_and_the_tracking_state_logs_nothing_twice(tmp_pa
     assert problems == []
 
 
+def tensorboard_point_counts(logdir: Path) -> dict[tuple[str, int], int]:
+    """(tag, step) -> how many points TensorBoard's own loader charts there (a duplicate shows as 2)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    counts: dict[tuple[str, int], int] = {}
+    for tag in acc.Tags()["scalars"]:
+        for event in acc.Scalars(tag):
+            counts[tag, event.step] = counts.get((tag, event.step), 0) + 1
+    return counts
+
+
+def test_a_kill_between_logging_and_the_tracking_state_charts_nothing_twice_in_tensorboard(
+    tmp_path, monkeypatch, problems
+):
+    """The same kill window with TensorBoard: the resume's writer (a new event file in the same folder) skips the
+    points the killed process's file holds, so TensorBoard charts each point once, with its first value."""
+    from rollflow.flows import reporting, tracking
+
+    cfg = tracked_config(tmp_path, "tb-kill", backends=["tensorboard"], iterations=3)
+    reporting.write_metrics(cfg, [{"iteration": i, "train/loss": float(i)} for i in (1, 2)])
+    for i in (1, 2):
+        reporting.record_train_steps(cfg, i, [{"loss": i + 0.1}, {"loss": i + 0.2}])
+    tracker = tracking.start_train(cfg, 0)
+    tracking.log_committed(tracker, cfg, 1)
+    monkeypatch.setattr(tracker, "save_state", lambda: None)  # the kill lands here: tracking.json still says 1
+    tracking.log_committed(tracker, cfg, 2)
+    logdir = tmp_path / "tb-kill" / "tensorboard" / "rl_train"
+    before = tensorboard_point_counts(logdir)
+    assert before == {
+        ("train/loss", 1): 1,
+        ("train/loss", 2): 1,
+        **{("train_step/loss", s): 1 for s in (1, 2, 3, 4)},
+    }
+    monkeypatch.undo()
+
+    with tracking.start_train(cfg, 2) as resumed:
+        assert resumed.state["logged_through"] == 2
+        reporting.record_iteration(cfg, {"iteration": 3, "train/loss": 3.0})
+        reporting.record_train_steps(cfg, 3, [{"loss": 3.1}, {"loss": 3.2}])
+        tracking.log_committed(resumed, cfg, 3)
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 2  # the resume wrote a file of its own
+    assert tensorboard_point_counts(logdir) == {
+        **before,
+        ("train/loss", 3): 1,
+        ("train_step/loss", 5): 1,
+        ("train_step/loss", 6): 1,
+    }
+    assert problems == []
+
+
+def test_a_resume_from_an_older_checkpoint_charts_the_redone_steps_in_a_new_tensorboard_folder(tmp_path, problems):
+    """Resuming from checkpoint 1 after step 2 was logged: the old folder keeps its points as they were; the new
+    tracking run (its committed step 1, then the redone step 2) goes to a folder of its own, which TensorBoard shows
+    as another run, and a later resume finds it again."""
+    from rollflow.flows import reporting, tracking
+
+    cfg = tracked_config(tmp_path, "tb-redo", backends=["tensorboard"], iterations=3)
+    reporting.write_metrics(cfg, [{"iteration": i, "train/loss": float(i)} for i in (1, 2)])
+    with tracking.start_train(cfg, 0) as tracker:
+        tracking.log_committed(tracker, cfg, 2)
+    old = tmp_path / "tb-redo" / "tensorboard" / "rl_train"
+    assert tensorboard_point_counts(old) == {("train/loss", 1): 1, ("train/loss", 2): 1}
+
+    reporting.truncate_metrics(cfg, 1)
+    with tracking.start_train(cfg, 1) as tracker:
+        reporting.record_iteration(cfg, {"iteration": 2, "train/loss": 20.0})
+        tracking.log_committed(tracker, cfg, 2)
+    assert len(problems) == 1 and "resumes from checkpoint 1" in problems[0]
+    [new] = [p for p in old.iterdir() if p.is_dir()]
+    assert new.name.startswith("resumed-1-")
+    assert tensorboard_point_counts(old) == {("train/loss", 1): 1, ("train/loss", 2): 1}  # untouched
+    assert tensorboard_point_counts(new) == {("train/loss", 1): 1, ("train/loss", 2): 1}
+
+    with tracking.start_train(cfg, 2) as tracker:  # a plain resume of the new tracking run: same folder
+        reporting.record_iteration(cfg, {"iteration": 3, "train/loss": 30.0})
+        tracking.log_committed(tracker, cfg, 3)
+    assert [p for p in old.iterdir() if p.is_dir()] == [new]
+    assert tensorboard_point_counts(new) == {("train/loss", 1): 1, ("train/loss", 2): 1, ("train/loss", 3): 1}
+    assert len(problems) == 1
+
+
 def test_optimizer_loop_reports_each_step():
     """objective.minibatch_steps hands each optimizer step's statistics to `on_step`; their mean is train/*."""
     import torch
