@@ -27,7 +27,7 @@ import datetime as _dt
 import math
 import time
 import traceback
-from typing import Any, Callable, Optional, Protocol, TypeVar
+from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -115,11 +115,26 @@ def as_runner(obj: Any) -> WorkerRunner:
 # ---- functions that run inside the workers (module level: Ray pickles them by reference) ----------
 
 
-def _torch_model(obj: Any, attr: str, fault: str):
-    model = getattr(obj, attr, None)
-    if model is None:
-        raise TypeError(f"fault {fault}: {type(obj).__name__} has no `{attr}` module to modify")
-    return model
+@runtime_checkable
+class HoldsModule(Protocol):
+    """A torch module the faults can modify in place: the `hf` engine's, either trainer's (megatron: its first
+    chunk). SGLang's engine holds none in this process."""
+
+    model: torch.nn.Module
+
+
+@runtime_checkable
+class ModuleReference(Protocol):
+    """The frozen reference as a second module beside the policy (the torch backend; None when the run keeps no
+    reference). Megatron's is a host copy instead: `HostReference`."""
+
+    ref_model: torch.nn.Module | None
+
+
+def _module(obj: Any, fault: str) -> torch.nn.Module:
+    if not isinstance(obj, HoldsModule):
+        raise TypeError(f"fault {fault}: {type(obj).__name__} has no torch module to modify")
+    return obj.model
 
 
 def engine_describe(worker: RolloutWorker) -> dict[str, Any]:
@@ -144,15 +159,14 @@ def trainer_describe(worker: Any) -> dict[str, Any]:
 
 
 def engine_scramble(worker: Any, mode: str, seed: int) -> None:
-    scramble_module(_torch_model(worker.engine, "model", "gibberish_weights"), mode, seed)  # type: ignore[arg-type]
+    scramble_module(_module(worker.engine, "gibberish_weights"), mode, seed)  # type: ignore[arg-type]
 
 
 def trainer_scramble(worker: Any, mode: str, seed: int) -> None:
     backend = backend_of(worker)
-    scramble_module(_torch_model(backend, "model", "gibberish_weights"), mode, seed)  # type: ignore[arg-type]
-    ref = getattr(backend, "ref_model", None)
-    if ref is not None:  # the reference is the starting policy: gibberish too
-        scramble_module(ref, mode, seed)  # type: ignore[arg-type]
+    scramble_module(_module(backend, "gibberish_weights"), mode, seed)  # type: ignore[arg-type]
+    if isinstance(backend, ModuleReference) and backend.ref_model is not None:
+        scramble_module(backend.ref_model, mode, seed)  # type: ignore[arg-type]  # the starting policy: gibberish too
     elif isinstance(backend, HostReference):  # megatron: the reference is a host copy of the weights
         backend.reset_reference()
 
@@ -162,29 +176,30 @@ def trainer_perturb_ref(worker: Any, std: float, seed: int) -> None:
     tensors = backend.reference_tensors() if isinstance(backend, HostReference) else None
     if tensors is not None:  # megatron: the reference's host copies
         perturb_tensors(tensors.values(), std, seed)
-        return
-    perturb_module(_torch_model(backend, "ref_model", "perturb_ref_std"), std, seed)
+    elif isinstance(backend, ModuleReference) and backend.ref_model is not None:
+        perturb_module(backend.ref_model, std, seed)
+    else:
+        raise TypeError(f"fault perturb_ref_std: {type(backend).__name__} keeps no reference model to perturb")
 
 
 def engine_rollout(
-    worker: Any, rollout_id: int, temperature: float | None = None
+    worker: RolloutWorker, rollout_id: int, temperature: float | None = None
 ) -> tuple[list[Sample], dict[str, Any]]:
     """One training rollout of the worker's prompt source, plus the text figures of check 1."""
     params = worker.rollout_cfg.sampling(rollout_id)
     if temperature is not None:  # fault injection: the engine's temperature differs from the trainer's
         params = dataclasses.replace(params, temperature=temperature)
-    stops = tuple(getattr(worker, "stop_token_ids", ()))  # the model's extra stop ids (generation_config)
-    if stops:
-        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + stops)
+    if worker.stop_token_ids:  # the model's extra stop ids (generation_config)
+        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + worker.stop_token_ids)
     items = prompts_for(worker.data_cfg, rollout_id, "train")
     samples = generate_samples(worker.engine, worker.tokenizer, items, params, worker.rollout_cfg.n_samples_per_prompt)
     return samples, response_stats(worker.tokenizer, samples, answer_format(worker.data_cfg))
 
 
-def precision_algo(algo: Any) -> Any:
+def precision_algo(algo: AlgoConfig) -> AlgoConfig:
     """The algo the checks train with: the run's, except ppo, whose advantages come from a critic actor the
     checks do not start. Step-1 exactness (ppo_kl 0, clipfrac 0) holds for any advantages, so grpo stands in."""
-    if getattr(algo, "advantage_estimator", None) != "ppo":
+    if algo.advantage_estimator != "ppo":
         return algo
     return algo.model_copy(update={"advantage_estimator": "grpo", "gamma": 1.0, "lambd": 1.0})
 
@@ -382,7 +397,7 @@ def run_alignment(
         "trainer": f"{trn['backend']} {trn['dtype']} {trn['device']}",
         "samples": f"{cfg.data.prompts_per_rollout} prompts x {group}",
         "rollout_temperature": cfg.rollout.temperature,
-        "rollout_logprobs": getattr(cfg.rollout, "logprobs", "engine"),
+        "rollout_logprobs": cfg.rollout.logprobs,
         "trainer_temperature": trn["temperature"],
         "thresholds": thr.model_dump(),
         "faults": faults.describe(),

@@ -18,6 +18,7 @@ from rollflow.tasks.debug.faults import perturb_module
 from rollflow.tasks.train.losses import masked_mean
 from rollflow.tasks.train.settings import AlgoConfig
 from rollflow.tasks.train.step import TrainBackend, prepare_batch, train_on_samples
+from rollflow.tasks.train.worker import TrainWorker
 
 REF_EQUAL, MISMATCH, FIRST_STEP = "step1_logprob_equals_ref", "train_rollout_logprob_diff", "one_step_update"
 MISMATCH_KL = "train_rollout_kl"
@@ -54,9 +55,9 @@ GRAD_CAUSES = [
 ]
 
 
-def backend_of(worker: Any) -> TrainBackend:
+def backend_of(worker: TrainWorker | TrainBackend) -> TrainBackend:
     """A TrainWorker's backend, or the object itself when it is a backend."""
-    return getattr(worker, "backend", worker)
+    return worker.backend if isinstance(worker, TrainWorker) else worker
 
 
 @contextlib.contextmanager
