@@ -6,6 +6,7 @@ and the placement plan is computed once per group. No Ray cluster needed."""
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -170,8 +171,6 @@ def name_probes(source: str, classes: set[str]) -> tuple[list[str], set[str]]:
 
 
 def test_worker_classes_probe_no_capability_by_name():
-    import inspect
-
     hits, found = [], set()
     for cls in _worker_classes():
         more, seen = name_probes(Path(inspect.getsourcefile(cls)).read_text(), {cls.__name__})
@@ -214,7 +213,7 @@ def test_engines_and_backends_declare_their_capabilities(tmp_path):
     from rollflow.tasks.rollout.settings import RolloutConfig
     from rollflow.tasks.rollout.sglang.engine import SGLangEngine
     from rollflow.tasks.rollout.worker import build_engine
-    from rollflow.tasks.sync.capabilities import ResidentTensors
+    from rollflow.tasks.sync.capabilities import HoldsModule, ResidentTensors
     from rollflow.tasks.train import capabilities as tc
     from rollflow.tasks.train.megatron.backend import MegatronBackend
     from rollflow.tasks.train.settings import OptimConfig
@@ -236,6 +235,7 @@ def test_engines_and_backends_declare_their_capabilities(tmp_path):
                 rc.Abortable,
                 rc.StickyAbort,
                 ResidentTensors,
+                HoldsModule,
                 rc.BucketedWeightSync,
                 rc.TakesBuckets,
                 rc.WeightUpdateSession,
@@ -256,16 +256,23 @@ def test_engines_and_backends_declare_their_capabilities(tmp_path):
                 rc.WeightGroupMember,
             },
         ),
-        (torch_backend, train_caps, {tc.Offloadable, tc.KnowsVocabSize, ResidentTensors}),
+        (
+            torch_backend,
+            train_caps,
+            {tc.Offloadable, tc.KnowsVocabSize, tc.ModuleReference, ResidentTensors, HoldsModule},
+        ),
     ]
     for obj, caps, wanted in expected:
-        has = {p for p in [*caps, ResidentTensors] if isinstance(obj, p)}
+        has = {p for p in [*caps, ResidentTensors, HoldsModule] if isinstance(obj, p)}
         assert has == wanted, f"{type(obj).__name__}: has {sorted(p.__name__ for p in has)}"
     # megatron-core is not needed to see the class's members (its constructor would need it)
     for protocol in (tc.Sharded, tc.Offloadable, tc.BucketExporter, tc.HostReference):
         missing = _members(protocol) - set(dir(MegatronBackend))
         assert not missing, f"MegatronBackend lacks {sorted(missing)} of {protocol.__name__}"
     assert not (_members(ResidentTensors) | _members(tc.KnowsVocabSize)) & set(dir(MegatronBackend))
+    # instance attributes: `model` is set by the constructor, `ref_model` never (its reference is a host copy)
+    init = inspect.getsource(MegatronBackend.__init__)
+    assert "self.model = " in init and "ref_model" not in inspect.getsource(MegatronBackend)
 
 
 def _remote_calls_by_class(source: str) -> dict[str, set[str]]:

@@ -27,7 +27,7 @@ import datetime as _dt
 import math
 import time
 import traceback
-from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import torch
 
@@ -63,8 +63,9 @@ from rollflow.tasks.rollout.generate import generate_samples
 from rollflow.tasks.rollout.rewards import reward_fn_from_config, score_samples
 from rollflow.tasks.rollout.settings import DataConfig, RolloutConfig, prompts_for
 from rollflow.tasks.rollout.worker import RolloutWorker
+from rollflow.tasks.sync.capabilities import HoldsModule
 from rollflow.tasks.sync.parity import NameMap, checksums, compare
-from rollflow.tasks.train.capabilities import HostReference
+from rollflow.tasks.train.capabilities import HostReference, ModuleReference
 from rollflow.tasks.train.settings import AlgoConfig, OptimConfig
 from rollflow.tasks.train.worker import TrainWorker
 
@@ -113,22 +114,6 @@ def as_runner(obj: Any) -> WorkerRunner:
 
 
 # ---- functions that run inside the workers (module level: Ray pickles them by reference) ----------
-
-
-@runtime_checkable
-class HoldsModule(Protocol):
-    """A torch module the faults can modify in place: the `hf` engine's, either trainer's (megatron: its first
-    chunk). SGLang's engine holds none in this process."""
-
-    model: torch.nn.Module
-
-
-@runtime_checkable
-class ModuleReference(Protocol):
-    """The frozen reference as a second module beside the policy (the torch backend; None when the run keeps no
-    reference). Megatron's is a host copy instead: `HostReference`."""
-
-    ref_model: torch.nn.Module | None
 
 
 def _module(obj: Any, fault: str) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""The capability both sides share: weights readable where they live (engines and trainers alike).
+"""The capabilities both sides share: weights readable where they live, a torch module held in the worker
+(engines and trainers alike).
 
 A `@runtime_checkable` protocol instead of a `getattr(x, "weight_tensors")` probe: an engine or backend
 declares the capability by having the method, and callers ask with `isinstance`.
@@ -17,6 +18,14 @@ class ResidentTensors(Protocol):
     HFEngine and TorchBackend have it; the others only give host copies (`named_weights`)."""
 
     def weight_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class HoldsModule(Protocol):
+    """A torch module in this process that the alignment faults can modify in place: the `hf` engine's, the
+    torch backend's (megatron's first chunk, set when it is built). SGLang's engine holds none here."""
+
+    model: torch.nn.Module
 
 
 class NamedWeights(Protocol):

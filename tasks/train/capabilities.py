@@ -56,6 +56,14 @@ class KnowsVocabSize(Protocol):
 
 
 @runtime_checkable
+class ModuleReference(Protocol):
+    """The frozen reference as a second module beside the policy (the torch backend; None when the run keeps no
+    reference): the alignment drills scramble or perturb it in place."""
+
+    ref_model: torch.nn.Module | None
+
+
+@runtime_checkable
 class HostReference(Protocol):
     """The frozen reference is a host copy of the starting weights swapped into the one model (megatron), not a
     second module (the torch backend's `ref_model`): the alignment drills perturb or reset it through these."""
