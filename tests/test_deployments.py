@@ -227,7 +227,6 @@ def test_replay_deployment_runs_then_hits_cache_across_run_names(worker, tmp_pat
     replays = [t for t in tasks if t.name.startswith("replay-train")]
     assert len(replays) == 2 and all(t.state.name == "Cached" for t in replays)
     assert not any(t.name.startswith("start-workers") for t in tasks)  # no Ray, no trainer
-    assert again.total_run_time.total_seconds() < 3.0, again.total_run_time
     assert {"run:replay-b", "mode:replay"} <= set(again.tags)  # a UI-created run is tagged like a CLI run
 
 

@@ -168,13 +168,17 @@ def test_control_group_answers_progress_while_busy(ray_local):
 
     actor = start_actor("wd-ctl", "engine", Plodder)
     try:
-        ref = actor.work.remote(20, 0.05)
-        time.sleep(0.3)
-        first = ray.get(actor.progress.options(concurrency_group=CONTROL).remote(), timeout=5)
-        time.sleep(0.3)
-        second = ray.get(actor.progress.options(concurrency_group=CONTROL).remote(), timeout=5)
-        assert second > first
-        ray.get(ref)
+        ref = actor.work.remote(600, 0.05)  # 30 s of work; the test ends it (stop_actor) once it has its answers
+        # Poll until two different counts came back mid-work (a loaded box may start the work late). Were
+        # `progress` queued behind `work` (the default group runs one call at a time), the first get would time out.
+        readings: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(set(readings) - {0}) < 2 and time.monotonic() < deadline:
+            readings.append(ray.get(actor.progress.options(concurrency_group=CONTROL).remote(), timeout=5))
+            time.sleep(0.1)
+        assert len(set(readings) - {0}) >= 2, readings
+        assert readings == sorted(readings) and readings[-1] < 600
+        assert not ray.wait([ref], timeout=0)[0]  # the answers came while `work` was still running
     finally:
         stop_actor("wd-ctl", "engine")
 
