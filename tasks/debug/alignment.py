@@ -122,6 +122,11 @@ def _module(obj: Any, fault: str) -> torch.nn.Module:
     return obj.model
 
 
+def _reference_module(backend: Any) -> torch.nn.Module | None:
+    """The frozen reference when it is a second module (torch backend), else None (megatron: a host copy)."""
+    return backend.ref_model if isinstance(backend, ModuleReference) else None
+
+
 def engine_describe(worker: RolloutWorker) -> dict[str, Any]:
     info = dataclasses.asdict(worker.describe())
     return {
@@ -150,8 +155,9 @@ def engine_scramble(worker: Any, mode: str, seed: int) -> None:
 def trainer_scramble(worker: Any, mode: str, seed: int) -> None:
     backend = backend_of(worker)
     scramble_module(_module(backend, "gibberish_weights"), mode, seed)  # type: ignore[arg-type]
-    if isinstance(backend, ModuleReference) and backend.ref_model is not None:
-        scramble_module(backend.ref_model, mode, seed)  # type: ignore[arg-type]  # the starting policy: gibberish too
+    ref = _reference_module(backend)
+    if ref is not None:  # the reference is the starting policy: gibberish too
+        scramble_module(ref, mode, seed)  # type: ignore[arg-type]
     elif isinstance(backend, HostReference):  # megatron: the reference is a host copy of the weights
         backend.reset_reference()
 
@@ -161,8 +167,8 @@ def trainer_perturb_ref(worker: Any, std: float, seed: int) -> None:
     tensors = backend.reference_tensors() if isinstance(backend, HostReference) else None
     if tensors is not None:  # megatron: the reference's host copies
         perturb_tensors(tensors.values(), std, seed)
-    elif isinstance(backend, ModuleReference) and backend.ref_model is not None:
-        perturb_module(backend.ref_model, std, seed)
+    elif (ref := _reference_module(backend)) is not None:
+        perturb_module(ref, std, seed)
     else:
         raise TypeError(f"fault perturb_ref_std: {type(backend).__name__} keeps no reference model to perturb")
 
